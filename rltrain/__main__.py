@@ -1,0 +1,3 @@
+from rltrain.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,274 @@
+"""Typed configuration: dataclasses, YAML files and dotted command-line overrides.
+
+A config is a tree of dataclasses. `load_config(path, overrides)` reads YAML, applies
+`key.sub=value` overrides on top, converts every leaf to its declared type and validates
+the result. Every error names the key, the value seen, what was expected and, for typos,
+the closest valid keys — before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value that cannot be used; the message says which and what to do."""
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes its files and how it is seeded."""
+
+    name: str = "rltrain"
+    # Run directory = <dir>/<name>. Resolved config, logs and metrics go there.
+    dir: str = "runs"
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r}: expected a non-empty name without '/'")
+
+
+@dataclass
+class WorldConfig:
+    """The SPMD runtime: default process group, Gloo bridge, destroy/rebuild between phases."""
+
+    # auto: nccl when CUDA is available, else gloo.
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # Every distributed wait (store, bridge, collectives, rebuild) gives up after this long.
+    timeout_s: float = 600.0
+    # Tear the default group down between phases and rebuild it (frees NCCL memory).
+    # The environment variable RLTRAIN_RELOAD_WORLD=0 turns this off without editing configs.
+    reload: bool = True
+    # Run the teardown in a background thread so it is off the step's critical path;
+    # `World.wait_destroyed()` (and `rebuild()`) join it before memory is needed again.
+    async_destroy: bool = True
+
+    def check(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"world.timeout_s={self.timeout_s!r}: expected a positive number of seconds")
+
+
+@dataclass
+class Config:
+    """The whole run. Sections are added as the system grows; unknown keys are errors."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    world: WorldConfig = field(default_factory=WorldConfig)
+
+    def check(self) -> None:
+        """Cross-section checks (each section checks itself first)."""
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir) / self.run.name
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read YAML (optional), apply `key.sub=value` overrides, convert and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level, got {type(loaded).__name__}")
+        raw = loaded
+    for item in overrides:
+        key, value = _parse_override(item)
+        _set_dotted(raw, key, value)
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> Config:
+    """Build a validated `Config` from plain nested dicts (YAML-shaped)."""
+    cfg = _build(Config, raw, prefix="")
+    _check_tree(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
+    """Write `config.yaml` into the run directory atomically (temp file, fsync, rename)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".yaml.tmp", dir=run_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(dump_config(cfg))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key.sub=value (for example world.timeout_s=60)")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: the key {key!r} is empty or has an empty part")
+    # YAML parsing gives numbers, booleans, null and lists their natural types;
+    # the declared field type converts further (and rejects what does not fit).
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key, value
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {'.'.join(parts[: i + 1])} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _close(word: str, choices: list[str]) -> str:
+    matches = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a section (mapping), got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        k = unknown[0]
+        names = sorted(fields)
+        raise ConfigError(
+            f"unknown config key {prefix}{k!r}{_close(str(k), names)} (valid keys in {where}: {', '.join(names)})"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        kwargs[name] = _convert(hints[name], raw[name], f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        text = str(value)
+        raise ConfigError(
+            f"{key}={value!r} is not allowed; expected one of {', '.join(repr(a) for a in allowed)}"
+            f"{_close(text, [str(a) for a in allowed])}"
+        )
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}={value!r} fits none of {tp}")
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{key}={value!r}: expected an integer")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r}: expected an integer") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected a number") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported field type {tp}")  # a programming error in a section
+
+
+def _check_tree(node: Any) -> None:
+    for f in dataclasses.fields(node):
+        child = getattr(node, f.name)
+        if dataclasses.is_dataclass(child):
+            _check_tree(child)
+    check = getattr(node, "check", None)
+    if check is not None:
+        check()

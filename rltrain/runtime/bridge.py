@@ -1,0 +1,163 @@
+"""The Gloo bridge: a CPU process group that outlives every destroy/rebuild of the world.
+
+`destroy_process_group()` shuts down every group registered in torch's `_world`, so a bridge
+made with `dist.new_group` would die with the default group. The bridge is therefore a
+`ProcessGroupGloo` built directly on its own `PrefixStore("rltrain/bridge/", base_store)` and
+never registered with torch.distributed: it is driven through the backend's own methods.
+It carries barriers, object scatter/gather/broadcast and small tensor reductions while the
+default (NCCL) group is down. Every wait has a timeout and fails with the phase it was in.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllreduceOptions,
+    BroadcastOptions,
+    ProcessGroupGloo,
+    ReduceOp,
+    ScatterOptions,
+)
+
+
+class BridgeError(RuntimeError):
+    """A bridge operation failed or timed out; names the phase and the rank."""
+
+
+class Bridge:
+    """Persistent CPU group over Gloo. All ranks must call each method in the same order."""
+
+    STORE_PREFIX = "rltrain/bridge"
+
+    def __init__(self, base_store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self._store = dist.PrefixStore(self.STORE_PREFIX, base_store)
+        try:
+            self._pg: ProcessGroupGloo | None = ProcessGroupGloo(self._store, rank, world_size, timeout)
+        except RuntimeError as e:
+            raise BridgeError(f"rank {rank}: could not connect the Gloo bridge within {timeout}: {e}") from e
+
+    # ------------------------------------------------------------------ primitives
+
+    def _wait(self, work: Any, what: str, phase: str) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise BridgeError(
+                f"rank {self.rank}: bridge {what} failed during phase {phase!r} "
+                f"(timeout {self.timeout.total_seconds():.0f}s; a peer rank probably died or is stuck): {e}"
+            ) from e
+
+    @property
+    def pg(self) -> ProcessGroupGloo:
+        if self._pg is None:
+            raise BridgeError(f"rank {self.rank}: the bridge was closed")
+        return self._pg
+
+    def barrier(self, phase: str = "barrier") -> float:
+        """Block until every rank arrives; returns seconds waited."""
+        t0 = time.perf_counter()
+        # A one-element allreduce rather than gloo's barrier: its wait honours our timeout.
+        self.all_reduce(torch.zeros(1), phase=phase)
+        return time.perf_counter() - t0
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", phase: str = "all_reduce") -> torch.Tensor:
+        """In-place reduction of a CPU tensor across ranks (op: sum, max, min, product)."""
+        opts = AllreduceOptions()
+        opts.reduceOp = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}[op]
+        opts.timeout = self.timeout
+        self._wait(self.pg.allreduce([tensor], opts), f"all_reduce({op})", phase)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, phase: str = "broadcast") -> torch.Tensor:
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        opts.timeout = self.timeout
+        self._wait(self.pg.broadcast([tensor], opts), "broadcast", phase)
+        return tensor
+
+    # ------------------------------------------------------------------ objects
+
+    def all_gather_object(self, obj: Any, phase: str = "all_gather_object") -> list[Any]:
+        """Every rank's object, in rank order."""
+        payload = _to_bytes(obj)
+        sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        sizes[self.rank] = payload.numel()
+        self.all_reduce(sizes, phase=phase)
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: payload.numel()] = payload
+        out = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(self.pg.allgather([out], [mine]), "all_gather_object", phase)
+        return [_from_bytes(t[: int(n)]) for t, n in zip(out, sizes)]
+
+    def broadcast_object(self, obj: Any, src: int = 0, phase: str = "broadcast_object") -> Any:
+        """`obj` from rank `src` on every rank."""
+        payload = _to_bytes(obj) if self.rank == src else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.broadcast(size, src, phase=phase)
+        buf = payload if self.rank == src else torch.empty(int(size), dtype=torch.uint8)
+        self.broadcast(buf, src, phase=phase)
+        return obj if self.rank == src else _from_bytes(buf)
+
+    def scatter_object(self, objs: list[Any] | None, src: int = 0, phase: str = "scatter_object") -> Any:
+        """Rank `src` passes one object per rank; each rank gets its own."""
+        if self.rank == src:
+            if objs is None or len(objs) != self.world_size:
+                raise BridgeError(
+                    f"rank {self.rank}: scatter_object needs exactly {self.world_size} objects on the source rank, "
+                    f"got {None if objs is None else len(objs)}"
+                )
+            payloads = [_to_bytes(o) for o in objs]
+            sizes = torch.tensor([p.numel() for p in payloads], dtype=torch.int64)
+        else:
+            sizes = torch.zeros(self.world_size, dtype=torch.int64)
+        self.broadcast(sizes, src, phase=phase)
+        width = int(sizes.max()) if self.world_size else 0
+        out = torch.empty(width, dtype=torch.uint8)
+        opts = ScatterOptions()
+        opts.rootRank = src
+        opts.timeout = self.timeout
+        if self.rank == src:
+            padded = []
+            for p in payloads:
+                t = torch.zeros(width, dtype=torch.uint8)
+                t[: p.numel()] = p
+                padded.append(t)
+            work = self.pg.scatter([out], [padded], opts)
+        else:
+            work = self.pg.scatter([out], [], opts)
+        self._wait(work, "scatter_object", phase)
+        return _from_bytes(out[: int(sizes[self.rank])])
+
+    def gather_object(self, obj: Any, dst: int = 0, phase: str = "gather_object") -> list[Any] | None:
+        """Every rank's object on rank `dst` (others get None)."""
+        gathered = self.all_gather_object(obj, phase=phase)
+        return gathered if self.rank == dst else None
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Shut the Gloo backend down. Call on every rank after a final barrier."""
+        if self._pg is not None:
+            pg, self._pg = self._pg, None
+            pg.shutdown()
+            del pg
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _from_bytes(t: torch.Tensor) -> Any:
+    return pickle.loads(t.numpy().tobytes())

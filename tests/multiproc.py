@@ -1,0 +1,103 @@
+"""Run a function on N real processes (torch.multiprocessing, spawn) with torchrun's environment.
+
+Each rank's return value (or exception text) is written to a file; the parent waits with a
+deadline, kills whatever is still alive after it, and reports per-rank outcomes. Used by every
+multi-process test: the processes and the gloo groups are real, nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    exitcode: int | None  # None: killed at the deadline
+    value: Any = None
+    error: str | None = None  # "ExcType: message" plus traceback
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0 and self.error is None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, out: str, env: dict, args: tuple) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **env,
+    )
+    try:
+        result = ("value", fn(rank, world_size, *args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
+    # Skip interpreter teardown: a rank whose peers failed may hold gloo state whose
+    # destructors block; the test already has its answer.
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    deadline_s: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[RankOutcome]:
+    """Start `fn(rank, world_size, *args)` on `world_size` processes; wait at most `deadline_s`."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, out, env or {}, args), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        outcomes = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                outcomes.append(RankOutcome(r, None, error=f"still running after the {deadline_s:.0f}s deadline"))
+                continue
+            f = Path(out, f"rank{r}.pkl")
+            if not f.exists():
+                outcomes.append(RankOutcome(r, p.exitcode, error=f"exited with code {p.exitcode} without a result"))
+                continue
+            kind, payload = pickle.loads(f.read_bytes())
+            outcomes.append(RankOutcome(r, p.exitcode, **({"value": payload} if kind == "value" else {"error": payload})))
+        return outcomes
+
+
+def values(outcomes: list[RankOutcome]) -> list[Any]:
+    """Every rank's value, or an AssertionError listing each failed rank's error."""
+    bad = [o for o in outcomes if not o.ok]
+    if bad:
+        raise AssertionError("\n".join(f"rank {o.rank} (exit {o.exitcode}): {o.error}" for o in bad))
+    return [o.value for o in outcomes]

@@ -1,0 +1,107 @@
+"""Config loading, overrides and the errors a person gets for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rltrain.config import ConfigError, build_config, load_config, write_resolved_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_yaml_and_dotted_overrides_resolve_with_types(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  name: exp1\n  seed: 3\nworld:\n  timeout_s: 30\n")
+    cfg = load_config(f, ["world.timeout_s=12.5", "run.seed=7", "world.reload=false", "world.backend=gloo"])
+    assert cfg.run.name == "exp1" and cfg.run.seed == 7
+    assert cfg.world.timeout_s == 12.5 and cfg.world.reload is False and cfg.world.backend == "gloo"
+    assert cfg.run_dir == Path("runs") / "exp1"
+
+
+def test_unknown_key_names_the_key_and_the_close_match():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["world.timout_s=3"])
+    msg = str(e.value)
+    assert "unknown config key world.'timout_s'" in msg and "did you mean 'timeout_s'" in msg
+    assert "valid keys in world: async_destroy, backend, reload, timeout_s" in msg
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ConfigError, match=r"unknown config key 'wrold'; did you mean 'world'"):
+        build_config({"wrold": {"backend": "gloo"}})
+
+
+def test_bad_choice_lists_allowed_values_and_close_match():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["world.backend=ncl"])
+    msg = str(e.value)
+    assert "world.backend='ncl' is not allowed" in msg
+    assert "'auto', 'nccl', 'gloo'" in msg and "did you mean 'nccl'" in msg
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("run.seed=abc", "run.seed='abc': expected an integer"),
+        ("run.seed=1.5", "run.seed=1.5: expected an integer"),
+        ("world.reload=maybe", "world.reload='maybe': expected true or false"),
+        ("world.timeout_s=-1", "world.timeout_s=-1.0: expected a positive number"),
+        ("world.timeout_s=[1]", "world.timeout_s=[1]: expected a number"),
+        ("run.name=a/b", "run.name='a/b': expected a non-empty name without '/'"),
+        ("world=3", "world: expected a section"),
+        ("run.seed", "expected key.sub=value"),
+        ("run..seed=1", "has an empty part"),
+        ("run.seed.x=1", "run.seed={'x': 1}: expected an integer"),
+    ],
+)
+def test_bad_values_name_key_value_and_expectation(override, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert fragment in str(e.value)
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_config(lst)
+
+
+def test_resolved_config_is_written_atomically_and_round_trips(tmp_path):
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", ["run.seed=5"])
+    path = write_resolved_config(cfg, tmp_path / "run")
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["config.yaml"]  # no temp file left
+    assert build_config(yaml.safe_load(path.read_text())) == cfg
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rltrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_show_config_prints_the_resolved_config(tmp_path):
+    r = _cli("show-config", "--config", str(REPO / "configs" / "quickstart.yaml"), "run.seed=9", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    shown = yaml.safe_load(r.stdout)
+    assert shown["run"]["seed"] == 9 and shown["run"]["name"] == "quickstart"
+
+
+def test_cli_config_error_exits_2_with_message(tmp_path):
+    r = _cli("show-config", "world.backnd=gloo", cwd=tmp_path)
+    assert r.returncode == 2
+    assert "config error: unknown config key world.'backnd'; did you mean 'backend'" in r.stderr
+
+
+def test_cli_help_lists_commands(tmp_path):
+    r = _cli("--help", cwd=tmp_path)
+    assert r.returncode == 0 and "show-config" in r.stdout and "torchrun" in r.stdout
