@@ -63,11 +63,60 @@ class WorldConfig:
 
 
 @dataclass
+class ModelConfig:
+    """The policy model: a local HF checkpoint directory (config.json + safetensors)."""
+
+    path: str = ""
+
+
+@dataclass
+class EngineConfig:
+    """The node's rollout engine: real SGLang or the embedded engine, same HTTP protocol."""
+
+    # auto: SGLang where it is installed and a GPU is present, else the embedded engine.
+    backend: Literal["auto", "native", "sglang"] = "auto"
+    # Empty: model.path.
+    model_path: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tp_size: int = 1
+    mem_fraction_static: float = 0.8  # SGLang: share of GPU memory for weights + KV cache
+    max_batch_size: int = 256  # embedded engine: sequences decoded together
+    seed: int = 0
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    max_inflight: int = 32  # concurrent HTTP requests per rank
+    prompts_per_request: int = 16
+    retries: int = 3  # transport errors only
+    extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+
+    def check(self) -> None:
+        for key in ("tp_size", "max_batch_size", "max_inflight", "prompts_per_request"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 1")
+        if self.retries < 0:
+            raise ConfigError(f"engine.retries={self.retries}: expected >= 0")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"engine.mem_fraction_static={self.mem_fraction_static}: expected a fraction in (0, 1)")
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected a positive number of seconds")
+        if self.backend == "native" and self.tp_size != 1:
+            raise ConfigError("engine.tp_size > 1 needs engine.backend=sglang: the embedded engine runs one device")
+
+
+@dataclass
 class Config:
     """The whole run. Sections are added as the system grows; unknown keys are errors."""
 
     run: RunConfig = field(default_factory=RunConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @property
+    def engine_model_path(self) -> str:
+        return self.engine.model_path or self.model.path
 
     def check(self) -> None:
         """Cross-section checks (each section checks itself first)."""

@@ -1,0 +1,283 @@
+"""`EngineClient`: SGLang's native HTTP API, used the same way against SGLang and the embedded engine.
+
+Failure policy. Transport errors (connection refused or reset, server gone mid-request) are
+retried with exponential backoff; HTTP errors are not (the server understood and said no).
+A generate request that still fails is returned as failed `Completion`s with the reason: the
+caller can count and exclude them, and nothing downstream ever sees an empty or zero-reward
+sample in their place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator
+
+import httpx
+
+from rltrain.engine.protocol import Completion, ProtocolError, SamplingParams, generate_body, parse_generate_response
+
+log = logging.getLogger("rltrain.engine")
+
+
+class EngineError(RuntimeError):
+    """An engine endpoint failed; names the endpoint, the status and the server's message."""
+
+    def __init__(self, endpoint: str, message: str, status: int | None = None):
+        self.endpoint, self.status = endpoint, status
+        where = f"HTTP {status}" if status is not None else "transport"
+        super().__init__(f"engine {endpoint} failed ({where}): {message}")
+
+
+class EngineClient:
+    """Client of one engine server (real SGLang or `rltrain.engine.native`)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_inflight: int = 32,
+        prompts_per_request: int = 16,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        vocab_size: int | None = None,
+    ):
+        self.url = url.rstrip("/")
+        # Token ids are checked here before they are sent: an id outside the vocabulary
+        # kills SGLang's scheduler process (IndexError in the embedding), not just the request.
+        self.vocab_size = vocab_size
+        self.max_inflight = max_inflight
+        self.prompts_per_request = prompts_per_request
+        self.retries = retries
+        self.backoff_s = backoff_s
+        limits = httpx.Limits(max_connections=max_inflight + 4, max_keepalive_connections=max_inflight + 4)
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            limits=limits,
+        )
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ transport
+
+    def _request(self, method: str, endpoint: str, body: Any = None, *, retry_read_errors: bool = False) -> httpx.Response:
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self._http.request(method, endpoint, json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
+                    httpx.WriteError, httpx.PoolTimeout) as e:
+                # Connection-level failures never reached a handler (or the server died in it):
+                # retry. Read errors on non-idempotent calls are not retried: the call may have run.
+                retryable = retry_read_errors or isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+                if attempt < self.retries and retryable:
+                    log.warning("engine %s %s: %s; retry %d/%d in %.1fs", method, endpoint, e, attempt + 1, self.retries, delay)
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise EngineError(endpoint, f"{type(e).__name__}: {e} (after {attempt + 1} attempts)") from e
+            except httpx.TimeoutException as e:
+                raise EngineError(endpoint, f"no answer in time: {type(e).__name__}: {e}") from e
+            if resp.status_code >= 400:
+                raise EngineError(endpoint, _error_text(resp), resp.status_code)
+            return resp
+        raise AssertionError("unreachable")
+
+    def _post(self, endpoint: str, body: Any = None, **kw: Any) -> Any:
+        resp = self._request("POST", endpoint, body if body is not None else {}, **kw)
+        return _json_or_text(resp)
+
+    def _checked(self, endpoint: str, body: Any) -> dict[str, Any]:
+        """Weight-update style endpoints answer {"success": bool, "message": str}."""
+        data = self._post(endpoint, body)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(endpoint, data.get("message", "success=false"))
+        return data if isinstance(data, dict) else {"message": data}
+
+    # ------------------------------------------------------------------ health
+
+    def health(self) -> bool:
+        try:
+            return self._http.get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def health_generate(self) -> bool:
+        """Health that runs one tiny generation (SGLang's /health_generate)."""
+        try:
+            return self._http.get("/health_generate", timeout=30.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float, alive: Callable[[], bool] | None = None, interval_s: float = 0.5) -> float:
+        """Poll /health until 200; `alive()` False (server process exited) stops early. Returns seconds."""
+        t0 = time.monotonic()
+        while True:
+            if self.health():
+                return time.monotonic() - t0
+            if alive is not None and not alive():
+                raise EngineError("/health", "the engine process exited before it became healthy")
+            if time.monotonic() - t0 > timeout_s:
+                raise EngineError("/health", f"not healthy after {timeout_s:.0f}s")
+            time.sleep(interval_s)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True) -> list[Completion]:
+        """Sample `params.n` continuations of every prompt; result in prompt-major order.
+
+        Prompts go out in requests of `prompts_per_request`, at most `max_inflight` requests at once.
+        A request that fails after retries yields failed completions (`ok` False, `error` set).
+        """
+        params.validate()
+        self._check_prompts(input_ids)
+        chunks = [(i, input_ids[i : i + self.prompts_per_request]) for i in range(0, len(input_ids), self.prompts_per_request)]
+
+        def one(chunk: tuple[int, list[list[int]]]) -> list[Completion]:
+            first, ids = chunk
+            try:
+                data = self._post("/generate", generate_body(ids, params, return_logprob), retry_read_errors=True)
+                return parse_generate_response(data, len(ids), params.n, first)
+            except (EngineError, ProtocolError) as e:
+                return [Completion(first + i, j, error=str(e)) for i in range(len(ids)) for j in range(params.n)]
+
+        results = list(self._executor().map(one, chunks))
+        return [c for r in results for c in r]
+
+    def _check_prompts(self, input_ids: list[list[int]]) -> None:
+        for i, p in enumerate(input_ids):
+            if not isinstance(p, list) or not p:
+                raise ValueError(f"prompt {i}: expected a non-empty list of token ids, got {str(p)[:80]}")
+            if self.vocab_size is not None:
+                bad = [t for t in p if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_inflight, thread_name_prefix="rltrain-engine-client")
+            return self._pool
+
+    # ------------------------------------------------------------------ memory
+
+    def release(self, tags: list[str] | None = None) -> None:
+        """Free engine memory: tags from {"weights", "kv_cache"}; None: all."""
+        self._post("/release_memory_occupation", {"tags": tags})
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._post("/resume_memory_occupation", {"tags": tags})
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> dict:
+        return self._checked(
+            "/update_weights_from_disk",
+            {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache},
+        )
+
+    def begin_weight_update(self) -> dict:
+        """Open a weight-update session (SGLang requires one around tensor updates)."""
+        return self._checked("/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict:
+        return self._checked("/end_weight_update", {})
+
+    @contextlib.contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """`with client.weight_update_session(): client.update_weights_from_tensor(...)` — ends it on error too."""
+        self.begin_weight_update()
+        try:
+            yield
+        finally:
+            self.end_weight_update()
+
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None = "flattened_bucket",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict:
+        """One serialized payload per engine TP rank (see `rltrain.engine.tensor_payload`)."""
+        return self._checked(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "weight_version": weight_version,
+                "flush_cache": flush_cache,
+            },
+        )
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> dict:
+        return self._checked(
+            "/init_weights_update_group",
+            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+             "world_size": world_size, "group_name": group_name, "backend": backend},
+        )
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", weight_version: str | None = None, flush_cache: bool = True,
+    ) -> dict:
+        return self._checked(
+            "/update_weights_from_distributed",
+            {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+             "weight_version": weight_version, "flush_cache": flush_cache},
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    def weight_version(self) -> str | None:
+        data = _json_or_text(self._request("GET", "/model_info"))
+        return data.get("weight_version") if isinstance(data, dict) else None
+
+    def model_info(self) -> dict:
+        return _json_or_text(self._request("GET", "/model_info"))
+
+    # ------------------------------------------------------------------ scheduling
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating: "abort" ends in-flight requests; "in_place"/"retract" hold them."""
+        self._post("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._post("/continue_generation", {})
+
+    def flush_cache(self) -> None:
+        self._request("POST", "/flush_cache")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._http.close()
+
+
+def _json_or_text(resp: httpx.Response) -> Any:
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return resp.text
+
+
+def _error_text(resp: httpx.Response) -> str:
+    data = _json_or_text(resp)
+    if isinstance(data, dict):
+        for key in ("message", "error", "detail"):
+            if key in data:
+                v = data[key]
+                return v.get("message", str(v)) if isinstance(v, dict) else str(v)
+    return str(data)[:2000]

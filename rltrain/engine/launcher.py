@@ -1,0 +1,210 @@
+"""One engine server per node: started by local rank 0, shared with the node's ranks, never orphaned.
+
+Local rank 0 starts the server (real SGLang or the embedded engine) as a child process on a free
+loopback port, in its own process group, with the parent-death signal set to SIGKILL — so the
+server dies with the rank even when the rank is SIGKILLed — and waits for /health with a timeout.
+The server's output goes to `<run_dir>/engine/node<k>.log`; a server that dies is reported with
+the tail of that log. The address goes to every rank over the Gloo bridge; each rank talks to the
+engine of its own node.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.engine.client import EngineClient, EngineError
+
+log = logging.getLogger("rltrain.engine")
+
+
+class EngineCrashed(RuntimeError):
+    """The engine process exited; the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def resolve_backend(backend: str) -> str:
+    """auto: SGLang where it is installed and a GPU is present, else the embedded engine."""
+    if backend != "auto":
+        return backend
+    if torch.cuda.is_available():
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("sglang") is not None:
+                return "sglang"
+        except (ImportError, ValueError):
+            pass
+    return "native"
+
+
+def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line that starts the configured engine server (config: `EngineConfig`)."""
+    backend = resolve_backend(cfg.backend)
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if backend == "native":
+        cmd = [sys.executable, "-m", "rltrain.engine.native", "--model-path", model_path, "--host", host,
+               "--port", str(port), "--device", device, "--dtype", cfg.dtype, "--seed", str(cfg.seed),
+               "--max-batch-size", str(cfg.max_batch_size), "--parent-pid", str(os.getpid())]
+    elif backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
+               "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
+               "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype]
+        if device == "cuda":
+            cmd.append("--enable-memory-saver")
+        else:
+            # What runs on CPU (see README): torch-native attention, no CUDA graphs.
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+    else:
+        raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, native or sglang")
+    return cmd + list(cfg.extra_args)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: SIGKILL this child when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+@dataclass
+class EngineProcess:
+    """A running engine server owned by this process."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    @classmethod
+    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str] | None = None) -> "EngineProcess":
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as out:
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})}, start_new_session=True,
+                preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),
+            )
+        log.info("engine started: pid %d, %s, log %s", proc.pid, url, log_path)
+        return cls(proc, url, log_path)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_bytes()[-65536:].decode(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def crashed_error(self, what: str) -> EngineCrashed:
+        return EngineCrashed(
+            f"engine process {self.proc.pid} {what} (exit code {self.proc.poll()}); "
+            f"last lines of {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the server's whole process group, SIGKILL what is left after `grace_s`."""
+        if self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        # Children of the server (SGLang's scheduler/detokenizer) share its process group.
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class NodeEngine:
+    """This rank's view of its node's engine: a client, and on local rank 0 the process too."""
+
+    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None):
+        self.client = client
+        self.url = url
+        self.process = process
+
+    @classmethod
+    def launch(cls, cfg: Any, model_path: str, world: Any, run_dir: Path) -> "NodeEngine":
+        """Collective over the bridge: local rank 0 starts and health-checks, every rank connects."""
+        env = world.env
+        process, url, error = None, None, None
+        if env.is_node_leader:
+            try:
+                process = cls._start_healthy(cfg, model_path, run_dir / "engine" / f"node{env.node_rank}.log")
+                url = process.url
+            except (EngineCrashed, EngineError, OSError) as e:
+                error = str(e)
+        entries = world.bridge.all_gather_object((env.node_rank, env.local_rank, url, error), phase="engine launch")
+        mine = next(e for e in entries if e[0] == env.node_rank and e[1] == 0)
+        failed = [e for e in entries if e[3] is not None]
+        if failed:
+            if process is not None:
+                process.stop()
+            raise EngineCrashed("; ".join(f"node {n}: {err}" for n, _, _, err in failed))
+        client = EngineClient(mine[2], request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
+                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries)
+        return cls(client, mine[2], process)
+
+    @staticmethod
+    def _start_healthy(cfg: Any, model_path: str, log_path: Path, attempts: int = 2) -> EngineProcess:
+        for attempt in range(attempts):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            proc = EngineProcess.start(server_command(cfg, model_path, port), url, log_path)
+            probe = EngineClient(url, retries=0)
+            try:
+                waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
+                log.info("engine healthy at %s after %.1fs", url, waited)
+                return proc
+            except EngineError as e:
+                tail = proc.log_tail()
+                proc.stop()
+                # Another job may have taken the port between our probe and the server's bind.
+                if "address already in use" in tail.lower() and attempt + 1 < attempts:
+                    log.warning("engine port %d was taken; retrying on another port", port)
+                    continue
+                raise proc.crashed_error(f"did not become healthy ({e})") from None
+            finally:
+                probe.close()
+        raise AssertionError("unreachable")
+
+    def check_alive(self) -> None:
+        """Local rank 0: raise EngineCrashed (with log tail) if the server process has exited."""
+        if self.process is not None and not self.process.alive:
+            raise self.process.crashed_error("exited")
+
+    def shutdown(self) -> None:
+        self.client.close()
+        if self.process is not None:
+            self.process.stop()

@@ -1,0 +1,3 @@
+from rltrain.engine.native.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""The embedded engine's model side: batched sampling with a KV cache, memory release, weight loads.
+
+One scheduler thread owns the model. Requests queue up; the scheduler takes everything queued
+(up to `max_batch_size` sequences, each prompt expanded into its `n` samples), left-pads the
+prompts, prefills once and decodes step by step with the HF KV cache, then answers every request
+of the batch. Per-token log-probs are those of the distribution the token was sampled from
+(log_softmax of logits / temperature; raw logits for greedy), as SGLang returns them.
+
+Memory. `release(["weights"])` backs the weights up (pinned host memory on GPU, a safetensors
+file on CPU — so the process's RSS really drops), then frees every parameter; `resume` restores
+them. `release(["kv_cache"])` drops the allocator's cached blocks (the KV cache of the last batch)
+and refuses generation until resumed. Generating while released is an error, never garbage.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import logging
+import queue
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rltrain.engine.protocol import SamplingParams
+
+log = logging.getLogger("rltrain.engine.native")
+
+
+class EngineStateError(RuntimeError):
+    """The request cannot run in the engine's current state (released, paused, no weights)."""
+
+
+@dataclass
+class GenRequest:
+    input_ids: list[list[int]]
+    params: SamplingParams
+    return_logprob: bool
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Row:
+    req: GenRequest
+    prompt: list[int]
+    prompt_index: int
+    sample_index: int
+    generator: torch.Generator | None
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+
+
+class NativeEngine:
+    """A transformers causal LM behind a batching scheduler thread."""
+
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 256,
+                 seed: int = 0, backup_dir: str | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = model_path
+        self.device = torch.device(device)
+        torch_dtype = _dtype(dtype, self.device)
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.max_batch_size = max_batch_size
+        self.weight_version = "default"
+        self.eos_ids = _eos_ids(self.model)
+        # transformers 5.2x renamed `past_key_values` to `cache` (in and out); accept both.
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._backup_dir = Path(backup_dir or tempfile.mkdtemp(prefix="rltrain-native-backup-"))
+        # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
+        # are grouped so a checkpoint may carry either name.
+        self._param_meta = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self._aliases = _alias_groups(self.model)
+        self.released: set[str] = set()
+        self.weights_valid = True  # False after resume without a backup, until weights are loaded
+        self._weights_backup: dict[str, torch.Tensor] | Path | None = None
+        self._queue: queue.Queue[GenRequest | None] = queue.Queue()
+        self._model_lock = threading.RLock()  # held while a batch runs and for every state change
+        self._running = threading.Event()
+        self._running.set()
+        self._abort_inflight = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="rltrain-native-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def submit(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool) -> Future:
+        params.validate()
+        if not input_ids or any(not isinstance(p, list) or not p for p in input_ids):
+            raise ValueError("input_ids must be a non-empty list of non-empty token-id lists")
+        vocab = self.config.vocab_size
+        for p in input_ids:
+            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        self._check_can_generate()
+        req = GenRequest(input_ids, params, return_logprob)
+        self._queue.put(req)
+        return req.future
+
+    def _check_can_generate(self) -> None:
+        if self.released:
+            raise EngineStateError(
+                f"engine memory is released ({', '.join(sorted(self.released))}); "
+                "call /resume_memory_occupation before generating"
+            )
+        if not self.weights_valid:
+            raise EngineStateError("engine weights were resumed without a backup; update the weights before generating")
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if first is None:
+                break
+            self._running.wait()
+            batch, rows = [first], len(first.input_ids) * first.params.n
+            while rows < self.max_batch_size:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._stop.set()
+                    break
+                batch.append(nxt)
+                rows += len(nxt.input_ids) * nxt.params.n
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[GenRequest]) -> None:
+        """Run one batch; each request's future gets the list of its samples (prompt-major)."""
+        with self._model_lock:
+            live = []
+            for req in batch:
+                try:
+                    self._check_can_generate()
+                    live.append(req)
+                except EngineStateError as e:
+                    req.future.set_exception(e)
+            if not live:
+                return
+            try:
+                results = self._generate(live)
+            except Exception as e:  # noqa: BLE001 - every waiting request learns why
+                log.exception("batch of %d requests failed", len(live))
+                for req in live:
+                    if not req.future.done():
+                        req.future.set_exception(e)
+                return
+            for req, res in zip(live, results):
+                req.future.set_result(res)
+
+    def pause(self, mode: str) -> None:
+        """abort: in-flight rows end now with finish reason abort; in_place/retract: hold them."""
+        if mode not in ("abort", "in_place", "retract"):
+            raise ValueError(f"pause mode {mode!r}: expected abort, in_place or retract")
+        if mode == "abort":
+            self._abort_inflight.set()
+        self._running.clear()
+
+    def resume_generation(self) -> None:
+        self._abort_inflight.clear()
+        self._running.set()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._running.set()
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def _generate(self, reqs: list[GenRequest]) -> list[list[dict[str, Any]]]:
+        """Per request, its samples as SGLang result dicts, prompt-major."""
+        rows: list[_Row] = []
+        for req in reqs:
+            for i, prompt in enumerate(req.input_ids):
+                for j in range(req.params.n):
+                    gen = None
+                    if req.params.sampling_seed is not None:
+                        gen = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed + j)
+                    rows.append(_Row(req, prompt, i, j, gen))
+        B = len(rows)
+        lengths = [len(r.prompt) for r in rows]
+        L = max(lengths)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        mask = torch.zeros(B, L, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, L - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[b, L - len(r.prompt):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        temps = torch.tensor([r.req.params.temperature for r in rows], device=self.device, dtype=torch.float32)
+        max_new = [r.req.params.max_new_tokens for r in rows]
+        stops = [set(r.req.params.stop_token_ids or []) | (set() if r.req.params.ignore_eos else self.eos_ids) for r in rows]
+        for b, r in enumerate(rows):
+            if max_new[b] == 0:
+                r.finish = {"type": "length", "length": 0}
+
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
+        step = 0
+        while any(r.finish is None for r in rows):
+            if not self._running.is_set():
+                if self._abort_inflight.is_set():
+                    for r in rows:
+                        if r.finish is None:
+                            r.finish = {"type": "abort", "message": "generation paused with mode=abort"}
+                    break
+                self._running.wait()
+            tokens, logps = self._sample(logits, rows, temps)
+            tok_list, lp_list = tokens.tolist(), logps.tolist()
+            for b, r in enumerate(rows):
+                if r.finish is not None:
+                    continue
+                r.out.append(tok_list[b])
+                r.logprobs.append(lp_list[b])
+                if tok_list[b] in stops[b]:
+                    r.finish = {"type": "stop", "matched": tok_list[b]}
+                elif len(r.out) >= max_new[b]:
+                    r.finish = {"type": "length", "length": len(r.out)}
+            step += 1
+            if all(r.finish is not None for r in rows):
+                break
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
+            pos = pos[:, -1:] + 1
+            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos,
+                             use_cache=True, **{self._cache_kw: past})
+            past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
+        del past, out
+
+        results: list[list[dict[str, Any]]] = [[] for _ in reqs]
+        index = {id(req): k for k, req in enumerate(reqs)}
+        for r in rows:
+            meta: dict[str, Any] = {
+                "finish_reason": r.finish,
+                "prompt_tokens": len(r.prompt),
+                "completion_tokens": len(r.out),
+                "weight_version": self.weight_version,
+            }
+            if r.req.return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
+            results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
+        return results
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        greedy = temps == 0
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+        logprobs_all = torch.log_softmax(scaled, dim=-1)
+        filtered = scaled.clone()
+        for b, r in enumerate(rows):
+            p = r.req.params
+            if p.top_k > 0 and p.top_k < filtered.shape[-1]:
+                kth = torch.topk(filtered[b], p.top_k).values[-1]
+                filtered[b][filtered[b] < kth] = float("-inf")
+            if p.top_p < 1.0:
+                sorted_logits, order = torch.sort(filtered[b], descending=True)
+                cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+                drop = cum - torch.softmax(sorted_logits, -1) > p.top_p  # keep the token that crosses top_p
+                filtered[b][order[drop]] = float("-inf")
+            if p.min_p > 0:
+                probs = torch.softmax(filtered[b], -1)
+                filtered[b][probs < p.min_p * probs.max()] = float("-inf")
+        probs = torch.softmax(filtered, dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        shared = [b for b, r in enumerate(rows) if r.generator is None and not greedy[b]]
+        if shared:
+            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(1)
+        for b, r in enumerate(rows):
+            if greedy[b]:
+                tokens[b] = torch.argmax(logits[b])
+            elif r.generator is not None:
+                tokens[b] = torch.multinomial(probs[b], 1, generator=r.generator).squeeze(0)
+        return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+    # ------------------------------------------------------------------ memory
+
+    def release(self, tags: list[str] | None) -> dict[str, Any]:
+        tags = _tags(tags)
+        with self._model_lock:
+            if "weights" in tags and "weights" not in self.released:
+                self._backup_and_free_weights()
+            self.released |= set(tags)
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return self.memory_report()
+
+    def resume(self, tags: list[str] | None) -> dict[str, Any]:
+        tags = _tags(tags)
+        with self._model_lock:
+            if "weights" in tags and "weights" in self.released:
+                self._restore_weights()
+            self.released -= set(tags)
+        return self.memory_report()
+
+    def _backup_and_free_weights(self) -> None:
+        t0 = time.perf_counter()
+        state = {n: p.detach() for n, p in self.model.named_parameters()}
+        if self.device.type == "cuda":
+            self._weights_backup = {n: t.to("cpu", non_blocking=True).pin_memory() for n, t in state.items()}
+            torch.cuda.synchronize()
+        else:
+            from safetensors.torch import save_file
+
+            path = self._backup_dir / "weights_backup.safetensors"
+            save_file({n: t.contiguous() for n, t in state.items()}, str(path))
+            self._weights_backup = path
+        del state
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        log.info("weights released (backup to %s) in %.2fs",
+                 "pinned host memory" if isinstance(self._weights_backup, dict) else self._weights_backup,
+                 time.perf_counter() - t0)
+
+    def _restore_weights(self) -> None:
+        named = dict(self.model.named_parameters())
+        for n, p in named.items():
+            shape, dtype = self._param_meta[n]
+            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._retie()
+        backup = self._weights_backup
+        if isinstance(backup, Path):
+            from safetensors.torch import load_file
+
+            self._copy_into(load_file(str(backup), device=str(self.device)).items())
+            backup.unlink(missing_ok=True)
+        elif isinstance(backup, dict):
+            self._copy_into(backup.items())
+        else:
+            self.weights_valid = False
+        self._weights_backup = None
+
+    def _retie(self) -> None:
+        """Give every alias group one storage again (release gave each its own empty tensor)."""
+        named = dict(self.model.named_parameters(remove_duplicate=False))
+        for group in self._aliases:
+            head = named[group[0]]
+            for other in group[1:]:
+                named[other].data = head.data
+
+    def memory_report(self) -> dict[str, Any]:
+        import psutil
+
+        rep: dict[str, Any] = {
+            "released": sorted(self.released),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "rss_bytes": psutil.Process().memory_info().rss,
+        }
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            rep.update(cuda_allocated=torch.cuda.memory_allocated(self.device),
+                       cuda_reserved=torch.cuda.memory_reserved(self.device), cuda_used=total - free)
+        return rep
+
+    # ------------------------------------------------------------------ weights
+
+    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]] | Any, weight_version: str | None) -> int:
+        with self._model_lock:
+            if "weights" in self.released:
+                raise EngineStateError("weights are released; resume weights before updating them")
+            n = self._copy_into(named)
+            self.weights_valid = True
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            return n
+
+    def load_from_disk(self, model_path: str, weight_version: str | None) -> int:
+        from safetensors.torch import load_file
+
+        path = Path(model_path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {model_path!r}")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            try:
+                state.update(load_file(str(f)))
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                raise ValueError(f"cannot read weight file {f}: {e}") from e
+        expected = {n for n in self._param_meta}
+        covered = set()
+        for group in self._aliases:
+            if any(n in state for n in group):
+                covered |= set(group)
+        missing = sorted(n for n in expected - set(state) - covered)
+        if missing:
+            raise ValueError(f"{model_path}: missing {len(missing)} parameters, e.g. {missing[:5]}")
+        with self._model_lock:
+            if "weights" in self.released:
+                raise EngineStateError("weights are released; resume weights before updating them")
+            n = self._copy_into(state.items())
+            self.weights_valid = True
+            self.model_path = model_path
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+            return n
+
+    def _copy_into(self, named: Any) -> int:
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers())
+        count = 0
+        for name, t in named:
+            target = params.get(name)
+            if target is None:
+                target = buffers.get(name)
+            if target is None:
+                raise KeyError(f"unknown parameter {name!r} for {type(self.model).__name__}")
+            if tuple(t.shape) != tuple(target.shape):
+                raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
+            target.data.copy_(t.to(device=target.device, dtype=target.dtype), non_blocking=True)
+            count += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return count
+
+    def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return dict(self._param_meta)
+
+
+def _tags(tags: list[str] | None) -> list[str]:
+    tags = list(tags) if tags else ["weights", "kv_cache"]
+    bad = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
+    if bad:
+        raise ValueError(f"unknown memory tags {bad}; expected weights, kv_cache")
+    return [t for t in tags if t != "cuda_graph"]
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16") from None
+
+
+def _eos_ids(model: Any) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids |= {int(x) for x in e}
+    return ids
+
+
+def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
+    by_ptr: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_ptr.setdefault(p.data_ptr(), []).append(n)
+    return [names for names in by_ptr.values() if len(names) > 1]
+

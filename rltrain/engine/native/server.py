@@ -1,0 +1,307 @@
+"""HTTP front of the embedded engine: SGLang's native endpoints over the standard library server.
+
+    python -m rltrain.engine.native --model-path DIR --port 30000 [--device cuda] [--dtype bfloat16]
+
+Each HTTP request runs in its own thread; generation requests are queued to the engine's
+scheduler, so concurrent clients are batched together and each gets exactly its own results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from rltrain.engine import tensor_payload
+from rltrain.engine.native.engine import EngineStateError, NativeEngine
+from rltrain.engine.protocol import SamplingParams
+from rltrain.engine.weight_group import close_weight_update_group, open_weight_update_group
+
+log = logging.getLogger("rltrain.engine.native")
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class NativeServer:
+    """Routes SGLang endpoints to a `NativeEngine`."""
+
+    def __init__(self, engine: NativeEngine, tp_rank: int = 0):
+        self.engine = engine
+        self.tp_rank = tp_rank
+        self.groups: dict[str, Any] = {}
+        self.group_ranks: dict[str, int] = {}
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ endpoints
+
+    def get(self, path: str) -> tuple[int, Any]:
+        if path in ("/health", "/ready"):
+            return 200, None
+        if path == "/health_generate":
+            fut = self.engine.submit([[0]], SamplingParams(max_new_tokens=1, temperature=0.0), False)
+            fut.result(timeout=60)
+            return 200, None
+        if path in ("/model_info", "/get_model_info"):
+            return 200, {
+                "model_path": self.engine.model_path,
+                "weight_version": self.engine.weight_version,
+                "is_generation": True,
+                "engine": "rltrain.native",
+                "architectures": getattr(self.engine.config, "architectures", None),
+            }
+        if path in ("/server_info", "/get_server_info"):
+            return 200, {"engine": "rltrain.native", "device": str(self.engine.device), "dtype": str(self.engine.dtype),
+                         "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version}
+        if path == "/memory":
+            return 200, self.engine.memory_report()
+        if path == "/flush_cache":
+            return 200, "Cache flushed."
+        return 404, {"error": {"message": f"unknown endpoint GET {path}"}}
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        e = self.engine
+        if path == "/generate":
+            return 200, self._generate(body)
+        if path == "/release_memory_occupation":
+            return 200, e.release(body.get("tags"))
+        if path == "/resume_memory_occupation":
+            return 200, e.resume(body.get("tags"))
+        if path == "/update_weights_from_disk":
+            n = e.load_from_disk(_need(body, "model_path", str), body.get("weight_version"))
+            return 200, {"success": True, "message": f"loaded {n} tensors", "num_paused_requests": 0}
+        if path == "/update_weights_from_tensor":
+            return 200, self._update_from_tensor(body)
+        if path == "/init_weights_update_group":
+            return 200, self._init_group(body)
+        if path == "/update_weights_from_distributed":
+            return 200, self._update_from_distributed(body)
+        if path == "/destroy_weights_update_group":
+            name = body.get("group_name", "weight_update_group")
+            pg = self.groups.pop(name, None)
+            if pg is None:
+                raise BadRequest(f"no weight update group named {name!r}")
+            close_weight_update_group(pg)
+            return 200, {"success": True, "message": f"destroyed {name}"}
+        if path == "/pause_generation":
+            e.pause(body.get("mode", "abort"))
+            return 200, {"message": "Generation paused successfully.", "status": "ok"}
+        if path == "/continue_generation":
+            e.resume_generation()
+            return 200, {"message": "Generation continued successfully.", "status": "ok"}
+        if path == "/flush_cache":
+            return 200, "Cache flushed."  # no prefix cache to flush
+        if path == "/update_weight_version":
+            e.weight_version = str(_need(body, "new_version", str))
+            return 200, {"success": True, "message": f"Weight version updated to {e.weight_version}",
+                         "new_version": e.weight_version}
+        if path in ("/begin_weight_update", "/end_weight_update"):
+            return 200, {"success": True, "message": "no quantized weights to repack"}
+        return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
+
+    def _generate(self, body: dict[str, Any]) -> Any:
+        ids = body.get("input_ids")
+        if ids is None:
+            raise BadRequest("input_ids is required (this engine does not tokenize text)")
+        single = isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)
+        batch = [ids] if single else ids
+        if not isinstance(batch, list) or not all(isinstance(p, list) for p in batch):
+            raise BadRequest("input_ids must be a list of token ids or a list of such lists")
+        sp = body.get("sampling_params") or {}
+        if isinstance(sp, list):
+            if len({json.dumps(s, sort_keys=True) for s in sp}) > 1:
+                raise BadRequest("per-prompt sampling_params are not supported; send one dict")
+            sp = sp[0] if sp else {}
+        try:
+            params = SamplingParams.from_json(sp)
+        except (TypeError, ValueError) as err:
+            raise BadRequest(f"sampling_params: {err}") from None
+        samples = self.engine.submit(batch, params, bool(body.get("return_logprob", False))).result()
+        return samples[0] if single and params.n == 1 else samples
+
+    def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        payloads = _need(body, "serialized_named_tensors", list)
+        if not 0 <= self.tp_rank < len(payloads):
+            raise BadRequest(f"serialized_named_tensors has {len(payloads)} entries; this engine is tp rank {self.tp_rank}")
+        try:
+            data = tensor_payload.deserialize(payloads[self.tp_rank])
+        except Exception as err:
+            raise BadRequest(f"cannot deserialize the tensor payload: {err}") from None
+        fmt = body.get("load_format")
+        if fmt == "flattened_bucket":
+            named = tensor_payload.unflatten_bucket(data)
+        elif fmt in (None, "direct"):
+            named = list(data.items()) if isinstance(data, dict) else list(data)
+        else:
+            raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
+        n = self.engine.load_named_tensors(named, body.get("weight_version"))
+        return {"success": True, "message": f"loaded {n} tensors"}
+
+    def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("group_name", "weight_update_group")
+        if name in self.groups:
+            raise BadRequest(f"weight update group {name!r} exists; destroy it first")
+        rank = int(_need(body, "rank_offset", int)) + self.tp_rank
+        backend = body.get("backend", "nccl")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise BadRequest("backend nccl needs a CUDA engine; use gloo on CPU")
+        self.groups[name] = open_weight_update_group(
+            _need(body, "master_address", str), int(_need(body, "master_port", int)), rank,
+            int(_need(body, "world_size", int)), name, backend,
+        )
+        return {"success": True, "message": f"joined {name} as rank {rank}"}
+
+    def _update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        name = body.get("group_name", "weight_update_group")
+        pg = self.groups.get(name)
+        if pg is None:
+            raise BadRequest(f"no weight update group named {name!r}; call /init_weights_update_group first")
+        names, dtypes, shapes = _need(body, "names", list), _need(body, "dtypes", list), _need(body, "shapes", list)
+        if not len(names) == len(dtypes) == len(shapes):
+            raise BadRequest(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        dev = self.engine.device
+        if body.get("load_format") == "flattened_bucket":
+            specs, offset = [], 0
+            for n, d, s in zip(names, dtypes, shapes):
+                dt = getattr(torch, d)
+                size = torch.Size(s).numel() * dt.itemsize
+                specs.append((n, dt, s, offset, size))
+                offset += size
+            flat = torch.empty(offset, dtype=torch.uint8, device=dev)
+            dist.broadcast(flat, group=pg, group_src=0)
+            named = [(n, flat[o : o + sz].view(dt).reshape(s)) for n, dt, s, o, sz in specs]
+        else:
+            named = []
+            for n, d, s in zip(names, dtypes, shapes):
+                t = torch.empty(s, dtype=getattr(torch, d), device=dev)
+                dist.broadcast(t, group=pg, group_src=0)
+                named.append((n, t))
+        count = self.engine.load_named_tensors(named, body.get("weight_version"))
+        return {"success": True, "message": f"loaded {count} tensors"}
+
+
+def _need(body: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in body:
+        raise BadRequest(f"{key} is required")
+    v = body[key]
+    if kind is int and isinstance(v, (int, str)) and str(v).lstrip("-").isdigit():
+        return int(v)
+    if not isinstance(v, kind):
+        raise BadRequest(f"{key}: expected {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("%s " + fmt, self.address_string(), *args)
+
+        def _send(self, status: int, payload: Any) -> None:
+            if payload is None:
+                data, ctype = b"", "text/plain"
+            elif isinstance(payload, str):
+                data, ctype = payload.encode(), "text/plain; charset=utf-8"
+            else:
+                data, ctype = json.dumps(payload).encode(), "application/json"
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _dispatch(self, method: str) -> None:
+            path = self.path.split("?", 1)[0]
+            try:
+                if method == "GET":
+                    status, payload = server.get(path)
+                else:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    raw = self.rfile.read(length) if length else b""
+                    try:
+                        body = json.loads(raw) if raw.strip() else {}
+                    except json.JSONDecodeError as err:
+                        raise BadRequest(f"request body is not JSON: {err}") from None
+                    if not isinstance(body, dict):
+                        raise BadRequest("request body must be a JSON object")
+                    status, payload = server.post(path, body)
+            except (BadRequest, EngineStateError, ValueError, KeyError, FileNotFoundError) as err:
+                msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+                status, payload = HTTPStatus.BAD_REQUEST, {"success": False, "message": msg,
+                                                           "error": {"message": msg, "type": type(err).__name__}}
+            except Exception as err:  # noqa: BLE001 - the client gets the reason, the log the trace
+                log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
+                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(err),
+                                                                     "error": {"message": str(err)}}
+            self._send(int(status), payload)
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._dispatch("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._dispatch("POST")
+
+        do_PUT = do_POST
+
+    return Handler
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent (the rank that launched us) is gone — a second guard next to PDEATHSIG."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            log.error("parent process %d is gone; shutting down", parent_pid)
+            os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rltrain.engine.native", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    ap.add_argument("--max-batch-size", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument("--log-level", default="INFO")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s native-engine %(levelname)s: %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    torch.set_num_threads(max(1, int(os.environ.get("RLTRAIN_ENGINE_THREADS", torch.get_num_threads()))))
+    t0 = time.perf_counter()
+    engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                          seed=args.seed, backup_dir=args.backup_dir)
+    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(NativeServer(engine)))
+    httpd.daemon_threads = True
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    log.info("serving %s on http://%s:%d (%s, %s) after %.1fs", args.model_path, args.host, httpd.server_address[1],
+             engine.device, engine.dtype, time.perf_counter() - t0)
+    try:
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        engine.shutdown()
+        httpd.server_close()
+    return 0

@@ -1,0 +1,118 @@
+"""SGLang's native HTTP protocol, as rltrain speaks it: request bodies and parsed responses.
+
+Both servers rltrain drives speak this: real SGLang (`python -m sglang.launch_server`) and the
+embedded engine (`python -m rltrain.engine.native`). Token ids in, token ids out
+(`skip_tokenizer_init`): tokenisation stays in the trainer process, so both sides agree on ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """The subset of SGLang's sampling parameters rltrain uses (same names, same defaults)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    min_p: float = 0.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    sampling_seed: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if v is not None}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "SamplingParams":
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        sp = cls(**known)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+        if self.n < 1:
+            raise ValueError(f"n={self.n}: must be >= 1")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation. `ok` is False when the request failed: never a usable sample."""
+
+    prompt_index: int
+    sample_index: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""  # "stop", "length", "abort" or "" when failed
+    matched_stop: int | None = None
+    prompt_tokens: int = 0
+    weight_version: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason in ("stop", "length")
+
+
+def generate_body(
+    input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True
+) -> dict[str, Any]:
+    """A batched /generate request body; SGLang expands each prompt into `params.n` samples."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": params.to_json(),
+        "return_logprob": return_logprob,
+        "stream": False,
+    }
+
+
+def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: int = 0) -> list[Completion]:
+    """SGLang returns one entry per sample, prompt-major (prompt i, sample j at i * n + j)."""
+    items = data if isinstance(data, list) else [data]
+    if len(items) != num_prompts * n:
+        raise ProtocolError(f"/generate returned {len(items)} results for {num_prompts} prompts x n={n}")
+    out = []
+    for k, item in enumerate(items):
+        if not isinstance(item, dict) or "meta_info" not in item:
+            raise ProtocolError(f"/generate result {k} has no meta_info: {str(item)[:200]}")
+        meta = item["meta_info"]
+        fr = meta.get("finish_reason") or {}
+        kind = fr.get("type", "") if isinstance(fr, dict) else str(fr)
+        lp = meta.get("output_token_logprobs") or []
+        ids = list(item.get("output_ids") or [])
+        c = Completion(
+            prompt_index=first_prompt + k // n,
+            sample_index=k % n,
+            output_ids=ids,
+            logprobs=[float(e[0]) for e in lp],
+            finish_reason=kind,
+            matched_stop=fr.get("matched") if isinstance(fr, dict) and isinstance(fr.get("matched"), int) else None,
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            weight_version=meta.get("weight_version"),
+        )
+        if kind == "abort":
+            c.error = f"aborted by the engine: {fr.get('message', '')}".strip()
+        elif kind not in ("stop", "length"):
+            c.error = f"unexpected finish reason {fr!r}"
+        elif lp and len(lp) != len(ids):
+            c.error = f"{len(lp)} logprobs for {len(ids)} output tokens"
+        out.append(c)
+    return out
+
+
+class ProtocolError(RuntimeError):
+    """The server answered something that does not follow the protocol."""

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny local models and live engine servers (real processes, real HTTP)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from models import make_model  # noqa: E402
+
+from rltrain.config import EngineConfig  # noqa: E402
+from rltrain.engine.client import EngineClient  # noqa: E402
+from rltrain.engine.launcher import EngineProcess, free_port, server_command  # noqa: E402
+
+SGLANG_SHIM = HERE / "sglang_shim"
+# The README's install includes SGLang (CPU); without it the SGLang half of the contract suite
+# fails loudly unless RLTRAIN_SKIP_SGLANG=1 says to skip it on purpose.
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
+SKIP_SGLANG = os.environ.get("RLTRAIN_SKIP_SGLANG") == "1"
+
+
+@pytest.fixture(scope="session")
+def model_a(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model_a"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def model_b(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model_b"), seed=2)
+
+
+def engine_config(kind: str, **kw) -> EngineConfig:
+    cfg = EngineConfig(backend=kind, device="cpu", dtype="float32", startup_timeout_s=180, **kw)
+    if kind == "sglang":
+        # CPU settings from shared/sglang-cpu/README.md.
+        cfg.mem_fraction_static = 0.1
+        cfg.extra_args = ["--max-total-tokens", "4096"]
+    return cfg
+
+
+def start_engine(kind: str, model: Path, log_dir: Path, **kw) -> SimpleNamespace:
+    cfg = engine_config(kind, **kw)
+    port = free_port()
+    env = {"PYTHONPATH": os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])} if kind == "sglang" else {}
+    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}",
+                               log_dir / f"{kind}.log", env=env)
+    client = EngineClient(proc.url, request_timeout_s=120, retries=1)
+    try:
+        client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
+    except Exception:
+        tail = proc.log_tail()
+        proc.stop()
+        raise RuntimeError(f"{kind} engine did not start:\n{tail}") from None
+    return SimpleNamespace(kind=kind, client=client, process=proc, model=model)
+
+
+@pytest.fixture(scope="session", params=["native", "sglang"])
+def server(request, model_a, tmp_path_factory):
+    """A live engine serving model A: the embedded engine, and real SGLang on CPU."""
+    if request.param == "sglang" and not HAVE_SGLANG:
+        if SKIP_SGLANG:
+            pytest.skip("SGLang not installed and RLTRAIN_SKIP_SGLANG=1")
+        pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
+    srv = start_engine(request.param, model_a, tmp_path_factory.mktemp(f"{request.param}_logs"))
+    yield srv
+    srv.client.close()
+    srv.process.stop()

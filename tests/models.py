@@ -1,0 +1,42 @@
+"""Tiny random HF checkpoints saved locally (no downloads), for engine and trainer tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+ARCHS = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+}
+
+
+def make_model(path: Path, seed: int, arch: str = "qwen2", vocab: int = 256, hidden: int = 64, layers: int = 2,
+               peaked: float = 8.0) -> Path:
+    """Save a random model. `peaked` scales the LM head so greedy choices have clear margins:
+    argmax then does not flip between engines that differ in float rounding."""
+    cfg_cls, model_cls = ARCHS[arch]
+    cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=1024,
+                  tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(peaked)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt (the reference)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = []
+    for p in prompts:
+        with torch.no_grad():
+            g = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+        outs.append(g[0, len(p):].tolist())
+    return outs
