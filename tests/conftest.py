@@ -37,7 +37,7 @@ def model_b(tmp_path_factory) -> Path:
 
 
 def engine_config(kind: str, **kw) -> EngineConfig:
-    cfg = EngineConfig(backend=kind, device="cpu", dtype="float32", startup_timeout_s=180, **kw)
+    cfg = EngineConfig(**{"backend": kind, "device": "cpu", "dtype": "float32", "startup_timeout_s": 180, **kw})
     if kind == "sglang":
         # CPU settings from shared/sglang-cpu/README.md.
         cfg.mem_fraction_static = 0.1

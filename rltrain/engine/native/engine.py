@@ -84,6 +84,7 @@ class NativeEngine:
         self.released: set[str] = set()
         self.weights_valid = True  # False after resume without a backup, until weights are loaded
         self._weights_backup: dict[str, torch.Tensor] | Path | None = None
+        self._pinned: dict[str, torch.Tensor] | None = None
         self._queue: queue.Queue[GenRequest | None] = queue.Queue()
         self._model_lock = threading.RLock()  # held while a batch runs and for every state change
         self._running = threading.Event()
@@ -312,8 +313,14 @@ class NativeEngine:
         t0 = time.perf_counter()
         state = {n: p.detach() for n, p in self.model.named_parameters()}
         if self.device.type == "cuda":
-            self._weights_backup = {n: t.to("cpu", non_blocking=True).pin_memory() for n, t in state.items()}
-            torch.cuda.synchronize()
+            # Pinned buffers are allocated once and reused: pinning is the slow part
+            # (page-locking host memory), the copy itself runs at the pinned-copy bandwidth.
+            if self._pinned is None:
+                self._pinned = {n: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for n, t in state.items()}
+            for n, t in state.items():
+                self._pinned[n].copy_(t, non_blocking=True)
+            torch.cuda.synchronize(self.device)
+            self._weights_backup = self._pinned
         else:
             from safetensors.torch import save_file
 
@@ -411,9 +418,10 @@ class NativeEngine:
             return n
 
     def _copy_into(self, named: Any) -> int:
+        """Check every name and shape first, then copy: a bad update changes nothing."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers())
-        count = 0
+        plan = []
         for name, t in named:
             target = params.get(name)
             if target is None:
@@ -422,11 +430,12 @@ class NativeEngine:
                 raise KeyError(f"unknown parameter {name!r} for {type(self.model).__name__}")
             if tuple(t.shape) != tuple(target.shape):
                 raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
+            plan.append((target, t))
+        for target, t in plan:
             target.data.copy_(t.to(device=target.device, dtype=target.dtype), non_blocking=True)
-            count += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return count
+        return len(plan)
 
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._param_meta)

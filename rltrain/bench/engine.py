@@ -1,0 +1,181 @@
+"""Benchmark: rollout throughput of the engines against a plain transformers `generate` loop.
+
+    python -m rltrain.bench.engine                         # CPU: embedded engine, SGLang (if installed), HF
+    python -m rltrain.bench.engine --device cuda --hidden 2048 --layers 8 --prompts 256
+
+A Qwen2-shaped model with random weights is built locally (no downloads). Every engine gets
+the same prompts and sampling settings (temperature 1, fixed output length); the baseline is
+transformers' own batched `generate` on the same model and device in the same run (the
+baseline each engine is compared with). Then the
+embedded engine's release/resume latency and the memory each frees (RSS on CPU, device memory
+on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from rltrain.config import EngineConfig
+from rltrain.engine.client import EngineClient
+from rltrain.engine.launcher import EngineProcess, free_port, server_command
+from rltrain.engine.protocol import SamplingParams
+
+
+def build_model(path: Path, hidden: int, layers: int, vocab: int, dtype: torch.dtype) -> Path:
+    import transformers
+
+    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
+                                   num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                                   num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
+                                   tie_word_embeddings=False, eos_token_id=vocab - 1)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg).to(dtype)
+    model.save_pretrained(path)
+    return path
+
+
+def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype) -> float:
+    """Tokens/s of transformers' batched sampling on the same prompts (left-padded, KV cache)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    L = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        mask[i, L - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
+              pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids[:2], attention_mask=mask[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, **kw)
+        _sync(device)
+        dt = time.perf_counter() - t0
+    del model
+    return (out.shape[1] - L) * len(prompts) / dt
+
+
+def engine_rollout(client: EngineClient, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, int]:
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    client.generate(prompts[:2], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    best = 0.0
+    failed = 0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = client.generate(prompts, params)
+        dt = time.perf_counter() - t0
+        failed += sum(not c.ok for c in out)
+        best = max(best, sum(len(c.output_ids) for c in out if c.ok) / dt)
+    return best, failed
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _start(kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int) -> tuple[EngineProcess, EngineClient]:
+    cfg = EngineConfig(backend=kind, device=device, dtype=dtype, max_batch_size=max_batch, startup_timeout_s=600,
+                       prompts_per_request=max_batch, max_inflight=8)
+    env = {}
+    if kind == "sglang" and device == "cpu":
+        cfg.mem_fraction_static = 0.1
+        cfg.extra_args = ["--max-total-tokens", "65536"]
+        shim = Path(__file__).resolve().parents[2] / "tests" / "sglang_shim"
+        env["PYTHONPATH"] = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])
+    port = free_port()
+    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env)
+    client = EngineClient(proc.url, prompts_per_request=max_batch, max_inflight=8, request_timeout_s=1800)
+    try:
+        client.wait_healthy(600, alive=lambda: proc.alive)
+    except Exception:
+        print(proc.log_tail(), file=sys.stderr)
+        proc.stop()
+        raise
+    return proc, client
+
+
+def _process_memory(pid: int, device: str) -> float:
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**20
+    p = psutil.Process(pid)
+    return sum(c.memory_info().rss for c in [p, *p.children(recursive=True)]) / 2**20
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--engines", nargs="*", default=["native", "sglang"])
+    a = ap.parse_args(argv)
+    dtype_name = "bfloat16" if a.device.startswith("cuda") else "float32"
+    dtype = getattr(torch, dtype_name)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.prompts)]
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab, dtype)
+        n_params = sum(f.stat().st_size for f in model.glob("*.safetensors")) / torch.tensor([], dtype=dtype).element_size()
+        print(f"# rltrain.bench.engine  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={a.device} "
+              f"({torch.cuda.get_device_name() if a.device.startswith('cuda') else f'{os.cpu_count()} cpus'})")
+        print(f"model: Qwen2-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, {n_params / 1e6:.1f}M params, "
+              f"{dtype_name}; {a.prompts} prompts of {a.prompt_len[0]}-{a.prompt_len[1]} tokens, {a.new_tokens} new tokens each")
+        rows = [("transformers generate (baseline, same run)", hf_generate(model, prompts, a.new_tokens, a.device, dtype), 0)]
+        release_rows = []
+        for kind in a.engines:
+            if kind == "sglang":
+                import importlib.util
+
+                if importlib.util.find_spec("sglang") is None:
+                    rows.append(("sglang: not installed", float("nan"), 0))
+                    continue
+            proc, client = _start(kind, model, a.device, dtype_name, Path(tmp), a.prompts)
+            try:
+                tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
+                rows.append((f"{kind} engine over HTTP", tps, failed))
+                if kind == "native":
+                    before = _process_memory(proc.proc.pid, a.device)
+                    t0 = time.perf_counter()
+                    client.release(["weights", "kv_cache"])
+                    t_rel = time.perf_counter() - t0
+                    after = _process_memory(proc.proc.pid, a.device)
+                    t0 = time.perf_counter()
+                    client.resume(["weights", "kv_cache"])
+                    t_res = time.perf_counter() - t0
+                    resumed = _process_memory(proc.proc.pid, a.device)
+                    release_rows.append((t_rel, t_res, before, after, resumed))
+            finally:
+                client.close()
+                proc.stop()
+    print(f"\n{'rollout':44s} {'tokens/s':>10s} {'vs HF':>9s} {'failed':>7s}")
+    limit = rows[0][1]
+    for name, tps, failed in rows:
+        print(f"{name:44s} {tps:10.0f} {tps / limit:9.2f} {failed:7d}")
+    mem = "device MiB used" if a.device.startswith("cuda") else "engine RSS MiB"
+    for t_rel, t_res, before, after, resumed in release_rows:
+        print(f"\nnative release(weights, kv_cache): {t_rel * 1e3:.0f} ms, resume: {t_res * 1e3:.0f} ms; "
+              f"{mem}: {before:.0f} before, {after:.0f} released ({before - after:.0f} freed), {resumed:.0f} resumed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

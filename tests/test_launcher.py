@@ -1,0 +1,102 @@
+"""Node engine launcher: real server processes, real ranks, real crashes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import engine_config, start_engine
+from multiproc import run_ranks, values
+from rltrain.engine.launcher import EngineCrashed, NodeEngine
+from rltrain.engine.protocol import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+
+
+def _launch_rank(rank: int, world_size: int, model: str, run_dir: str) -> tuple:
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=120)
+    node = NodeEngine.launch(engine_config("native"), model, world, Path(run_dir))
+    try:
+        out = node.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        pid = node.process.proc.pid if node.process else None
+        world.bridge.barrier()
+        return node.url, out[0].output_ids, pid
+    finally:
+        world.bridge.barrier()  # nobody stops the engine while a peer still uses it
+        node.shutdown()
+        world.close()
+
+
+def test_local_rank_zero_launches_and_every_rank_uses_the_same_engine(model_a, tmp_path):
+    results = values(run_ranks(_launch_rank, 2, str(model_a), str(tmp_path), deadline_s=180))
+    (url0, out0, pid0), (url1, out1, pid1) = results
+    assert url0 == url1 and url0.startswith("http://127.0.0.1:")
+    assert out0 == out1 and len(out0) == 4
+    assert pid0 is not None and pid1 is None  # only local rank 0 owns the process
+    assert not psutil.pid_exists(pid0) or psutil.Process(pid0).status() == psutil.STATUS_ZOMBIE
+    assert "serving" in (tmp_path / "engine" / "node0.log").read_text()
+
+
+JOB = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import engine_config
+from rltrain.engine.launcher import NodeEngine
+proc = NodeEngine._start_healthy(engine_config("native"), {model!r}, Path({log!r}))
+print(proc.proc.pid, flush=True)
+if {mode!r} == "raise":
+    raise RuntimeError("the job crashed")
+time.sleep(600)
+"""
+
+
+def _wait_gone(pid: int, seconds: float = 60.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("mode", ["sigkill", "raise"])
+def test_engine_dies_with_a_crashing_job(model_a, tmp_path, mode):
+    script = JOB.format(tests=str(HERE), model=str(model_a), log=str(tmp_path / "engine.log"), mode=mode)
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    engine_pid = int(job.stdout.readline())
+    assert psutil.pid_exists(engine_pid)
+    if mode == "sigkill":
+        os.kill(job.pid, signal.SIGKILL)  # no atexit, no finally: only the kernel can clean up
+    job.wait(60)
+    assert _wait_gone(engine_pid), f"engine {engine_pid} outlived its job ({mode})"
+
+
+def test_crashed_engine_is_reported_with_its_log_tail(model_a, tmp_path):
+    srv = start_engine("native", model_a, tmp_path)
+    try:
+        node = NodeEngine(srv.client, srv.process.url, srv.process)
+        node.check_alive()
+        os.kill(srv.process.proc.pid, signal.SIGKILL)
+        srv.process.proc.wait(30)
+        with pytest.raises(EngineCrashed, match=r"exited \(exit code -9\); last lines of .*native.log:\n(.|\n)*serving"):
+            node.check_alive()
+        failed = srv.client.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+        assert not failed[0].ok and "Connection refused" in failed[0].error  # failed, not an empty sample
+    finally:
+        srv.process.stop()
+
+
+def test_engine_that_cannot_start_reports_why(tmp_path):
+    cfg = engine_config("native")
+    with pytest.raises(EngineCrashed, match=r"did not become healthy.*\n(.|\n)*does-not-exist"):
+        NodeEngine._start_healthy(cfg, str(tmp_path / "does-not-exist"), tmp_path / "engine.log")

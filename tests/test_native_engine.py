@@ -1,0 +1,116 @@
+"""The embedded engine's own behaviour: memory release/resume and server-side input checks.
+
+Release/resume is covered here rather than in the contract suite: SGLang's release is CUDA-only
+(its scheduler calls torch.cuda.synchronize), so on CPU only the embedded engine can run it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import start_engine
+from models import hf_greedy, make_model
+from rltrain.engine.client import EngineError
+from rltrain.engine.protocol import SamplingParams
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8]]
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    # ~40 MB of fp32 weights, so freeing them shows clearly in the server's RSS.
+    return make_model(tmp_path_factory.mktemp("big"), seed=3, vocab=8192, hidden=512, layers=2)
+
+
+@pytest.fixture(scope="module")
+def native(big_model, tmp_path_factory):
+    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"))
+    yield srv
+    srv.client.close()
+    srv.process.stop()
+
+
+def memory(srv) -> dict:
+    return srv.client._request("GET", "/memory").json()
+
+
+def greedy(client):
+    out = client.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+    assert all(c.ok for c in out), [c.error for c in out]
+    return [c.output_ids for c in out]
+
+
+def test_release_frees_memory_generate_fails_clearly_resume_restores(native, big_model):
+    before = greedy(native.client)
+    assert before == hf_greedy(big_model, PROMPTS, 5)
+    m0 = memory(native)
+    native.client.release(["weights", "kv_cache"])
+    m1 = memory(native)
+    assert m1["released"] == ["kv_cache", "weights"]
+    assert m1["weight_bytes"] == 0 and m0["weight_bytes"] > 30e6
+    # The weights' bytes left the process (backup went to disk, not to another buffer in RAM).
+    assert m0["rss_bytes"] - m1["rss_bytes"] > 0.6 * m0["weight_bytes"], (m0, m1)
+    failed = native.client.generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    assert all(not c.ok for c in failed)
+    assert all("released" in c.error and "resume_memory_occupation" in c.error for c in failed)
+    with pytest.raises(EngineError, match="resume weights before updating"):
+        native.client.update_weights_from_disk(str(big_model))
+    native.client.resume(["weights"])
+    assert memory(native)["released"] == ["kv_cache"]
+    assert all(not c.ok for c in native.client.generate(PROMPTS, SamplingParams(max_new_tokens=2)))
+    native.client.resume(["kv_cache"])
+    assert greedy(native.client) == before
+    assert memory(native)["weight_bytes"] == m0["weight_bytes"]
+
+
+def test_release_resume_repeatedly_keeps_outputs(native):
+    before = greedy(native.client)
+    for _ in range(3):
+        native.client.release()
+        native.client.resume()
+    assert greedy(native.client) == before
+
+
+def test_unknown_memory_tag_is_rejected(native):
+    with pytest.raises(EngineError, match="unknown memory tags"):
+        native.client.release(["weightz"])
+
+
+def test_server_rejects_out_of_vocabulary_ids(native):
+    bad = native.client.generate([[10**7]], SamplingParams(max_new_tokens=2))
+    assert not bad[0].ok and "outside the vocabulary" in bad[0].error  # a failure with its reason, never a sample
+    assert greedy(native.client)
+
+
+def test_malformed_bodies_get_400_with_reason(native):
+    http = native.client._http
+    r = http.post("/generate", content=b"{not json")
+    assert r.status_code == 400 and "not JSON" in r.json()["message"]
+    r = http.post("/generate", json={"input_ids": [[1, 2]], "sampling_params": {"top_p": 0}})
+    assert r.status_code == 400 and "top_p" in r.json()["message"]
+    r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"]})
+    assert r.status_code == 400 and "cannot deserialize" in r.json()["message"]
+    assert greedy(native.client)
+
+
+def test_tensor_payload_refuses_code(native):
+    import base64
+    import os
+    import pickle
+
+    evil = base64.b64encode(pickle.dumps(os.system)).decode()
+    r = native.client._http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+    assert r.status_code == 400 and "not allowed" in r.json()["message"]
+
+
+def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(native, big_model, tmp_path):
+    before = greedy(native.client)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(EngineError, match="cannot read weight file"):
+        native.client.update_weights_from_disk(str(tmp_path))
+    partial = make_model(tmp_path / "other", seed=4)  # a different (smaller) architecture
+    with pytest.raises(EngineError, match="shape|missing"):
+        native.client.update_weights_from_disk(str(partial))
+    assert greedy(native.client) == before  # nothing was half-loaded
+    native.client.update_weights_from_disk(str(big_model), weight_version="default")
+    assert greedy(native.client) == hf_greedy(big_model, PROMPTS, 5)
