@@ -20,14 +20,19 @@ log = logging.getLogger("rltrain")
 
 
 def setup_logging(rank: int) -> None:
-    """Rank-prefixed logs; ranks other than 0 only warn unless RLTRAIN_LOG_ALL_RANKS=1."""
+    """Rank-prefixed logs; ranks other than 0 only warn unless RLTRAIN_LOG_ALL_RANKS=1;
+    RLTRAIN_LOG_LEVEL=DEBUG also shows every world transition with its timings."""
     level = logging.INFO if rank == 0 or os.environ.get("RLTRAIN_LOG_ALL_RANKS") == "1" else logging.WARNING
+    level = getattr(logging, os.environ.get("RLTRAIN_LOG_LEVEL", logging.getLevelName(level)).upper(), level)
     logging.basicConfig(
         level=level,
         format=f"%(asctime)s [rank {rank}] %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
         force=True,
     )
+    # One line per HTTP request would drown the progress bar.
+    for noisy in ("httpx", "httpcore", "matplotlib"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -68,17 +73,25 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def train(cfg: Config, env: DistEnv) -> int:
+    from rltrain.loop import run
     from rltrain.runtime.world import World
 
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
     world = World.from_config(cfg.world, env)
+    ok = False
     try:
-        log.info("world up: %d ranks, backend %s, generation %d", world.world_size, world.backend, world.generation)
-        # The driver loop (rollout -> train -> sync) is issue #4; until it lands the job stops
-        # here with a clear message instead of pretending to train.
-        log.error("the RL driver loop is not built yet; run `python -m rltrain.bench.world` to exercise the runtime")
-        return 2
+        last = run(cfg, world)
+        ok = True
     finally:
-        world.close()
+        if ok:
+            world.close()
+    if env.rank == 0 and cfg.metrics.plot:
+        from rltrain.plot import write_plots
+
+        for p in write_plots(cfg.run_dir):
+            log.info("wrote %s", p)
+    if env.rank == 0 and last:
+        log.info("done: step %d, reward %.3f, pass rate %.3f", last["step"], last["reward_mean"], last["pass_rate"])
+    return 0

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import yaml
 
@@ -64,9 +64,124 @@ class WorldConfig:
 
 @dataclass
 class ModelConfig:
-    """The policy model: a local HF checkpoint directory (config.json + safetensors)."""
+    """The policy model: a local HF checkpoint directory (config.json + safetensors + tokenizer)."""
 
     path: str = ""
+    # tiny-addition: if `path` does not exist, build a random tiny Qwen2 and the word-level
+    # tokenizer of the synthetic addition task there (the quickstart; no downloads).
+    build: Literal["none", "tiny-addition"] = "none"
+
+    def check(self) -> None:
+        if not self.path:
+            raise ConfigError("model.path is required: a local HF checkpoint directory")
+
+
+@dataclass
+class DataConfig:
+    """Prompts: a jsonl/parquet file, or synthetic:addition (written into the run directory)."""
+
+    path: str = ""
+    prompts_per_step: int = 32  # global batch of prompts per step, split across ranks
+    max_prompt_tokens: int = 1024
+    chat_template: bool = False
+
+    def check(self) -> None:
+        if not self.path:
+            raise ConfigError("data.path is required: a .jsonl/.parquet file or synthetic:addition")
+        if self.path.startswith("synthetic:") and self.path != "synthetic:addition":
+            raise ConfigError(f"data.path={self.path!r}: the synthetic tasks are: synthetic:addition")
+        if self.prompts_per_step < 1:
+            raise ConfigError(f"data.prompts_per_step={self.prompts_per_step}: expected >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling on the engine."""
+
+    n: int = 8  # samples per prompt (one group)
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def check(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1:
+            raise ConfigError(f"rollout.n={self.n}, rollout.max_new_tokens={self.max_new_tokens}: both must be >= 1")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature={self.temperature}: RL needs sampling, expected > 0")
+
+
+@dataclass
+class RewardConfig:
+    # math, exact_match, format, or module:function (called as fn(response_text, record) -> float)
+    function: str = "math"
+    format_regex: Optional[str] = None
+    timeout_s: float = 10.0
+    workers: int = 4
+    pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
+
+
+@dataclass
+class AlgoConfig:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = "grpo"
+    norm_std: bool = True  # grpo only
+    gamma: float = 1.0  # reinforce_plus_plus*
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_in: Literal["loss", "reward"] = "loss"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    tis_cap: Optional[float] = None  # truncated importance sampling cap against engine log-probs
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+
+    def check(self) -> None:
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"algo.dual_clip={self.dual_clip}: expected > 1 (or null to disable)")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ConfigError(f"algo.tis_cap={self.tis_cap}: expected > 0 (or null to disable)")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ConfigError("algo.ppo_epochs and algo.mini_batches must be >= 1")
+
+
+@dataclass
+class TrainerConfig:
+    backend: Literal["native"] = "native"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    lr: float = 1e-6
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    gradient_checkpointing: bool = False
+
+    def check(self) -> None:
+        if self.lr <= 0 or self.micro_batch_size < 1 or self.grad_clip <= 0:
+            raise ConfigError("trainer.lr, trainer.grad_clip must be > 0 and trainer.micro_batch_size >= 1")
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    colocate: bool = True  # release engine memory while training, and trainer memory while rolling out
+    offload_trainer: bool = True  # params/grads/optimizer to host memory between train phases (GPU)
+    weights_dir: str = ""  # where weight versions are published; empty: <run dir>/weights
+    keep_weight_versions: int = 2
+
+
+@dataclass
+class MetricsConfig:
+    progress_bar: bool = True
+    tensorboard: bool = False
+    plot: bool = True  # write PNGs into the run directory at the end
 
 
 @dataclass
@@ -113,6 +228,13 @@ class Config:
     world: WorldConfig = field(default_factory=WorldConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    loop: LoopConfig = field(default_factory=LoopConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def engine_model_path(self) -> str:
@@ -120,6 +242,13 @@ class Config:
 
     def check(self) -> None:
         """Cross-section checks (each section checks itself first)."""
+        if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
+            raise ConfigError(f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
+                              f"got {self.rollout.n}")
+        if self.algo.kl_in == "reward" and self.algo.kl_coef and self.algo.advantage not in (
+                "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+            raise ConfigError("algo.kl_in=reward is the REINFORCE++ form; with "
+                              f"algo.advantage={self.algo.advantage} put the KL in the loss (algo.kl_in=loss)")
 
     @property
     def run_dir(self) -> Path:

@@ -16,11 +16,30 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_yaml_and_dotted_overrides_resolve_with_types(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("run:\n  name: exp1\n  seed: 3\nworld:\n  timeout_s: 30\n")
+    f.write_text("run:\n  name: exp1\n  seed: 3\nworld:\n  timeout_s: 30\nmodel:\n  path: m\ndata:\n  path: d.jsonl\n")
     cfg = load_config(f, ["world.timeout_s=12.5", "run.seed=7", "world.reload=false", "world.backend=gloo"])
     assert cfg.run.name == "exp1" and cfg.run.seed == 7
     assert cfg.world.timeout_s == 12.5 and cfg.world.reload is False and cfg.world.backend == "gloo"
     assert cfg.run_dir == Path("runs") / "exp1"
+
+
+REQUIRED = ["model.path=m", "data.path=d.jsonl"]
+
+
+def test_missing_required_paths_are_named():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        load_config(None, ["data.path=d.jsonl"])
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config(None, ["model.path=m"])
+
+
+def test_impossible_combinations_are_rejected():
+    with pytest.raises(ConfigError, match="needs rollout.n >= 2"):
+        load_config(None, REQUIRED + ["rollout.n=1"])
+    with pytest.raises(ConfigError, match="algo.kl_in=reward is the REINFORCE\\+\\+ form"):
+        load_config(None, REQUIRED + ["algo.kl_in=reward", "algo.kl_coef=0.1"])
+    with pytest.raises(ConfigError, match="engine.tp_size > 1 needs engine.backend=sglang"):
+        load_config(None, REQUIRED + ["engine.backend=native", "engine.tp_size=2"])
 
 
 def test_unknown_key_names_the_key_and_the_close_match():
@@ -38,7 +57,7 @@ def test_unknown_section_is_rejected():
 
 def test_bad_choice_lists_allowed_values_and_close_match():
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["world.backend=ncl"])
+        load_config(None, REQUIRED + ["world.backend=ncl"])
     msg = str(e.value)
     assert "world.backend='ncl' is not allowed" in msg
     assert "'auto', 'nccl', 'gloo'" in msg and "did you mean 'nccl'" in msg
@@ -61,7 +80,7 @@ def test_bad_choice_lists_allowed_values_and_close_match():
 )
 def test_bad_values_name_key_value_and_expectation(override, fragment):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [override])
+        load_config(None, REQUIRED + [override])
     assert fragment in str(e.value)
 
 

@@ -160,7 +160,7 @@ def test_rank_dying_during_rebuild_fails_the_others_within_timeout():
 def test_world_size_one_without_torchrun(monkeypatch, caplog):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
-    caplog.set_level(logging.INFO, logger="rltrain.world")
+    caplog.set_level(logging.DEBUG, logger="rltrain.world")
     world = World(backend="gloo", timeout=30)
     try:
         g = world.new_group([0], description="solo")

@@ -432,4 +432,5 @@ class World:
     def _record(self, tr: Transition, detail: str) -> None:
         self.transitions.append(tr)
         parts = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in tr.seconds.items())
-        log.info("rank %d: world %s generation %d (%d groups, %s): %s", self.rank, tr.kind, tr.generation, tr.groups, detail, parts)
+        # DEBUG: one line per transition is too chatty next to the progress bar (RLTRAIN_LOG_LEVEL=DEBUG shows it).
+        log.debug("rank %d: world %s generation %d (%d groups, %s): %s", self.rank, tr.kind, tr.generation, tr.groups, detail, parts)

@@ -1,0 +1,113 @@
+"""The driver loop: every rank runs this, one step per iteration, phases in order.
+
+    ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
+    ENGINE ->      release engine memory (weights, KV cache)               [colocate]
+    TRAIN          world rebuild, trainer onload, old/ref log-probs, advantages, optimizer steps
+    SYNC           engine resumes weights, new version published to disk and loaded by every
+                   engine, version verified on every rank
+    RELEASE        trainer offload, world destroy (NCCL freed; the Gloo bridge stays)
+    ENGINE <-      engine resumes the KV cache                               [colocate]
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from rltrain.algo.advantages import compute_advantages
+from rltrain.algo.losses import kl_penalty
+from rltrain.engine.protocol import SamplingParams
+from rltrain.metrics import MetricsWriter, PhaseClock
+from rltrain.rollout.collect import build_batch, collect
+from rltrain.setup import RunParts, setup_run
+from rltrain.sync.disk import StaleWeightsError, publish_and_load
+
+log = logging.getLogger("rltrain.loop")
+
+
+def run(cfg: Any, world: Any) -> dict[str, float]:
+    parts: RunParts = setup_run(cfg, world)
+    engine, trainer, sampler = parts.engine, parts.trainer, parts.sampler
+    clock = PhaseClock(world.device)
+    writer = MetricsWriter(cfg, world)
+    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
+    leader = world.env.is_node_leader
+    version = parts.initial_version
+    last: dict[str, float] = {}
+    world.destroy()  # rollout runs with the NCCL world down
+    try:
+        for step in range(parts.start_step, cfg.loop.steps):
+            clock.start_step()
+            with clock.phase("rollout"):
+                rollout = collect(engine.client, sampler.next_batch(world.rank, world.world_size), params,
+                                  parts.tokenizer, parts.rewards)
+                _check_versions(rollout, version, world.rank)
+            with clock.phase("engine_release"):
+                if cfg.loop.colocate and leader:
+                    engine.client.release(["kv_cache", "weights"])
+                world.bridge.barrier(phase="engine release")
+            with clock.phase("world_rebuild"):
+                world.rebuild()
+            with clock.phase("trainer_onload"):
+                trainer.onload()
+            with clock.phase("logprobs"):
+                batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
+            with clock.phase("train"):
+                train_stats = trainer.train_step(batch)
+            with clock.phase("engine_resume_weights"):
+                if cfg.loop.colocate and leader:
+                    engine.client.resume(["weights"])
+                world.bridge.barrier(phase="engine resume weights")
+            with clock.phase("sync"):
+                version = str(step + 1)
+                publish_and_load(cfg, world, trainer, engine.client, version)
+            with clock.phase("trainer_offload"):
+                if cfg.loop.offload_trainer:
+                    trainer.offload()
+                world.destroy()
+            with clock.phase("engine_resume_kv"):
+                world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
+                if cfg.loop.colocate and leader:
+                    engine.client.resume(["kv_cache"])
+                world.bridge.barrier(phase="engine resume kv")
+            last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
+    finally:
+        writer.close()
+        parts.close()
+    return last
+
+
+def _check_versions(rollout: Any, expected: str | None, rank: int) -> None:
+    """Never train on samples from stale weights: every completion must carry the current version."""
+    if expected is None:
+        return
+    seen = {s.completion.weight_version for g in rollout.groups for s in g}
+    if seen - {expected}:
+        raise StaleWeightsError(f"rank {rank}: rollout produced by weight version(s) {sorted(map(str, seen))}, "
+                                f"expected {expected}; the engine did not load the published weights")
+
+
+def _prepare(cfg: Any, trainer: Any, rollout: Any) -> tuple[Any, torch.Tensor | None, dict[str, float]]:
+    """Old/ref log-probs and advantages for this rank's kept groups (an empty batch if none:
+    the rank still joins every collective of the train step)."""
+    batch, rewards = build_batch(rollout.groups, trainer.pad_id)
+    if len(batch) == 0:
+        return batch, rewards, {}
+    batch.old_logp, _ = trainer.logprobs(batch)
+    token_kl = None
+    if cfg.algo.kl_coef > 0:
+        batch.ref_logp, _ = trainer.logprobs(batch, reference=True)
+        token_kl = kl_penalty(batch.old_logp, batch.ref_logp, cfg.algo.kl_estimator) * batch.loss_mask
+    in_reward = cfg.algo.kl_in == "reward" and cfg.algo.kl_coef > 0
+    batch.advantages = compute_advantages(cfg.algo.advantage, rewards, batch.loss_mask, norm_std=cfg.algo.norm_std,
+                                          token_kl=token_kl if in_reward else None,
+                                          kl_coef=cfg.algo.kl_coef if in_reward else 0.0, gamma=cfg.algo.gamma)
+    # How far the engine's log-probs are from the trainer's for the same tokens and weights.
+    mask = batch.loss_mask.bool()
+    diff = float((batch.old_logp - batch.rollout_logp)[mask].abs().mean())
+    if cfg.algo.tis_cap is None:
+        batch.rollout_logp = None
+    return batch, rewards, {"logp_diff_engine_trainer": diff}

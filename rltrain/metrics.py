@@ -1,0 +1,129 @@
+"""Per-step metrics: phase times and memory, rollout and training statistics, across ranks.
+
+Every rank measures its own phases; rank 0 gathers them over the bridge and writes one JSON line
+per step to `<run dir>/metrics.jsonl` (optionally TensorBoard), and shows a progress bar.
+Rates are global: tokens of all ranks over the slowest rank's phase time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from typing import Any, Iterator
+
+import psutil
+import torch
+
+
+class PhaseClock:
+    """Times each phase of a step and reads memory right after it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.times: dict[str, float] = {}
+        self.memory: dict[str, dict[str, float]] = {}
+        self._step_start = time.perf_counter()
+
+    def start_step(self) -> None:
+        self.times, self.memory = {}, {}
+        self._step_start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = time.perf_counter() - t0
+            self.memory[name] = self.read_memory()
+
+    def read_memory(self) -> dict[str, float]:
+        mem = {"rss_gib": psutil.Process().memory_info().rss / 2**30}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            mem.update(cuda_used_gib=(total - free) / 2**30,
+                       cuda_allocated_gib=torch.cuda.memory_allocated(self.device) / 2**30,
+                       cuda_reserved_gib=torch.cuda.memory_reserved(self.device) / 2**30)
+        return mem
+
+    @property
+    def step_seconds(self) -> float:
+        return time.perf_counter() - self._step_start
+
+
+class MetricsWriter:
+    def __init__(self, cfg: Any, world: Any):
+        self.cfg, self.world = cfg, world
+        self.path = cfg.run_dir / "metrics.jsonl"
+        self.bar = None
+        self.tb = None
+        if world.rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if cfg.metrics.progress_bar:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=cfg.loop.steps, desc="rltrain", dynamic_ncols=True)
+            if cfg.metrics.tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"))
+                except ImportError:
+                    print("metrics.tensorboard=true but tensorboard is not installed; skipping it")
+
+    def step(self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict,
+             clock: PhaseClock) -> dict[str, float]:
+        thr = self.cfg.reward.pass_threshold
+        flat = rewards.reshape(-1) if rewards is not None else torch.zeros(0)
+        lengths = [len(s.completion.output_ids) for g in rollout.groups for s in g]
+        local = {
+            "n": float(flat.numel()), "reward_sum": float(flat.sum()), "reward_sq": float((flat ** 2).sum()),
+            "passed": float((flat >= thr).sum()), "length_sum": float(sum(lengths)),
+            **{k: v for k, v in rollout.stats.items()},
+            "logp_diff_sum": adv_stats.get("logp_diff_engine_trainer", 0.0) * flat.numel(),
+            "times": clock.times, "memory": clock.memory, "step_seconds": clock.step_seconds,
+        }
+        gathered = self.world.bridge.all_gather_object(local, phase="metrics")
+        if self.world.rank != 0:
+            return {}
+        tot = lambda k: sum(g[k] for g in gathered)  # noqa: E731
+        n = max(tot("n"), 1.0)
+        mean = tot("reward_sum") / n
+        rec: dict[str, Any] = {
+            "step": step + 1,
+            "reward_mean": mean,
+            "reward_std": max(tot("reward_sq") / n - mean ** 2, 0.0) ** 0.5,
+            "pass_rate": tot("passed") / n,
+            "response_length": tot("length_sum") / n,
+            "samples": tot("samples"), "samples_trained": tot("n"),
+            "generation_failed": tot("generation_failed"), "reward_failed": tot("reward_failed"),
+            "groups_dropped": tot("groups_dropped"),
+            "logp_diff_engine_trainer": tot("logp_diff_sum") / n,
+            **{k: v for k, v in train.items()},
+        }
+        slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
+        rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
+        rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}
+        rec["memory"] = {f"rank{r}": g["memory"] for r, g in enumerate(gathered)}
+        line = json.dumps(rec)
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{mean:.3f}", pass_rate=f"{rec['pass_rate']:.2f}",
+                                 kl=f"{rec.get('kl', 0.0):.3f}", step_s=f"{rec['time']['step']:.1f}")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step + 1)
+        return rec
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()

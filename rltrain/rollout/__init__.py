@@ -1,0 +1,1 @@
+"""Prompts in, scored samples out: datasets, rewards, and collection into train batches."""

@@ -1,0 +1,86 @@
+"""Everything a run needs before its first step, checked before anything expensive starts."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rltrain.setup")
+
+
+@dataclass
+class RunParts:
+    tokenizer: Any
+    sampler: Any
+    rewards: Any
+    trainer: Any
+    engine: Any
+    start_step: int
+    initial_version: str | None
+
+    def close(self) -> None:
+        self.rewards.close()
+        self.engine.shutdown()
+
+
+def _on_rank0(world: Any, what: str, fn: Any) -> None:
+    """Run `fn` on rank 0; every rank learns whether it worked (no rank waits on a failed one)."""
+    error = None
+    if world.rank == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{what}: {type(e).__name__}: {e}"
+    errors = world.bridge.all_gather_object(error, phase=what)
+    if errors[0]:
+        raise RuntimeError(errors[0])
+
+
+def setup_run(cfg: Any, world: Any) -> RunParts:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rltrain.engine.launcher import NodeEngine
+    from rltrain.rollout import synthetic
+    from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
+    from rltrain.rollout.rewards import RewardRunner, load_reward
+    from rltrain.trainer.native import TorchTrainer
+
+    model_path = Path(cfg.model.path)
+    if cfg.model.build == "tiny-addition" and not model_path.exists():
+        _on_rank0(world, "building the tiny model", lambda: synthetic.build_tiny_model(
+            model_path, synthetic.addition_words(), seed=cfg.run.seed))
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={str(model_path)!r} is not an HF checkpoint directory (no config.json)")
+    data_path = cfg.data.path
+    if data_path == "synthetic:addition":
+        data_path = str(cfg.run_dir / "data" / "addition.jsonl")
+        _on_rank0(world, "writing the synthetic dataset",
+                  lambda: synthetic.write_jsonl(Path(data_path), synthetic.addition_records()))
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model_cfg = AutoConfig.from_pretrained(model_path)
+    if len(tokenizer) > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer of {model_path} has {len(tokenizer)} tokens but the model's vocabulary is "
+                         f"{model_cfg.vocab_size}: tokenizer and model do not match")
+    prompts = tokenize_records(read_records(data_path), tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens,
+                               source=data_path)
+    if cfg.data.prompts_per_step % world.world_size:
+        raise ValueError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
+                         f"{world.world_size} ranks")
+    sampler = PromptSampler(prompts, cfg.data.prompts_per_step, cfg.run.seed)
+    rewards = RewardRunner(load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s,
+                           cfg.reward.workers)
+
+    trainer = TorchTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
+                           total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
+    trainer.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trainer.create()
+
+    engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir)
+    engine.client.vocab_size = model_cfg.vocab_size
+    initial = engine.client.weight_version()
+    log.info("engine %s serves weight version %s; %d prompts, %d per step", engine.url, initial, len(prompts),
+             cfg.data.prompts_per_step)
+    return RunParts(tokenizer, sampler, rewards, trainer, engine, 0, initial)

@@ -1,0 +1,1 @@
+"""Weight sync from the trainer to the engines."""
