@@ -124,3 +124,9 @@ def test_cli_config_error_exits_2_with_message(tmp_path):
 def test_cli_help_lists_commands(tmp_path):
     r = _cli("--help", cwd=tmp_path)
     assert r.returncode == 0 and "show-config" in r.stdout and "torchrun" in r.stdout
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_every_shipped_recipe_is_a_valid_config(recipe):
+    cfg = load_config(REPO / "configs" / recipe)
+    assert cfg.model.path and cfg.data.path

@@ -235,8 +235,8 @@ class TorchTrainer:
                     acc["kl"] += float((kl_penalty(logp, mb.ref_logp, algo.kl_estimator) * mb.loss_mask).sum())
             loss.backward()
             w = float(local_tokens)
-            acc["loss"] += float(loss)
-            acc["pg_loss"] += float(pg)
+            acc["loss"] += float(loss.detach())
+            acc["pg_loss"] += float(pg.detach())
             acc["entropy"] += float((ent.detach() * mb.loss_mask).sum())
             acc["clip_frac"] += float(stats["clip_frac"]) * w
             acc["approx_kl_old"] += float(stats["approx_kl_old"]) * w

@@ -1,0 +1,150 @@
+"""Datasets, sharding, rewards and sample collection (against a live embedded engine)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from rltrain.engine.protocol import SamplingParams
+from rltrain.rollout import synthetic
+from rltrain.rollout.collect import build_batch, collect
+from rltrain.rollout.data import DataError, PromptSampler, read_records, tokenize_records
+from rltrain.rollout.rewards import RewardRunner, extract_boxed, load_reward, math_reward, normalize_answer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return synthetic.build_tokenizer(synthetic.addition_words())
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n\n{"prompt": oops}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:3: not valid JSON"):
+        read_records(f)
+    f.write_text('{"question": "x"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:1: needs a 'prompt' \(text\) or 'messages'"):
+        read_records(f)
+    f.write_text("[1, 2]\n")
+    with pytest.raises(DataError, match="expected a JSON object, got list"):
+        read_records(f)
+    with pytest.raises(DataError, match="does not exist"):
+        read_records(tmp_path / "nope.jsonl")
+
+
+def test_prompt_longer_than_limit_is_rejected_up_front(tok):
+    with pytest.raises(DataError, match=r"record 1: prompt has 7 tokens, more than data.max_prompt_tokens=5"):
+        tokenize_records([{"prompt": "1 + 2 ="}, {"prompt": "1 + 2 + 3 ="}], tok, False, 5)
+
+
+def test_chat_prompts_need_a_chat_template(tok):
+    with pytest.raises(DataError, match="need a tokenizer with a chat template"):
+        tokenize_records([{"messages": [{"role": "user", "content": "1 + 2 ="}]}], tok, False, 64)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} ={% endif %}"
+    try:
+        (p,) = tokenize_records([{"messages": [{"role": "user", "content": "1 + 2"}]}], tok, False, 64)
+        assert tok.convert_ids_to_tokens(p.input_ids) == ["1", "+", "2", "="]
+    finally:
+        tok.chat_template = None
+
+
+def test_sharding_is_deterministic_disjoint_and_resumable(tok):
+    prompts = tokenize_records(synthetic.addition_records(), tok, False, 16)
+    a = [PromptSampler(prompts, 8, seed=3) for _ in range(2)]
+    step0 = [a[r].next_batch(r, 2) for r in range(2)]
+    ids0 = [p.index for b in step0 for p in b]
+    assert len(ids0) == 8 and len(set(ids0)) == 8
+    # Same global batch with 1 rank as with 2 ranks.
+    single = PromptSampler(prompts, 8, seed=3).next_batch(0, 1)
+    assert sorted(p.index for p in single) == sorted(ids0)
+    # Resume: a fresh sampler from the saved state continues identically, across epochs too.
+    s = PromptSampler(prompts, 8, seed=3)
+    for _ in range(20):
+        s.next_batch(0, 1)
+    state = s.state_dict()
+    s2 = PromptSampler(prompts, 8, seed=3)
+    s2.load_state_dict(state)
+    # 20 steps of 8 from 100 prompts crossed an epoch boundary (12 steps per epoch).
+    assert state["epoch"] == 1
+    assert [p.index for p in s2.next_batch(0, 1)] == [p.index for p in _advance(prompts, 21)]
+
+
+def _advance(prompts, k):
+    s = PromptSampler(prompts, 8, seed=3)
+    for _ in range(k - 1):
+        s.next_batch(0, 1)
+    return s.next_batch(0, 1)
+
+
+def test_math_reward_extraction_and_normalisation():
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} and \boxed{42}") == "42"
+    assert extract_boxed(r"\boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert extract_boxed("no box") is None
+    assert normalize_answer(" $1,000.50$ ") == "1000.5" and normalize_answer("3.00") == "3"
+    assert math_reward(r"The answer is \boxed{1,000}.", {"answer": "1000"}) == 1.0
+    assert math_reward("first 12 then 7", {"answer": "7"}) == 1.0
+    assert math_reward("no number here", {"answer": "7"}) == 0.0
+    assert load_reward("exact_match")(" abc ", {"answer": "abc"}) == 1.0
+    assert load_reward("format", r"\d+")("123", {}) == 1.0
+
+
+def test_custom_reward_loading_errors():
+    with pytest.raises(ValueError, match="expected math, exact_match, format or module:function"):
+        load_reward("nope")
+    with pytest.raises(ValueError, match="cannot import it"):
+        load_reward("no_such_module_xyz:f")
+    assert load_reward("json:dumps") is json.dumps
+
+
+def _slow(text, rec):
+    time.sleep(5)
+    return 1.0
+
+
+def test_failing_or_slow_rewards_are_failures_not_zeros():
+    def flaky(text, rec):
+        if rec["k"] == 1:
+            raise KeyError("answer")
+        if rec["k"] == 2:
+            return float("nan")
+        return 0.0
+
+    runner = RewardRunner(flaky, timeout_s=2)
+    out = runner.score([("x", {"k": 0}), ("x", {"k": 1}), ("x", {"k": 2})])
+    assert out[0].reward == 0.0 and out[0].error is None
+    assert out[1].reward is None and "raised KeyError" in out[1].error
+    assert out[2].reward is None and "NaN" in out[2].error
+    slow = RewardRunner(_slow, timeout_s=0.2)
+    (res,) = slow.score([("x", {})])
+    assert res.reward is None and "timed out" in res.error
+    slow.close()
+
+
+def test_collect_drops_groups_with_failures_and_counts_them(server, tok):
+    records = [{"prompt": f"{a} + 1 =", "answer": str(a + 1), "bad": a == 3} for a in range(6)]
+    prompts = tokenize_records(records, tok, False, 16)
+
+    def reward(text, rec):
+        if rec["bad"]:
+            raise RuntimeError("grader crashed")
+        return 1.0 if text.strip() == rec["answer"] else 0.0
+
+    runner = RewardRunner(reward, timeout_s=10)
+    server.client.vocab_size = 256
+    try:
+        ro = collect(server.client, prompts, SamplingParams(max_new_tokens=2, n=4), tok, runner)
+    finally:
+        server.client.vocab_size = None
+    assert ro.stats["samples"] == 24 and ro.stats["reward_failed"] == 4 and ro.stats["groups_dropped"] == 1
+    assert len(ro.groups) == 5 and all(len(g) == 4 for g in ro.groups)
+    assert all(s.reward is not None for g in ro.groups for s in g)
+    batch, rewards = build_batch(ro.groups, pad_id=0)
+    assert rewards.shape == (5, 4) and batch.tokens.shape[0] == 20
+    # The loss mask covers exactly the response tokens; engine log-probs sit on them.
+    for b, s in enumerate(s for g in ro.groups for s in g):
+        P, R = len(s.prompt.input_ids), len(s.completion.output_ids)
+        assert batch.loss_mask[b].nonzero().flatten().tolist() == list(range(P, P + R))
+        assert batch.tokens[b, P : P + R].tolist() == s.completion.output_ids
+    runner.close()

@@ -1,0 +1,70 @@
+"""The driver loop end to end: torchrun, 2 ranks, embedded engine, disk sync, metrics and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import free_port
+from rltrain.loop import _check_versions
+from rltrain.sync.disk import StaleWeightsError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_quickstart(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           "-m", "rltrain", "--config", str(REPO / "configs" / "quickstart.yaml"),
+           f"run.dir={tmp_path}", f"model.path={tmp_path / 'base_model'}", "loop.steps=3",
+           "data.prompts_per_step=8", "metrics.progress_bar=false", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "no-reload"])
+def test_quickstart_steps_end_to_end(tmp_path, mode):
+    extra = [] if mode == "colocated" else ["loop.colocate=false", "world.reload=false"]
+    r = run_quickstart(tmp_path, *extra)
+    assert r.returncode == 0, r.stderr[-4000:]
+    run_dir = tmp_path / "quickstart"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["samples"] == 8 * 8 and row["generation_failed"] == 0 and row["reward_failed"] == 0
+        assert 0.0 <= row["reward_mean"] <= 1.0 and 0.0 <= row["pass_rate"] <= 1.0
+        for key in ("kl", "entropy", "clip_frac", "grad_norm", "lr", "rollout_tokens_per_s", "train_tokens_per_s",
+                    "response_length", "logp_diff_engine_trainer"):
+            assert key in row, key
+        assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
+        assert set(row["memory"]) == {"rank0", "rank1"} and row["memory"]["rank1"]["train"]["rss_gib"] > 0
+        # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
+        assert row["logp_diff_engine_trainer"] < 1e-3
+    # Versions 2 and 3 kept (keep_weight_versions=2), published atomically: no temp dirs left.
+    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["weight_v000002", "weight_v000003"]
+    assert (run_dir / "weights" / "weight_v000003" / "model.safetensors").is_file()
+    for png in ("reward.png", "phase_time.png", "memory.png"):
+        assert (run_dir / png).stat().st_size > 1000
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0.log").is_file()
+
+
+def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n{"prompt": \n')
+    r = run_quickstart(tmp_path, f"data.path={bad}")
+    assert r.returncode != 0
+    assert "bad.jsonl:2: not valid JSON" in r.stderr
+
+
+class _S:
+    def __init__(self, v):
+        self.completion = type("C", (), {"weight_version": v})()
+
+
+def test_samples_from_stale_weights_are_refused():
+    rollout = type("R", (), {"groups": [[_S("4"), _S("3")]]})()
+    with pytest.raises(StaleWeightsError, match=r"weight version\(s\) \['3', '4'\], expected 4"):
+        _check_versions(rollout, "4", rank=1)
+    _check_versions(type("R", (), {"groups": [[_S("4")]]})(), "4", rank=0)
