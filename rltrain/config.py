@@ -70,6 +70,8 @@ class ModelConfig:
     # tiny-addition: if `path` does not exist, build a random tiny Qwen2 and the word-level
     # tokenizer of the synthetic addition task there (the quickstart; no downloads).
     build: Literal["none", "tiny-addition"] = "none"
+    build_hidden: int = 64  # size of the built model
+    build_layers: int = 2
 
     def check(self) -> None:
         if not self.path:

@@ -3,9 +3,10 @@
     ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
     ENGINE ->      release engine memory (weights, KV cache)               [colocate]
     TRAIN          world rebuild, trainer onload, old/ref log-probs, advantages, optimizer steps
+    RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
     SYNC           engine resumes weights, new version published to disk and loaded by every
-                   engine, version verified on every rank
-    RELEASE        trainer offload, world destroy (NCCL freed; the Gloo bridge stays)
+                   engine, version verified on every rank (disk sync needs no NCCL)
+    OFFLOAD        trainer params, grads and optimizer state to host memory
     ENGINE <-      engine resumes the KV cache                               [colocate]
 """
 
@@ -57,6 +58,8 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
             with clock.phase("train"):
                 train_stats = trainer.train_step(batch)
+            with clock.phase("world_destroy"):
+                world.destroy()  # NCCL teardown (~0.5 s inside NCCL) runs in the background during sync
             with clock.phase("engine_resume_weights"):
                 if cfg.loop.colocate and leader:
                     engine.client.resume(["weights"])
@@ -67,7 +70,6 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
             with clock.phase("trainer_offload"):
                 if cfg.loop.offload_trainer:
                     trainer.offload()
-                world.destroy()
             with clock.phase("engine_resume_kv"):
                 world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
                 if cfg.loop.colocate and leader:

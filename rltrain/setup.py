@@ -40,6 +40,7 @@ def _on_rank0(world: Any, what: str, fn: Any) -> None:
 
 def setup_run(cfg: Any, world: Any) -> RunParts:
     from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from rltrain.engine.launcher import NodeEngine
     from rltrain.rollout import synthetic
@@ -47,10 +48,12 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     from rltrain.rollout.rewards import RewardRunner, load_reward
     from rltrain.trainer.native import TorchTrainer
 
+    hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
     model_path = Path(cfg.model.path)
     if cfg.model.build == "tiny-addition" and not model_path.exists():
         _on_rank0(world, "building the tiny model", lambda: synthetic.build_tiny_model(
-            model_path, synthetic.addition_words(), seed=cfg.run.seed))
+            model_path, synthetic.addition_words(), hidden=cfg.model.build_hidden, layers=cfg.model.build_layers,
+            seed=cfg.run.seed))
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={str(model_path)!r} is not an HF checkpoint directory (no config.json)")
     data_path = cfg.data.path

@@ -57,8 +57,8 @@ def build_tiny_model(path: Path, words: list[str], hidden: int = 64, layers: int
 
     tokenizer = build_tokenizer(words)
     cfg = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 4,
-                                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                   head_dim=hidden // 4, max_position_embeddings=128, tie_word_embeddings=False,
+                                   num_hidden_layers=layers, num_attention_heads=max(4, hidden // 64),
+                                   num_key_value_heads=2, head_dim=hidden // max(4, hidden // 64), max_position_embeddings=128, tie_word_embeddings=False,
                                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                    pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)

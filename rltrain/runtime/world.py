@@ -281,7 +281,7 @@ class World:
         thread; the world is unusable as soon as this returns, and `wait_destroyed()` joins it.
         """
         if not self.reload:
-            log.info("rank %d: world destroy skipped (reload off), generation %d stays up", self.rank, self.generation)
+            log.debug("rank %d: world destroy skipped (reload off), generation %d stays up", self.rank, self.generation)
             return
         self._require_up("destroy")
         block = (not self.async_destroy) if block is None else block
@@ -332,7 +332,7 @@ class World:
     def rebuild(self) -> None:
         """New default group on a fresh store prefix, then replay and prime every registered group."""
         if not self.reload:
-            log.info("rank %d: world rebuild skipped (reload off), generation %d is up", self.rank, self.generation)
+            log.debug("rank %d: world rebuild skipped (reload off), generation %d is up", self.rank, self.generation)
             return
         waited = self.wait_destroyed()
         if dist.is_initialized():

@@ -14,7 +14,6 @@ and refuses generation until resumed. Generating while released is an error, nev
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 import queue
@@ -296,7 +295,6 @@ class NativeEngine:
             if "weights" in tags and "weights" not in self.released:
                 self._backup_and_free_weights()
             self.released |= set(tags)
-            gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
         return self.memory_report()

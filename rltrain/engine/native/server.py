@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     torch.set_num_threads(max(1, int(os.environ.get("RLTRAIN_ENGINE_THREADS", torch.get_num_threads()))))
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           seed=args.seed, backup_dir=args.backup_dir)
