@@ -105,6 +105,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Each step's requests carry sampling seeds derived from (run.seed, step, rank): a resumed
+    # run samples what the uninterrupted run sampled (exactly so with engine.deterministic).
+    seeded: bool = True
 
     def check(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1:
@@ -177,6 +180,31 @@ class LoopConfig:
     offload_trainer: bool = True  # params/grads/optimizer to host memory between train phases (GPU)
     weights_dir: str = ""  # where weight versions are published; empty: <run dir>/weights
     keep_weight_versions: int = 2
+    # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
+    # so a run stopped here and resumed is the same run (for time-limited allocations).
+    stop_after: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded atomic checkpoints (torch.distributed.checkpoint + per-rank state + manifest)."""
+
+    dir: str = ""  # empty: <run dir>/checkpoints
+    interval: int = 0  # save every N steps (0: never, unless release.train=true with source=disk)
+    keep_last: int = 3
+    resume: str = "auto"  # auto: newest complete checkpoint if any; none; or a step_* directory
+
+    def check(self) -> None:
+        if self.interval < 0 or self.keep_last < 0:
+            raise ConfigError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+
+
+@dataclass
+class ReleaseConfig:
+    """Release-train: drop the trainer entirely after each step's verified save, re-create it next step."""
+
+    train: bool = False
+    source: Literal["disk", "host"] = "disk"  # re-create from the checkpoint, or from a host-RAM snapshot
 
 
 @dataclass
@@ -206,6 +234,10 @@ class EngineConfig:
     prompts_per_request: int = 16
     retries: int = 3  # transport errors only
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+    # Batch-invariant rollouts: the embedded engine runs each request on its own (no batching
+    # across requests), SGLang gets --enable-deterministic-inference. With per-step sampling
+    # seeds this makes runs, and resumed runs, repeat exactly.
+    deterministic: bool = False
 
     def check(self) -> None:
         for key in ("tp_size", "max_batch_size", "max_inflight", "prompts_per_request"):
@@ -236,6 +268,8 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     loop: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    release: ReleaseConfig = field(default_factory=ReleaseConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -244,6 +278,9 @@ class Config:
 
     def check(self) -> None:
         """Cross-section checks (each section checks itself first)."""
+        if self.release.train and self.release.source == "host" and self.checkpoint.interval == 0:
+            raise ConfigError("release.train with release.source=host keeps the released trainer only in RAM: "
+                              "set checkpoint.interval >= 1 so it is also written to disk")
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
             raise ConfigError(f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
                               f"got {self.rollout.n}")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -38,12 +39,17 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
     leader = world.env.is_node_leader
     version = parts.initial_version
     last: dict[str, float] = {}
+    saved, snapshot = None, None
     world.destroy()  # rollout runs with the NCCL world down
     try:
-        for step in range(parts.start_step, cfg.loop.steps):
+        end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
+        for step in range(parts.start_step, end):
             clock.start_step()
             with clock.phase("rollout"):
-                rollout = collect(engine.client, sampler.next_batch(world.rank, world.world_size), params,
+                step_params = params
+                if cfg.rollout.seeded:
+                    step_params = dataclasses.replace(params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank))
+                rollout = collect(engine.client, sampler.next_batch(world.rank, world.world_size), step_params,
                                   parts.tokenizer, parts.rewards)
                 _check_versions(rollout, version, world.rank)
             with clock.phase("engine_release"):
@@ -53,11 +59,21 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
             with clock.phase("world_rebuild"):
                 world.rebuild()
             with clock.phase("trainer_onload"):
+                if trainer.released:
+                    recreate(cfg, trainer, parts.checkpointer, saved, snapshot)
                 trainer.onload()
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
             with clock.phase("train"):
                 train_stats = trainer.train_step(batch)
+            with clock.phase("save"):
+                # Saved (and verified) before the trainer may be released; a failed save raises
+                # with the trainer still alive and the previous checkpoint untouched.
+                if save_due(cfg, step):
+                    saved = parts.checkpointer.save(step + 1, trainer, str(step + 1),
+                                                    {"sampler": sampler.state_dict()})
+                if cfg.release.train and cfg.release.source == "host":
+                    snapshot = trainer.snapshot()
             with clock.phase("world_destroy"):
                 world.destroy()  # NCCL teardown (~0.5 s inside NCCL) runs in the background during sync
             with clock.phase("engine_resume_weights"):
@@ -68,7 +84,9 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 version = str(step + 1)
                 publish_and_load(cfg, world, trainer, engine.client, version)
             with clock.phase("trainer_offload"):
-                if cfg.loop.offload_trainer:
+                if cfg.release.train:
+                    trainer.release()
+                elif cfg.loop.offload_trainer:
                     trainer.offload()
             with clock.phase("engine_resume_kv"):
                 world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
@@ -80,6 +98,27 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
         writer.close()
         parts.close()
     return last
+
+
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """Sampling seed of a rank's requests at a step: spaced so no two samples share a stream."""
+    return (seed * 1_000_003 + step * 1_009 + rank) * 1_000_000
+
+
+def save_due(cfg: Any, step: int) -> bool:
+    if cfg.release.train and cfg.release.source == "disk":
+        return True  # re-creation reads this step's checkpoint
+    last = step + 1 in (cfg.loop.steps, cfg.loop.stop_after)
+    return cfg.checkpoint.interval > 0 and ((step + 1) % cfg.checkpoint.interval == 0 or last)
+
+
+def recreate(cfg: Any, trainer: Any, checkpointer: Any, saved: Any, snapshot: Any) -> None:
+    """Build the released trainer again and restore it, from the host snapshot or the checkpoint."""
+    trainer.create(load_weights=False)
+    if cfg.release.source == "host":
+        trainer.restore_snapshot(snapshot)
+    else:
+        checkpointer.load(saved, trainer, restore_rank_state=False)
 
 
 def _check_versions(rollout: Any, expected: str | None, rank: int) -> None:

@@ -17,6 +17,7 @@ class RunParts:
     rewards: Any
     trainer: Any
     engine: Any
+    checkpointer: Any
     start_step: int
     initial_version: str | None
 
@@ -42,7 +43,9 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from rltrain.checkpoint import Checkpointer
     from rltrain.engine.launcher import NodeEngine
+    from rltrain.sync.disk import publish_and_load
     from rltrain.rollout import synthetic
     from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
     from rltrain.rollout.rewards import RewardRunner, load_reward
@@ -81,9 +84,41 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     trainer.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer.create()
 
+    checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
+    restored = _resume(cfg, checkpointer, trainer, sampler)
+
     engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir)
     engine.client.vocab_size = model_cfg.vocab_size
+    if restored is not None:
+        # The engine starts from model.path; give it the restored weights under their version.
+        publish_and_load(cfg, world, trainer, engine.client, restored.version)
     initial = engine.client.weight_version()
     log.info("engine %s serves weight version %s; %d prompts, %d per step", engine.url, initial, len(prompts),
              cfg.data.prompts_per_step)
-    return RunParts(tokenizer, sampler, rewards, trainer, engine, 0, initial)
+    return RunParts(tokenizer, sampler, rewards, trainer, engine, checkpointer,
+                    restored.step if restored else 0, initial)
+
+
+def checkpoint_dir(cfg: Any) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
+
+
+def _resume(cfg: Any, checkpointer: Any, trainer: Any, sampler: Any) -> Any:
+    """checkpoint.resume: auto (newest complete, corrupt ones skipped), none, or a directory."""
+    from rltrain.checkpoint import CheckpointError, find_resumable
+
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return None
+    if mode == "auto":
+        path = find_resumable(checkpointer.root) if checkpointer.root.is_dir() else None
+        if path is None:
+            return None
+    else:
+        path = Path(mode)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={mode!r} is not a checkpoint directory")
+    restored = checkpointer.load(path, trainer)
+    sampler.load_state_dict(restored.extra["sampler"])
+    log.info("resumed from %s: step %d, weight version %s", path, restored.step, restored.version)
+    return restored

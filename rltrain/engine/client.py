@@ -10,6 +10,7 @@ sample in their place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -141,8 +142,12 @@ class EngineClient:
 
         def one(chunk: tuple[int, list[list[int]]]) -> list[Completion]:
             first, ids = chunk
+            p = params
+            if params.sampling_seed is not None:
+                # Seeds follow the prompt's position in the whole call, not in its chunk.
+                p = dataclasses.replace(params, sampling_seed=params.sampling_seed + first * params.n)
             try:
-                data = self._post("/generate", generate_body(ids, params, return_logprob), retry_read_errors=True)
+                data = self._post("/generate", generate_body(ids, p, return_logprob), retry_read_errors=True)
                 return parse_generate_response(data, len(ids), params.n, first)
             except (EngineError, ProtocolError) as e:
                 return [Completion(first + i, j, error=str(e)) for i in range(len(ids)) for j in range(params.n)]

@@ -62,12 +62,16 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
         cmd = [sys.executable, "-m", "rltrain.engine.native", "--model-path", model_path, "--host", host,
                "--port", str(port), "--device", device, "--dtype", cfg.dtype, "--seed", str(cfg.seed),
                "--max-batch-size", str(cfg.max_batch_size), "--parent-pid", str(os.getpid())]
+        if cfg.deterministic:
+            cmd.append("--deterministic")
     elif backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
                "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype]
         if device == "cuda":
             cmd.append("--enable-memory-saver")
+        if cfg.deterministic:
+            cmd.append("--enable-deterministic-inference")
         else:
             # What runs on CPU (see README): torch-native attention, no CUDA graphs.
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]

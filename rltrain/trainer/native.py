@@ -75,21 +75,33 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def create(self) -> None:
-        from transformers import AutoModelForCausalLM
+    def create(self, load_weights: bool = True) -> None:
+        """Build model, reference model and optimizer. `load_weights=False`: architecture only,
+        for a re-creation that restores its state from a checkpoint or a host snapshot next."""
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        torch.manual_seed(self.seed)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        if load_weights:
+            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        else:
+            # Random init draws from the global RNG; a re-creation must not move it.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
+                                                              dtype=self.dtype).to(self.device)
         self.model.train()
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.algo.kl_coef > 0:
+            # The reference is always the initial checkpoint, also after a re-creation.
             self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
             self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
                                            eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.offloaded = False
+
+    @property
+    def released(self) -> bool:
+        return self.model is None
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
@@ -103,17 +115,20 @@ class TorchTrainer:
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def release(self) -> None:
-        """Drop model, optimizer and caches entirely (re-create with `create()` + `load_state_dict`)."""
+        """Drop model, reference, optimizer (with grads and state) and allocator caches entirely.
+        Re-create with `create(load_weights=False)` and restore from a checkpoint or snapshot."""
         self.model = self.ref_model = self.optimizer = self.scheduler = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _trim_host_heap()
 
     # ------------------------------------------------------------------ offload
 
     def offload(self) -> None:
         """Params, grads and optimizer state to host memory (pinned on GPU). No-op on a CPU device."""
-        if self.device.type == "cpu" or self.offloaded:
+        if self.device.type == "cpu" or self.offloaded or self.released:
             self.offloaded = True
             return
         self._move(torch.device("cpu"))
@@ -238,8 +253,8 @@ class TorchTrainer:
             acc["loss"] += float(loss.detach())
             acc["pg_loss"] += float(pg.detach())
             acc["entropy"] += float((ent.detach() * mb.loss_mask).sum())
-            acc["clip_frac"] += float(stats["clip_frac"]) * w
-            acc["approx_kl_old"] += float(stats["approx_kl_old"]) * w
+            acc["clip_frac"] += float(stats["clip_frac"].detach()) * w
+            acc["approx_kl_old"] += float(stats["approx_kl_old"].detach()) * w
         self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         if not torch.isfinite(grad_norm):
@@ -289,15 +304,62 @@ class TorchTrainer:
         assert self.model is not None
         self.model.save_pretrained(path, safe_serialization=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "steps": self.steps}
+    # -------------------------------------------------------------- checkpoint state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """FQN-keyed model and optimizer state for torch.distributed.checkpoint."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.model, self.optimizer)
+
+    def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    def host_state(self) -> dict[str, Any]:
+        """The small state that is not tensors of the model: schedule and step count."""
+        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps = int(state["steps"])
+
+    def snapshot(self) -> dict[str, Any]:
+        """A host-memory copy of everything needed to re-create the trainer (pinned on GPU)."""
+        pin = self.device.type == "cuda"
+
+        def copy(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+                out.copy_(x, non_blocking=pin)
+                return out
+            if isinstance(x, dict):
+                return {k: copy(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(copy(v) for v in x)
+            return x
+
+        snap = {"model": copy(self.model.state_dict()), "optimizer": copy(self.optimizer.state_dict()),
+                **self.host_state()}
+        if pin:
+            torch.cuda.synchronize(self.device)
+        return snap
+
+    def restore_snapshot(self, snap: dict[str, Any]) -> None:
+        self.model.load_state_dict(snap["model"])
+        self.optimizer.load_state_dict(snap["optimizer"])
+        self.load_host_state(snap)
+
+
+def _trim_host_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

@@ -60,7 +60,7 @@ class NativeEngine:
     """A transformers causal LM behind a batching scheduler thread."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 256,
-                 seed: int = 0, backup_dir: str | None = None):
+                 seed: int = 0, backup_dir: str | None = None, deterministic: bool = False):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
@@ -70,6 +70,7 @@ class NativeEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype
         self.max_batch_size = max_batch_size
+        self.deterministic = deterministic
         self.weight_version = "default"
         self.eos_ids = _eos_ids(self.model)
         # transformers 5.2x renamed `past_key_values` to `cache` (in and out); accept both.
@@ -128,7 +129,7 @@ class NativeEngine:
                 break
             self._running.wait()
             batch, rows = [first], len(first.input_ids) * first.params.n
-            while rows < self.max_batch_size:
+            while rows < self.max_batch_size and not self.deterministic:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
@@ -192,7 +193,9 @@ class NativeEngine:
                 for j in range(req.params.n):
                     gen = None
                     if req.params.sampling_seed is not None:
-                        gen = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed + j)
+                        # One stream per sample: seed + its index in the request (prompt-major).
+                        seed = req.params.sampling_seed + i * req.params.n + j
+                        gen = torch.Generator(device=self.device).manual_seed(seed)
                     rows.append(_Row(req, prompt, i, j, gen))
         B = len(rows)
         lengths = [len(r.prompt) for r in rows]

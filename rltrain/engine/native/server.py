@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="run each request as its own batch, so results do not depend on what else is queued")
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     ap.add_argument("--log-level", default="INFO")
@@ -296,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                          seed=args.seed, backup_dir=args.backup_dir)
+                          seed=args.seed, backup_dir=args.backup_dir, deterministic=args.deterministic)
     httpd = ThreadingHTTPServer((args.host, args.port), make_handler(NativeServer(engine)))
     httpd.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
