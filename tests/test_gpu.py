@@ -73,3 +73,31 @@ def test_cuda_ipc_flattened_bucket_update(cuda_native, model_a, model_b):
     finally:
         del bucket
         cuda_native.client.update_weights_from_disk(str(model_a), weight_version="default")
+
+
+def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
+    from models import make_model
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.trainer.native import TorchTrainer, TrainBatch
+
+    path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
+    torch.cuda.synchronize()
+    base_alloc = torch.cuda.memory_allocated()
+    t = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
+    t.create()
+    B, L = 8, 32
+    batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
+                       advantages=torch.randn(B, L))
+    batch.old_logp, _ = t.logprobs(batch)
+    t.train_step(batch)
+    held = torch.cuda.memory_allocated() - base_alloc
+    state = sum(p.numel() * p.element_size() for p in t.model.parameters()) * 3
+    assert held >= state
+    t.offload()
+    assert torch.cuda.memory_allocated() - base_alloc < 0.01 * state  # params, grads, Adam state on the host
+    t.onload()
+    t.train_step(batch)
+    t.release()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == base_alloc  # stated margin: nothing of the trainer stays allocated
+    assert torch.cuda.memory_reserved() <= 2 * 2**20  # and the allocator gave its cache back (<= 2 MiB kept)
