@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -83,10 +84,13 @@ class TorchTrainer:
         if load_weights:
             self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
         else:
-            # Random init draws from the global RNG; a re-creation must not move it.
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            # Allocate straight on the device and skip the random init: the state is restored
+            # next, and initialising a large model on the host costs seconds (measured on the H200).
+            # fork_rng: whatever init remains must not move the global RNG of a re-created run.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    _no_init_weights(), self.device:
                 self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
-                                                              dtype=self.dtype).to(self.device)
+                                                              dtype=self.dtype)
         self.model.train()
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -120,9 +124,9 @@ class TorchTrainer:
         self.model = self.ref_model = self.optimizer = self.scheduler = None
         gc.collect()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            free_cuda_caches()
         else:
-            _trim_host_heap()
+            trim_host_heap()
 
     # ------------------------------------------------------------------ offload
 
@@ -132,7 +136,7 @@ class TorchTrainer:
             self.offloaded = True
             return
         self._move(torch.device("cpu"))
-        torch.cuda.empty_cache()
+        free_cuda_caches()
         self.offloaded = True
 
     def onload(self) -> None:
@@ -352,14 +356,12 @@ class TorchTrainer:
         self.load_host_state(snap)
 
 
-def _trim_host_heap() -> None:
-    """Give freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
+def _no_init_weights() -> Any:
     try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers < 5
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
 
 
 def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:

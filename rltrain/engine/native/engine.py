@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rltrain.engine.protocol import SamplingParams
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -299,7 +300,9 @@ class NativeEngine:
                 self._backup_and_free_weights()
             self.released |= set(tags)
             if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+                free_cuda_caches()
+            else:
+                trim_host_heap()
         return self.memory_report()
 
     def resume(self, tags: list[str] | None) -> dict[str, Any]:
