@@ -40,3 +40,12 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
                                eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
         outs.append(g[0, len(p):].tolist())
     return outs
+
+
+def engine_greedy(client, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """An engine's greedy continuations (fixed length); fails the test on any failed sample."""
+    from rltrain.engine.protocol import SamplingParams
+
+    out = client.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
+    assert all(c.ok for c in out), [c.error for c in out if not c.ok]
+    return [c.output_ids for c in out]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models import hf_greedy
+from models import engine_greedy, hf_greedy
 from rltrain.engine import tensor_payload
 from rltrain.engine.client import EngineError
 from rltrain.engine.launcher import free_port
@@ -21,13 +21,10 @@ from rltrain.engine.protocol import SamplingParams
 from rltrain.engine.weight_group import close_weight_update_group, open_weight_update_group
 
 PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10, 11], [42]]
-GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def greedy(client, prompts=PROMPTS, n=1):
-    out = client.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, n=n))
-    assert all(c.ok for c in out), [c.error for c in out if not c.ok]
-    return [c.output_ids for c in out]
+def greedy(client, prompts=PROMPTS):
+    return engine_greedy(client, prompts, 6)
 
 
 def state_of(model_dir) -> dict[str, torch.Tensor]:

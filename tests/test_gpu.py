@@ -8,9 +8,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from conftest import start_engine
-from models import hf_greedy
+from models import engine_greedy, hf_greedy
 from rltrain.engine import tensor_payload
-from rltrain.engine.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -48,17 +47,15 @@ def cuda_native(model_a, tmp_path_factory):
 
 
 def greedy(client):
-    out = client.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
-    assert all(c.ok for c in out), [c.error for c in out]
-    return [c.output_ids for c in out]
+    return engine_greedy(client, PROMPTS, 6)
 
 
 def test_cuda_engine_release_frees_device_memory_and_resume_restores(cuda_native, model_a):
     before = greedy(cuda_native.client)
     assert before == hf_greedy(model_a, PROMPTS, 6)
-    m0 = cuda_native.client._request("GET", "/memory").json()
+    m0 = cuda_native.client.memory_report()
     cuda_native.client.release()
-    m1 = cuda_native.client._request("GET", "/memory").json()
+    m1 = cuda_native.client.memory_report()
     assert m1["cuda_allocated"] < m0["cuda_allocated"] and m1["cuda_reserved"] <= m0["cuda_reserved"]
     cuda_native.client.resume()
     assert greedy(cuda_native.client) == before

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import start_engine
-from models import hf_greedy, make_model
+from models import engine_greedy, hf_greedy, make_model
 from rltrain.engine.client import EngineError
 from rltrain.engine.protocol import SamplingParams
 
@@ -31,13 +31,11 @@ def native(big_model, tmp_path_factory):
 
 
 def memory(srv) -> dict:
-    return srv.client._request("GET", "/memory").json()
+    return srv.client.memory_report()
 
 
 def greedy(client):
-    out = client.generate(PROMPTS, SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
-    assert all(c.ok for c in out), [c.error for c in out]
-    return [c.output_ids for c in out]
+    return engine_greedy(client, PROMPTS, 5)
 
 
 def test_release_frees_memory_generate_fails_clearly_resume_restores(native, big_model):

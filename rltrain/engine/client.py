@@ -248,6 +248,10 @@ class EngineClient:
         data = _json_or_text(self._request("GET", "/model_info"))
         return data.get("weight_version") if isinstance(data, dict) else None
 
+    def memory_report(self) -> dict:
+        """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""
+        return _json_or_text(self._request("GET", "/memory"))
+
     def model_info(self) -> dict:
         return _json_or_text(self._request("GET", "/model_info"))
 

@@ -203,7 +203,7 @@ class TorchTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL step: `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step each."""
         assert self.model is not None and self.optimizer is not None
-        cfg, algo = self.cfg, self.algo
+        algo = self.algo
         loss_cfg = PolicyLossConfig(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
                                     tis_cap=algo.tis_cap, aggregation=algo.loss_agg)
         n = len(batch)
