@@ -51,6 +51,7 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                     step_params = dataclasses.replace(params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank))
                 rollout = collect(engine.client, sampler.next_batch(world.rank, world.world_size), step_params,
                                   parts.tokenizer, parts.rewards)
+                engine.check_alive()  # a dead engine stops the job with its log tail, not a step of failures
                 _check_versions(rollout, version, world.rank)
             with clock.phase("engine_release"):
                 if cfg.loop.colocate and leader:
