@@ -54,9 +54,11 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 engine.check_alive()  # a dead engine stops the job with its log tail, not a step of failures
                 _check_versions(rollout, version, world.rank)
             with clock.phase("engine_release"):
+                # Every rank of the node must be done generating before its engine lets go of
+                # its memory: a release under a slower rank's requests fails them all.
+                world.bridge.barrier(phase="rollout done")
                 if cfg.loop.colocate and leader:
                     engine.client.release(["kv_cache", "weights"])
-                world.bridge.barrier(phase="engine release")
             with clock.phase("world_rebuild"):
                 world.rebuild()
             with clock.phase("trainer_onload"):

@@ -100,3 +100,30 @@ def test_lr_schedule_warmup_then_cosine(tmp_path):
     cfg = TrainerConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
     t = TorchTrainer(cfg, AlgoConfig(), str(path), torch.device("cpu"), total_steps=6)
     assert [round(t._lr_factor(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+
+
+def _empty_rank(rank: int, world_size: int, path: str) -> dict:
+    from rltrain.rollout.collect import build_batch
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=60)
+    try:
+        t = make_trainer(path, micro=2)
+        if rank == 0:
+            batch = fixed_batch()
+            batch.old_logp, _ = t.logprobs(batch)
+        else:
+            batch, rewards = build_batch([], pad_id=0)  # every group of this rank was dropped
+            assert len(batch) == 0 and rewards.shape == (0, 0)
+        stats = t.train_step(batch)
+        return {"weights": {k: v.clone() for k, v in t.model.state_dict().items()}, "grad_norm": stats["grad_norm"]}
+    finally:
+        world.close()
+
+
+def test_a_rank_without_samples_still_steps_in_sync(tmp_path):
+    path = make_model(tmp_path / "m", seed=5)
+    r0, r1 = values(run_ranks(_empty_rank, 2, str(path), deadline_s=180))
+    assert r0["grad_norm"] == r1["grad_norm"] > 0
+    for k in r0["weights"]:
+        assert torch.equal(r0["weights"][k], r1["weights"][k])

@@ -7,6 +7,7 @@ group-relative advantages need the whole group; both counts go to the metrics.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ from rltrain.engine.protocol import Completion, SamplingParams
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.rewards import RewardRunner
 from rltrain.trainer.native import TrainBatch
+
+log = logging.getLogger("rltrain.rollout")
 
 
 @dataclass
@@ -51,6 +54,10 @@ def collect(client: Any, prompts: list[Prompt], params: SamplingParams, tokenize
     groups = [samples[i : i + params.n] for i in range(0, len(samples), params.n)]
     kept = [g for g in groups if all(s.error is None for s in g)]
     ok = [s for g in kept for s in g]
+    if gen_failed or reward_failed:
+        first = next(s.error for s in samples if s.error is not None)
+        log.warning("%d generations and %d rewards failed (%d of %d groups dropped); first error: %s",
+                    gen_failed, reward_failed, len(groups) - len(kept), len(groups), first)
     stats = {
         "samples": float(len(samples)),
         "generation_failed": float(gen_failed),
@@ -78,5 +85,6 @@ def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[TrainBatch, to
         loss_mask[b, P : P + R] = 1.0
         if s.completion.logprobs:
             rollout_logp[b, P : P + R] = torch.tensor(s.completion.logprobs)
-    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32).reshape(len(groups), -1)
+    n = len(groups[0]) if groups else 0
+    rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32).reshape(len(groups), n)
     return TrainBatch(tokens, attn, loss_mask, rollout_logp=rollout_logp), rewards
