@@ -33,7 +33,7 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, sampler = parts.engine, parts.trainer, parts.sampler
     clock = PhaseClock(world.device)
-    writer = MetricsWriter(cfg, world)
+    writer = MetricsWriter(cfg, world, parts.start_step)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
     leader = world.env.is_node_leader

@@ -54,13 +54,14 @@ class PhaseClock:
 
 
 class MetricsWriter:
-    def __init__(self, cfg: Any, world: Any):
+    def __init__(self, cfg: Any, world: Any, start_step: int = 0):
         self.cfg, self.world = cfg, world
         self.path = cfg.run_dir / "metrics.jsonl"
         self.bar = None
         self.tb = None
         if world.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._keep_steps_up_to(start_step)
             if cfg.metrics.progress_bar:
                 from tqdm import tqdm
 
@@ -72,6 +73,17 @@ class MetricsWriter:
                     self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"))
                 except ImportError:
                     print("metrics.tensorboard=true but tensorboard is not installed; skipping it")
+
+    def _keep_steps_up_to(self, start_step: int) -> None:
+        """A fresh run starts an empty file; a resumed one keeps the steps its checkpoint covers and
+        drops any written after it (they are run again), so no step is ever counted twice."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def step(self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict,
              clock: PhaseClock) -> dict[str, float]:

@@ -48,6 +48,11 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     for png in ("reward.png", "phase_time.png", "memory.png"):
         assert (run_dir / png).stat().st_size > 1000
     assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0.log").is_file()
+    if mode == "colocated":
+        # Run again in the same directory without checkpoints: a fresh run, not appended to the old one.
+        r = run_quickstart(tmp_path, "loop.steps=2")
+        assert r.returncode == 0, r.stderr[-4000:]
+        assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):

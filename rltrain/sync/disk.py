@@ -47,8 +47,14 @@ def publish(trainer: Any, target: Path, keep: int) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    versions = sorted(p for p in target.parent.glob("weight_v*") if p.is_dir())
-    for old in versions[:-keep] if keep > 0 else []:
+    # Versions above this one were written by an earlier run that went further (a fresh start
+    # or a resume from an older checkpoint in the same directory): they are stale, remove them.
+    # Of the rest keep the newest `keep`, this one included.
+    number = lambda p: int(p.name.removeprefix("weight_v"))  # noqa: E731
+    versions = sorted((p for p in target.parent.glob("weight_v*") if p.is_dir()), key=number)
+    stale = [p for p in versions if number(p) > number(target)]
+    older = [p for p in versions if number(p) <= number(target)]
+    for old in stale + (older[:-keep] if keep > 0 else []):
         shutil.rmtree(old, ignore_errors=True)
     return target
 
