@@ -53,8 +53,10 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
 
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
     model_path = Path(cfg.model.path)
-    if cfg.model.build == "tiny-addition" and not model_path.exists():
-        _on_rank0(world, "building the tiny model", lambda: synthetic.build_tiny_model(
+    if cfg.model.build == "tiny-addition":
+        # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
+        # `exists()` itself raced with rank 0's build: a late rank skipped the collective.)
+        _on_rank0(world, "building the tiny model", lambda: model_path.exists() or synthetic.build_tiny_model(
             model_path, synthetic.addition_words(), hidden=cfg.model.build_hidden, layers=cfg.model.build_layers,
             seed=cfg.run.seed))
     if not (model_path / "config.json").is_file():
@@ -111,7 +113,11 @@ def _resume(cfg: Any, checkpointer: Any, trainer: Any, sampler: Any) -> Any:
     if mode == "none":
         return None
     if mode == "auto":
-        path = find_resumable(checkpointer.root) if checkpointer.root.is_dir() else None
+        # Rank 0 chooses and every rank takes its choice: all must load the same checkpoint.
+        found = None
+        if checkpointer.world.rank == 0 and checkpointer.root.is_dir():
+            found = find_resumable(checkpointer.root)
+        path = checkpointer.world.bridge.broadcast_object(found, src=0, phase="resume choice")
         if path is None:
             return None
     else:
