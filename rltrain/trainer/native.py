@@ -246,12 +246,11 @@ class TorchTrainer:
             local_tokens = mb.loss_mask.sum()
             if algo.entropy_coef:
                 loss = loss - algo.entropy_coef * aggregate(ent, mb.loss_mask, algo.loss_agg, normalizer)
-            if algo.kl_coef and algo.kl_in == "loss":
-                kl = kl_penalty(logp, mb.ref_logp, algo.kl_estimator)
-                loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
             if algo.kl_coef and mb.ref_logp is not None:
-                with torch.no_grad():
-                    acc["kl"] += float((kl_penalty(logp, mb.ref_logp, algo.kl_estimator) * mb.loss_mask).sum())
+                kl = kl_penalty(logp, mb.ref_logp, algo.kl_estimator)  # computed once: loss term and metric
+                if algo.kl_in == "loss":
+                    loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
+                acc["kl"] += float((kl.detach() * mb.loss_mask).sum())
             loss.backward()
             w = float(local_tokens)
             acc["loss"] += float(loss.detach())
