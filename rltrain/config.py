@@ -208,6 +208,24 @@ class ReleaseConfig:
 
 
 @dataclass
+class SyncConfig:
+    """How new weights reach the engines after each step (rltrain/sync/)."""
+
+    # tensor: handles to one buffer per bucket (CUDA IPC on GPU, shared memory on CPU), colocated;
+    # disk: HF safetensors per version; delta: XOR+zstd against the last version, applied next
+    # to the engine before a disk load (for slow shared storage, not colocated); distributed:
+    # broadcast over a weight-update group made through /init_weights_update_group.
+    transport: Literal["disk", "tensor", "delta", "distributed"] = "disk"
+    bucket_mb: int = 512
+    delta_full_every: int = 10  # every K-th version is published in full
+    verify: bool = True  # compare the engine's weight checksum with the trainer's after every sync
+
+    def check(self) -> None:
+        if self.bucket_mb < 1 or self.delta_full_every < 1:
+            raise ConfigError("sync.bucket_mb and sync.delta_full_every must be >= 1")
+
+
+@dataclass
 class MetricsConfig:
     progress_bar: bool = True
     tensorboard: bool = False
@@ -270,6 +288,7 @@ class Config:
     loop: LoopConfig = field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     release: ReleaseConfig = field(default_factory=ReleaseConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
@@ -281,6 +300,9 @@ class Config:
         if self.release.train and self.release.source == "host" and self.checkpoint.interval == 0:
             raise ConfigError("release.train with release.source=host keeps the released trainer only in RAM: "
                               "set checkpoint.interval >= 1 so it is also written to disk")
+        if self.sync.transport == "delta" and self.loop.colocate:
+            raise ConfigError("sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
+                              "disk, but colocated engines read the trainer's memory directly (use tensor)")
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
             raise ConfigError(f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
                               f"got {self.rollout.n}")

@@ -2,11 +2,12 @@
 
     ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
     ENGINE ->      release engine memory (weights, KV cache)               [colocate]
-    TRAIN          world rebuild, trainer onload, old/ref log-probs, advantages, optimizer steps
+    TRAIN          world rebuild, trainer onload (re-sharded onto the new group), old/ref
+                   log-probs, advantages, optimizer steps, checkpoint
+    SYNC           engine resumes weights; the trainer gathers its shards and sends the new
+                   version (sync.transport), every engine loads it; version and checksum verified
     RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
-    SYNC           engine resumes weights, new version published to disk and loaded by every
-                   engine, version verified on every rank (disk sync needs no NCCL)
-    OFFLOAD        trainer params, grads and optimizer state to host memory
+    OFFLOAD        trainer params and optimizer state to host memory (or released)
     ENGINE <-      engine resumes the KV cache                               [colocate]
 """
 
@@ -24,7 +25,7 @@ from rltrain.engine.protocol import SamplingParams
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.collect import build_batch, collect
 from rltrain.setup import RunParts, setup_run
-from rltrain.sync.disk import StaleWeightsError, publish_and_load
+from rltrain.sync.disk import StaleWeightsError
 
 log = logging.getLogger("rltrain.loop")
 
@@ -77,15 +78,15 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                                                     {"sampler": sampler.state_dict()})
                 if cfg.release.train and cfg.release.source == "host":
                     snapshot = trainer.snapshot()
-            with clock.phase("world_destroy"):
-                world.destroy()  # NCCL teardown (~0.5 s inside NCCL) runs in the background during sync
             with clock.phase("engine_resume_weights"):
                 if cfg.loop.colocate and leader:
                     engine.client.resume(["weights"])
                 world.bridge.barrier(phase="engine resume weights")
             with clock.phase("sync"):
                 version = str(step + 1)
-                publish_and_load(cfg, world, trainer, engine.client, version)
+                train_stats.update(parts.sync.push(version))  # gathers shards: world up
+            with clock.phase("world_destroy"):
+                world.destroy()  # NCCL teardown (~0.5 s inside NCCL) runs in the background during offload
             with clock.phase("trainer_offload"):
                 if cfg.release.train:
                     trainer.release()
@@ -117,10 +118,10 @@ def save_due(cfg: Any, step: int) -> bool:
 
 def recreate(cfg: Any, trainer: Any, checkpointer: Any, saved: Any, snapshot: Any) -> None:
     """Build the released trainer again and restore it, from the host snapshot or the checkpoint."""
-    trainer.create(load_weights=False)
     if cfg.release.source == "host":
         trainer.restore_snapshot(snapshot)
     else:
+        trainer.create(load_weights=False)
         checkpointer.load(saved, trainer, restore_rank_state=False)
 
 
@@ -138,12 +139,13 @@ def _prepare(cfg: Any, trainer: Any, rollout: Any) -> tuple[Any, torch.Tensor | 
     """Old/ref log-probs and advantages for this rank's kept groups (an empty batch if none:
     the rank still joins every collective of the train step)."""
     batch, rewards = build_batch(rollout.groups, trainer.pad_id)
-    if len(batch) == 0:
-        return batch, rewards, {}
-    batch.old_logp, _ = trainer.logprobs(batch)
-    token_kl = None
+    batch.old_logp, _ = trainer.logprobs(batch)  # collectives: also on a rank without samples
     if cfg.algo.kl_coef > 0:
         batch.ref_logp, _ = trainer.logprobs(batch, reference=True)
+    if len(batch) == 0:
+        return batch, rewards, {}
+    token_kl = None
+    if cfg.algo.kl_coef > 0:
         token_kl = kl_penalty(batch.old_logp, batch.ref_logp, cfg.algo.kl_estimator) * batch.loss_mask
     in_reward = cfg.algo.kl_in == "reward" and cfg.algo.kl_coef > 0
     batch.advantages = compute_advantages(cfg.algo.advantage, rewards, batch.loss_mask, norm_std=cfg.algo.norm_std,

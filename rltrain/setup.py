@@ -20,9 +20,11 @@ class RunParts:
     checkpointer: Any
     start_step: int
     initial_version: str | None
+    sync: Any
 
     def close(self) -> None:
         self.rewards.close()
+        self.sync.close()
         self.engine.shutdown()
 
 
@@ -45,7 +47,7 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
 
     from rltrain.checkpoint import Checkpointer
     from rltrain.engine.launcher import NodeEngine
-    from rltrain.sync.disk import publish_and_load
+    from rltrain.sync.weight_sync import WeightSync
     from rltrain.rollout import synthetic
     from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
     from rltrain.rollout.rewards import RewardRunner, load_reward
@@ -91,14 +93,15 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
 
     engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir)
     engine.client.vocab_size = model_cfg.vocab_size
+    sync = WeightSync(cfg, world, trainer, engine.client, cfg.engine_model_path or str(model_path))
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
-        publish_and_load(cfg, world, trainer, engine.client, restored.version)
+        sync.push(restored.version)
     initial = engine.client.weight_version()
     log.info("engine %s serves weight version %s; %d prompts, %d per step", engine.url, initial, len(prompts),
              cfg.data.prompts_per_step)
     return RunParts(tokenizer, sampler, rewards, trainer, engine, checkpointer,
-                    restored.step if restored else 0, initial)
+                    restored.step if restored else 0, initial, sync)
 
 
 def checkpoint_dir(cfg: Any) -> Path:

@@ -98,3 +98,52 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base_alloc  # stated margin: nothing of the trainer stays allocated
     assert torch.cuda.memory_reserved() <= 2 * 2**20  # and the allocator gave its cache back (<= 2 MiB kept)
+
+
+def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monkeypatch):
+    """FSDP2 over a (one-rank) NCCL world: each destroy/rebuild re-shards the trainer onto the new
+    group; offload leaves no trainer tensor on the GPU; training continues with the same result as
+    a trainer that never offloads (one H200: NCCL refuses two ranks on one device)."""
+    from torch.distributed.tensor import DTensor
+
+    from models import make_model
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.world import World
+    from rltrain.trainer.native import TorchTrainer, TrainBatch
+
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
+    B, L = 8, 32
+    g = torch.Generator().manual_seed(0)
+    batch = TrainBatch(torch.randint(1, 8192, (B, L), generator=g), torch.ones(B, L, dtype=torch.long),
+                       torch.ones(B, L), advantages=torch.randn(B, L, generator=g))
+    world = World(backend="nccl", timeout=60)
+    try:
+        torch.cuda.synchronize()
+        base_alloc = torch.cuda.memory_allocated()
+        cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="float32")
+        cycled, steady = (TorchTrainer(cfg, AlgoConfig(kl_coef=0.01), str(path), torch.device("cuda")) for _ in range(2))
+        for t in (cycled, steady):
+            t.create()
+            assert isinstance(t.model.get_input_embeddings().weight, DTensor)
+        for _ in range(3):
+            for t in (cycled, steady):
+                batch.old_logp, _ = t.logprobs(batch)
+                batch.ref_logp, _ = t.logprobs(batch, reference=True)
+                t.train_step(batch)
+            cycled.offload()
+            steady_bytes = sum(p.to_local().numel() * p.element_size() for p in steady.model.parameters())
+            torch.cuda.synchronize()
+            # What is left is the steady trainer: params + 2 Adam moments + reference.
+            assert torch.cuda.memory_allocated() - base_alloc <= 4 * steady_bytes + 2**20
+            world.destroy()
+            world.wait_destroyed()
+            world.rebuild()
+            steady.onload()  # not offloaded: re-sharded in place onto the new group
+            cycled.onload()
+        a, b = dict(cycled.export_weights()), dict(steady.export_weights())
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    finally:
+        world.close()

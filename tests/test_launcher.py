@@ -100,3 +100,15 @@ def test_engine_that_cannot_start_reports_why(tmp_path):
     cfg = engine_config("native")
     with pytest.raises(EngineCrashed, match=r"did not become healthy.*\n(.|\n)*does-not-exist"):
         NodeEngine._start_healthy(cfg, str(tmp_path / "does-not-exist"), tmp_path / "engine.log")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sglang_command_places_the_server_on_the_configured_device(deterministic):
+    from rltrain.config import EngineConfig
+    from rltrain.engine.launcher import server_command
+
+    cpu = server_command(EngineConfig(backend="sglang", device="cpu", deterministic=deterministic), "/m", 1)
+    gpu = server_command(EngineConfig(backend="sglang", device="cuda", deterministic=deterministic), "/m", 1)
+    assert cpu[cpu.index("--device") + 1] == "cpu" and "--disable-cuda-graph" in cpu
+    assert "--device" not in gpu and "--enable-memory-saver" in gpu
+    assert ("--enable-deterministic-inference" in cpu) == ("--enable-deterministic-inference" in gpu) == deterministic

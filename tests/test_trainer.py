@@ -36,28 +36,42 @@ def one_step(t: TorchTrainer, batch: TrainBatch) -> dict:
     return t.train_step(batch)
 
 
-def _dp_rank(rank: int, world_size: int, path: str) -> dict:
+def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool) -> dict:
+    from torch.distributed.tensor import DTensor
+
     from rltrain.runtime.world import World
 
     world = World(backend="gloo", timeout=60)
     try:
-        t = make_trainer(path, micro=1)
+        t = make_trainer(path, micro=1 + rank)  # unequal micro-batch counts per rank: idle passes
         full = fixed_batch()
         mine = full.slice(slice(rank * 4, rank * 4 + 4))  # uneven token counts per rank (padding)
-        stats = one_step(t, mine)
-        return {"weights": {k: v.clone() for k, v in t.model.state_dict().items()}, "grad_norm": stats["grad_norm"]}
+        embed = t.model.get_input_embeddings().weight
+        assert isinstance(embed, DTensor) and embed.to_local().shape[0] == embed.shape[0] // 2  # FSDP2 shards
+        norms, groups = [], {id(t._group)}
+        for _ in range(steps):
+            if cycle:
+                world.destroy()
+                world.rebuild()
+                t.onload()  # re-shards onto the rebuilt group
+                groups.add(id(t._group))
+            norms.append(one_step(t, mine)["grad_norm"])
+        return {"weights": {k: v.clone() for k, v in t.export_weights()}, "grad_norm": norms, "groups": len(groups)}
     finally:
         world.close()
 
 
-def test_two_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path):
+@pytest.mark.parametrize("steps,cycle", [(1, False), (3, True)], ids=["one-step", "world-cycles-between-steps"])
+def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle):
     path = make_model(tmp_path / "m", seed=5)
-    ranks = values(run_ranks(_dp_rank, 2, str(path), deadline_s=180))
+    ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, deadline_s=180))
     single = make_trainer(path, micro=3)  # different micro-batching too: accumulation must not matter
-    stats = one_step(single, fixed_batch())
+    norms = [one_step(single, fixed_batch())["grad_norm"] for _ in range(steps)]
     ref = single.model.state_dict()
     for r in ranks:
-        assert r["grad_norm"] == pytest.approx(stats["grad_norm"], rel=1e-4)
+        assert r["groups"] == (steps + 1 if cycle else 1)  # a fresh group after every rebuild
+        assert r["grad_norm"] == pytest.approx(norms, rel=1e-4)
+        assert set(r["weights"]) == set(ref)
         for k, v in ref.items():
             # Adam's first step is ~lr * sign(g): where g is ~0, rounding may move it; 1% of lr is allowed.
             torch.testing.assert_close(r["weights"][k], v, rtol=1e-4, atol=1e-4)
@@ -115,8 +129,10 @@ def _empty_rank(rank: int, world_size: int, path: str) -> dict:
         else:
             batch, rewards = build_batch([], pad_id=0)  # every group of this rank was dropped
             assert len(batch) == 0 and rewards.shape == (0, 0)
+            batch.old_logp, _ = t.logprobs(batch)  # joins rank 0's forward passes
+            assert batch.old_logp.shape == (0, 1)
         stats = t.train_step(batch)
-        return {"weights": {k: v.clone() for k, v in t.model.state_dict().items()}, "grad_norm": stats["grad_norm"]}
+        return {"weights": {k: v.clone() for k, v in t.export_weights()}, "grad_norm": stats["grad_norm"]}
     finally:
         world.close()
 

@@ -128,7 +128,6 @@ def main(argv: list[str] | None = None) -> int:
             snap_s = time.perf_counter() - t0
             t.release()
             t0 = time.perf_counter()
-            t.create(load_weights=False)
             t.restore_snapshot(snap)
             if device.type == "cuda":
                 torch.cuda.synchronize()

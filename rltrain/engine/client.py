@@ -234,12 +234,14 @@ class EngineClient:
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]],
         group_name: str = "weight_update_group", weight_version: str | None = None, flush_cache: bool = True,
+        load_format: str | None = None,
     ) -> dict:
-        return self._checked(
-            "/update_weights_from_distributed",
-            {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-             "weight_version": weight_version, "flush_cache": flush_cache},
-        )
+        """`load_format="flattened_bucket"`: one uint8 broadcast holding the tensors back to back."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "weight_version": weight_version, "flush_cache": flush_cache}
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._checked("/update_weights_from_distributed", body)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._checked("/destroy_weights_update_group", {"group_name": group_name})
@@ -247,6 +249,10 @@ class EngineClient:
     def weight_version(self) -> str | None:
         data = _json_or_text(self._request("GET", "/model_info"))
         return data.get("weight_version") if isinstance(data, dict) else None
+
+    def weights_checksum(self) -> dict:
+        """The embedded engine's checksum of the weights it owns (GET /weights_checksum; SGLang has none)."""
+        return _json_or_text(self._request("GET", "/weights_checksum"))
 
     def memory_report(self) -> dict:
         """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""

@@ -70,11 +70,11 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
                "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype]
         if device == "cuda":
             cmd.append("--enable-memory-saver")
-        if cfg.deterministic:
-            cmd.append("--enable-deterministic-inference")
         else:
             # What runs on CPU (see README): torch-native attention, no CUDA graphs.
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        if cfg.deterministic:
+            cmd.append("--enable-deterministic-inference")
     else:
         raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, native or sglang")
     return cmd + list(cfg.extra_args)

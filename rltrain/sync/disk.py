@@ -1,78 +1,108 @@
-"""Disk weight sync: publish an HF checkpoint per version, every engine loads it, versions verified.
+"""Weight versions on disk: atomic publication, a checksummed manifest, pruning.
 
-Rank 0 writes `<weights_dir>/weight_v{N:06d}` through a temporary directory (files fsynced, then
-renamed into place), so an engine can never load a half-written version; older versions beyond
-`loop.keep_weight_versions` are pruned. Each node's engine then loads it with the version number
-and every rank checks that its engine reports that version. With several nodes, `weights_dir`
-must be on a filesystem all nodes see.
+A version is a directory `<weights_dir>/weight_v{N:06d}`, written into a temporary directory
+(every file fsynced) and renamed into place, so no reader ever sees half of one. Its manifest
+`rltrain_version.json` names the version, its kind (`full`: an HF checkpoint loadable by
+`from_pretrained`; `delta`: see delta.py) and the xxh3 of every file, which the receiving side
+checks before an engine loads anything: a corrupt or truncated shard is refused and the engine
+keeps serving the version it has. Versions beyond `loop.keep_weight_versions` are pruned, and so
+are versions numbered above the new one (left by an earlier run that went further).
+With several nodes, `weights_dir` must be on a filesystem all nodes see.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import xxhash
+
+from rltrain.sync.hf_files import fsync_file
+
+MANIFEST = "rltrain_version.json"
 
 
 class StaleWeightsError(RuntimeError):
     """An engine serves a weight version other than the one just published."""
 
 
+class CorruptWeightsError(ValueError):
+    """A published weight version does not match its manifest."""
+
+
 def weights_dir(cfg: Any) -> Path:
     return Path(cfg.loop.weights_dir) if cfg.loop.weights_dir else cfg.run_dir / "weights"
 
 
-def version_dir(cfg: Any, version: str) -> Path:
-    return weights_dir(cfg) / f"weight_v{int(version):06d}"
+def version_dir(root: Path, version: str) -> Path:
+    return root / f"weight_v{int(version):06d}"
 
 
-def publish(trainer: Any, target: Path, keep: int) -> Path:
+def file_digest(path: Path) -> str:
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def publish(target: Path, keep: int, write: Callable[[Path], dict[str, Any]]) -> Path:
+    """Run `write(tmp_dir) -> manifest fields`, add file digests, fsync, rename to `target`, prune."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp"))
     try:
-        trainer.save_pretrained(str(tmp))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+        fields = write(tmp)
+        files = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({**fields, "files": files}, indent=1))
+        fsync_file(manifest)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        dirfd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
+        _fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # Versions above this one were written by an earlier run that went further (a fresh start
-    # or a resume from an older checkpoint in the same directory): they are stale, remove them.
-    # Of the rest keep the newest `keep`, this one included.
-    number = lambda p: int(p.name.removeprefix("weight_v"))  # noqa: E731
-    versions = sorted((p for p in target.parent.glob("weight_v*") if p.is_dir()), key=number)
-    stale = [p for p in versions if number(p) > number(target)]
-    older = [p for p in versions if number(p) <= number(target)]
-    for old in stale + (older[:-keep] if keep > 0 else []):
-        shutil.rmtree(old, ignore_errors=True)
+    prune(target, keep)
     return target
 
 
-def publish_and_load(cfg: Any, world: Any, trainer: Any, client: Any, version: str) -> None:
-    target = version_dir(cfg, version)
-    error = None
-    if world.rank == 0:
-        try:
-            publish(trainer, target, cfg.loop.keep_weight_versions)
-        except OSError as e:
-            error = f"publishing weight version {version} to {target} failed: {e}"
-    errors = world.bridge.all_gather_object(error, phase="sync publish")
-    if any(errors):
-        raise OSError(next(e for e in errors if e))
-    if world.env.is_node_leader:
-        client.update_weights_from_disk(str(target), weight_version=version)
-    world.bridge.barrier(phase="sync load")
-    served = client.weight_version()
-    if served != version:
-        raise StaleWeightsError(f"rank {world.rank}: engine serves weight version {served!r} after loading {version!r}")
+def prune(newest: Path, keep: int) -> None:
+    number = lambda p: int(p.name.removeprefix("weight_v"))  # noqa: E731
+    versions = sorted((p for p in newest.parent.glob("weight_v*") if p.is_dir()), key=number)
+    stale = [p for p in versions if number(p) > number(newest)]
+    older = [p for p in versions if number(p) <= number(newest)]
+    for old in stale + (older[:-keep] if keep > 0 else []):
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise CorruptWeightsError(f"weight version {path}: unreadable manifest {MANIFEST} ({e})") from None
+
+
+def verify(path: Path) -> dict[str, Any]:
+    """Check every file of a published version against its manifest; returns the manifest."""
+    manifest = read_manifest(path)
+    for name, digest in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            raise CorruptWeightsError(f"weight version {path}: {name} is missing")
+        if file_digest(f) != digest:
+            raise CorruptWeightsError(f"weight version {path}: {name} does not match its checksum (corrupt or "
+                                      f"partly written); the engine keeps its current weights")
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,12 +1,11 @@
-"""The torch-native trainer: a transformers causal LM, AdamW, data parallel by gradient all-reduce.
+"""The torch-native trainer: a transformers causal LM, AdamW, FSDP2 data parallel.
 
-Data parallelism. Every rank holds the full model and trains on its own samples; after the
-backward passes of a mini-batch, gradients are summed across ranks with one all_reduce per
-dtype over the world's *current* default group. Because the loss is normalised by the global
-token (or sequence) count of the mini-batch, the summed gradient is exactly the full-batch
-gradient. Holding no process group (unlike DDP or FSDP, which keep the group they were built
-with) is what lets the world be destroyed and rebuilt under the trainer between steps.
-This is the data-parallel mode on CPU (gloo) and, for now, on GPU too (NCCL).
+Data parallelism. Under torch.distributed the model is sharded with FSDP2 (`fully_shard`) over
+the world's *current* default group, gloo on CPU and NCCL on GPU; every rank trains on its own
+samples. The loss is normalised by the global token (or sequence) count of the mini-batch and
+FSDP2 sums the gradients, so the result is exactly the full-batch gradient. FSDP binds a module to
+its group for good, and the world destroys that group between steps: `onload` re-shards the
+trainer onto the rebuilt group from its local shards (`sharding.py`).
 
 Batch layout. All per-token tensors are [B, L] over the full sequence (prompt + response, right
 padded): `tokens`, `attention_mask`, `loss_mask` (1 on response tokens), `advantages`,
@@ -27,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
+from rltrain.models.hf_names import checkpoint_specs, module_weights, to_checkpoint
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.trainer.sharding import capture, current_group, full_tensor, load, shard
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -54,7 +55,11 @@ class TrainBatch:
 
 class TorchTrainer:
     """Trainer protocol: create, logprobs, train_step, export_weights, offload/onload, release,
-    state_dict/load_state_dict. `cfg` is `TrainerConfig`, `algo` is `AlgoConfig`."""
+    snapshot/restore_snapshot, distributed_state_dict. `cfg` is `TrainerConfig`, `algo` is `AlgoConfig`.
+
+    Under torch.distributed the model (and the reference model) is sharded with FSDP2 over the
+    world's current default group, on CPU (gloo) and GPU (NCCL) alike; see `sharding.py` for how it
+    follows the world across destroy/rebuild. Without torch.distributed it is a plain module."""
 
     def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, seed: int = 0,
                  total_steps: int = 1, temperature: float = 1.0):
@@ -70,42 +75,73 @@ class TorchTrainer:
         self.ref_model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        self.offloaded = False
         self.steps = 0
         self.pad_id = 0
+        self._group: Any = None  # the process group the modules are sharded over
+        self._parked: dict[str, Any] | None = None  # captured state while offloaded
+        self._hf_config: Any = None
+
+    @property
+    def sharded(self) -> bool:
+        return dist.is_initialized()
+
+    @property
+    def released(self) -> bool:
+        return self.model is None and self._parked is None
+
+    @property
+    def offloaded(self) -> bool:
+        return self._parked is not None
 
     # ------------------------------------------------------------------ lifecycle
 
     def create(self, load_weights: bool = True) -> None:
         """Build model, reference model and optimizer. `load_weights=False`: architecture only,
-        for a re-creation that restores its state from a checkpoint or a host snapshot next."""
+        for a re-creation that restores its state from a checkpoint next."""
+        self.model = self._build("checkpoint" if load_weights else "empty")
+        self.ref_model = self._build_reference()
+        self._new_optimizer()
+        self._group = current_group()
+        self._parked = None
+
+    def _build(self, init: str) -> torch.nn.Module:
+        """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
+        random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if load_weights:
-            self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        if init == "checkpoint":
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
         else:
-            # Allocate straight on the device and skip the random init: the state is restored
-            # next, and initialising a large model on the host costs seconds (measured on the H200).
-            # fork_rng: whatever init remains must not move the global RNG of a re-created run.
+            # Skip the random init: the state is restored next, and initialising a large model on
+            # the host costs seconds (measured on the H200). fork_rng: whatever init remains must
+            # not move the global RNG of a re-created run.
+            where = torch.device("meta") if init == "meta" else self.device
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                    _no_init_weights(), self.device:
-                self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_path),
-                                                              dtype=self.dtype)
+                    _no_init_weights(), where:
+                if self._hf_config is None:
+                    self._hf_config = AutoConfig.from_pretrained(self.model_path)
+                model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype)
+        if self.sharded:
+            shard(model, self.device)
+        if init == "meta":
+            model.to_empty(device=self.device)
+        return model
+
+    def _build_reference(self) -> torch.nn.Module | None:
+        if self.algo.kl_coef <= 0:
+            return None
+        # The reference is always the initial checkpoint, also after a re-creation.
+        ref = self._build("checkpoint").eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _new_optimizer(self) -> None:
         self.model.train()
         if self.cfg.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        if self.algo.kl_coef > 0:
-            # The reference is always the initial checkpoint, also after a re-creation.
-            self.ref_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
-            self.ref_model.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
                                            eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.offloaded = False
-
-    @property
-    def released(self) -> bool:
-        return self.model is None
 
     def _lr_factor(self, step: int) -> float:
         warm = self.cfg.warmup_steps
@@ -120,47 +156,62 @@ class TorchTrainer:
 
     def release(self) -> None:
         """Drop model, reference, optimizer (with grads and state) and allocator caches entirely.
-        Re-create with `create(load_weights=False)` and restore from a checkpoint or snapshot."""
-        self.model = self.ref_model = self.optimizer = self.scheduler = None
+        Re-create with `create(load_weights=False)` + a checkpoint, or `restore_snapshot`."""
+        self._drop()
+        self._parked = None
         gc.collect()
         if self.device.type == "cuda":
             free_cuda_caches()
         else:
             trim_host_heap()
 
+    def _drop(self) -> None:
+        self.model = self.ref_model = self.optimizer = self.scheduler = None
+
     # ------------------------------------------------------------------ offload
 
     def offload(self) -> None:
-        """Params, grads and optimizer state to host memory (pinned on GPU). No-op on a CPU device."""
+        """Params and optimizer state (and the reference) to pinned host memory; the modules
+        are dropped and every GPU byte returned. Gradients are freed after each optimizer step,
+        so there are none to move. A no-op on a CPU device."""
         if self.device.type == "cpu" or self.offloaded or self.released:
-            self.offloaded = True
             return
-        self._move(torch.device("cpu"))
+        self._parked = self._capture(to_host=True, with_reference=True)
+        self._drop()  # reference counting frees the tensors (checked); a gc pass would cost ~0.2 s
         free_cuda_caches()
-        self.offloaded = True
 
     def onload(self) -> None:
-        if self.device.type == "cpu" or not self.offloaded:
-            self.offloaded = False
-            return
-        self._move(self.device)
-        self.offloaded = False
+        """Back on the device, sharded over the current default group. A sharded trainer whose
+        group was destroyed since (a world rebuild) is re-sharded here, offloaded or not."""
+        if self._parked is not None:
+            parked, self._parked = self._parked, None
+            self._rebuild(parked)
+        elif self.sharded and self.model is not None and self._group is not current_group():
+            self._rebuild(self._capture(to_host=False, with_reference=True))
 
-    def _move(self, device: torch.device) -> None:
-        pin = device.type == "cpu"
-        for module in (self.model, self.ref_model):
-            if module is None:
-                continue
-            for p in module.parameters():
-                p.data = _moved(p.data, device, pin)
-                if p.grad is not None:
-                    p.grad = _moved(p.grad, device, pin)
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    state[k] = _moved(v, device, pin)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
+        pin = to_host and self.device.type == "cuda"
+        state = {"model": capture(self.model, self.optimizer, to_host, pin), **self.host_state()}
+        if with_reference and self.ref_model is not None:
+            state["reference"] = capture(self.ref_model, None, to_host, pin)
+        return state
+
+    def _rebuild(self, state: dict[str, Any]) -> None:
+        """Fresh modules sharded over the current group, filled from a capture."""
+        self._drop()
+        self.model = self._build("meta")
+        self._new_optimizer()
+        load(self.model, self.optimizer, state["model"])
+        self.load_host_state(state)
+        if "reference" in state:
+            self.ref_model = self._build("meta").eval()
+            self.ref_model.requires_grad_(False)
+            load(self.ref_model, None, state["reference"])
+        else:
+            self.ref_model = self._build_reference()
+        self._group = current_group()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ forward
 
@@ -179,24 +230,37 @@ class TorchTrainer:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs [B, L] (and entropy) of the policy, or of the reference model."""
+        """Per-token log-probs [B, L] (and entropy) of the policy, or of the reference model.
+        Sharded: a collective (every rank calls it, with however many samples it has)."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
         was_training = model.training
         model.eval()
-        outs, ents = [], []
-        for mb in self._micro_batches(batch):
+        L = batch.tokens.shape[1]
+        outs, ents = [torch.zeros(0, L)], [torch.zeros(0, L)]
+        for mb, real in self._micro_batches(batch):
             lp, ent = self._forward_logp(model, mb.to(self.device), with_entropy=True)
-            outs.append(lp.cpu())
-            ents.append(ent.cpu())
+            if real:
+                outs.append(lp.cpu())
+                ents.append(ent.cpu())
         model.train(was_training)
         return torch.cat(outs), torch.cat(ents)
 
-    def _micro_batches(self, batch: TrainBatch) -> Iterator[TrainBatch]:
+    def _micro_batches(self, batch: TrainBatch) -> Iterator[tuple[TrainBatch, bool]]:
+        """(micro-batch, is real). Sharded, every rank must run as many forward/backward passes
+        as the busiest one (each pass all-gathers parameters): the others add idle passes."""
         size = self.cfg.micro_batch_size
-        for i in range(0, len(batch), size):
-            yield batch.slice(slice(i, i + size))
+        mine = math.ceil(len(batch) / size)
+        total = mine
+        if self.sharded:
+            count = torch.tensor([mine], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            total = int(count)
+        for i in range(mine):
+            yield batch.slice(slice(i * size, (i + 1) * size)), True
+        for _ in range(total - mine):
+            yield _idle_batch(batch, self.pad_id), False
 
     # ------------------------------------------------------------------ train
 
@@ -231,6 +295,7 @@ class TorchTrainer:
     def _optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
         algo = self.algo
         # Global normalisers: the same loss on every rank as if the whole mini-batch were here.
+        # Sharded, FSDP2 sums the ranks' gradients (divide factor 1), giving the full-batch gradient.
         counts = torch.tensor([float(mini.loss_mask.sum()), float(len(mini))], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(counts)
@@ -238,7 +303,7 @@ class TorchTrainer:
         total_tokens = max(counts[0].item(), 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "approx_kl_old": 0.0}
-        for mb in self._micro_batches(mini):
+        for mb, _ in self._micro_batches(mini):
             mb = mb.to(self.device)
             logp, ent = self._forward_logp(self.model, mb, with_entropy=True)
             pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
@@ -258,13 +323,12 @@ class TorchTrainer:
             acc["entropy"] += float((ent.detach() * mb.loss_mask).sum())
             acc["clip_frac"] += float(stats["clip_frac"].detach()) * w
             acc["approx_kl_old"] += float(stats["approx_kl_old"].detach()) * w
-        self._all_reduce_grads()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not torch.isfinite(grad_norm):
-            self.optimizer.zero_grad(set_to_none=True)
             log.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
         else:
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # no gradients live between steps
         # Token-weighted statistics, summed over ranks.
         vec = torch.tensor([acc["loss"], acc["pg_loss"], acc["kl"], acc["entropy"], acc["clip_frac"], acc["approx_kl_old"]],
                            dtype=torch.float64, device=self.device)
@@ -274,43 +338,47 @@ class TorchTrainer:
         return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
                 "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
 
-    def _all_reduce_grads(self) -> None:
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat)
-            for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
-
     # ------------------------------------------------------------------ weights and state
 
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, tensor) of every weight, in the training dtype; tied weights once."""
+    def weight_specs(self) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+        """(checkpoint name, module name, full shape, dtype) of every weight, tied ones once; no
+        collectives. Checkpoint names are what engines load (per-expert MoE names included)."""
         assert self.model is not None
-        seen: set[int] = set()
-        for name, t in self.model.state_dict().items():
-            if t.numel() and t.data_ptr() in seen:
-                continue
-            seen.add(t.data_ptr())
-            yield name, t.detach()
+        return checkpoint_specs(self.model)
+
+    @torch.no_grad()
+    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, full tensor) of every weight (or of `names`, in their order of module
+        tensors), in the training dtype, on the trainer's device. Sharded, a collective: every rank
+        iterates it to the end with the same `names`."""
+        assert self.model is not None
+        module_tensors = dict(module_weights(self.model))
+        if names is None:
+            sources, wanted = list(module_tensors), None
+        else:
+            wanted = set(names)
+            source_of = {ck: src for ck, src, _, _ in self.weight_specs()}
+            unknown = sorted(wanted - set(source_of))
+            if unknown:
+                raise KeyError(f"no trainer weight is named {unknown[:5]}")
+            sources = list(dict.fromkeys(source_of[n] for n in names))
+        for src in sources:
+            full = full_tensor(module_tensors[src]).detach()
+            for name, t in to_checkpoint(self.model, src, full):
+                if wanted is None or name in wanted:
+                    yield name, t
 
     def save_pretrained(self, path: str) -> None:
-        """An HF checkpoint directory (config + safetensors), loadable by `from_pretrained`."""
-        assert self.model is not None
-        self.model.save_pretrained(path, safe_serialization=True)
+        """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,
+        loadable by `from_pretrained`. Sharded, a collective."""
+        from rltrain.sync.hf_files import write_checkpoint
+
+        write_checkpoint(path, self.model_path, self.export_weights(), write=not dist.is_initialized() or dist.get_rank() == 0)
 
     # -------------------------------------------------------------- checkpoint state
 
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """FQN-keyed model and optimizer state for torch.distributed.checkpoint."""
+        """FQN-keyed model and optimizer state (sharded DTensors) for torch.distributed.checkpoint."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         return get_state_dict(self.model, self.optimizer)
@@ -329,30 +397,23 @@ class TorchTrainer:
         self.steps = int(state["steps"])
 
     def snapshot(self) -> dict[str, Any]:
-        """A host-memory copy of everything needed to re-create the trainer (pinned on GPU)."""
-        pin = self.device.type == "cuda"
-
-        def copy(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
-                out.copy_(x, non_blocking=pin)
-                return out
-            if isinstance(x, dict):
-                return {k: copy(v) for k, v in x.items()}
-            if isinstance(x, (list, tuple)):
-                return type(x)(copy(v) for v in x)
-            return x
-
-        snap = {"model": copy(self.model.state_dict()), "optimizer": copy(self.optimizer.state_dict()),
-                **self.host_state()}
-        if pin:
-            torch.cuda.synchronize(self.device)
-        return snap
+        """A host-memory copy (pinned on GPU) of this rank's shard of everything needed to
+        re-create the trainer; the reference model is re-read from its checkpoint instead."""
+        return self._capture(to_host=True, with_reference=False)
 
     def restore_snapshot(self, snap: dict[str, Any]) -> None:
-        self.model.load_state_dict(snap["model"])
-        self.optimizer.load_state_dict(snap["optimizer"])
-        self.load_host_state(snap)
+        """Re-create a released trainer from `snapshot()`, sharded over the current group."""
+        self._rebuild(snap)
+
+
+def _idle_batch(like: TrainBatch, pad_id: int) -> TrainBatch:
+    """A one-sample batch that contributes nothing (empty loss mask) for a rank's idle pass."""
+    tokens = torch.full((1, 2), pad_id, dtype=torch.long)
+    zeros = torch.zeros(1, 2)
+    fields = {k: (zeros if isinstance(v, torch.Tensor) else None) for k, v in like.__dict__.items()}
+    fields.update(tokens=tokens, attention_mask=torch.ones(1, 2, dtype=torch.long), loss_mask=zeros,
+                  advantages=zeros, old_logp=zeros)
+    return TrainBatch(**fields)
 
 
 def _no_init_weights() -> Any:
@@ -361,14 +422,6 @@ def _no_init_weights() -> Any:
     except ImportError:  # transformers < 5
         from transformers.modeling_utils import no_init_weights
     return no_init_weights()
-
-
-def _moved(t: torch.Tensor, device: torch.device, pin: bool) -> torch.Tensor:
-    if pin:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        return host
-    return t.to(device, non_blocking=True)
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

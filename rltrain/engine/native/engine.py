@@ -28,6 +28,9 @@ from typing import Any
 import torch
 
 from rltrain.engine.protocol import SamplingParams
+from rltrain.models.hf_names import checkpoint_index, write
+from rltrain.sync.integrity import combine, entry
+from rltrain.sync.plan import EXPERT, num_experts
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 log = logging.getLogger("rltrain.engine.native")
@@ -61,7 +64,8 @@ class NativeEngine:
     """A transformers causal LM behind a batching scheduler thread."""
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 256,
-                 seed: int = 0, backup_dir: str | None = None, deterministic: bool = False):
+                 seed: int = 0, backup_dir: str | None = None, deterministic: bool = False,
+                 ep_size: int = 1, ep_rank: int = 0):
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
@@ -82,6 +86,18 @@ class NativeEngine:
         # are grouped so a checkpoint may carry either name.
         self._param_meta = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters(remove_duplicate=False)}
         self._aliases = _alias_groups(self.model)
+        # Updates may name weights as checkpoints do (per-expert MoE names; see models/hf_names.py).
+        self._checkpoint_names = checkpoint_index(self.model)
+        # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
+        # takes updates only for its contiguous block of experts, and checksums what it owns. The
+        # native engine has no expert-parallel forward: its weights of other experts stay as
+        # loaded, and it is used this way to receive and verify routed syncs (SGLang serves EP).
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        experts = num_experts(self.config)
+        if ep_size > 1 and (experts == 0 or experts % ep_size or not 0 <= ep_rank < ep_size):
+            raise ValueError(f"ep_size={ep_size}, ep_rank={ep_rank}: the model has {experts} experts")
+        self._experts_per_rank = experts // ep_size if ep_size > 1 else 0
+        self.bytes_loaded = 0  # bytes of weights received by updates, for sync accounting
         self.released: set[str] = set()
         self.weights_valid = True  # False after resume without a backup, until weights are loaded
         self._weights_backup: dict[str, torch.Tensor] | Path | None = None
@@ -403,7 +419,7 @@ class NativeEngine:
                 state.update(load_file(str(f)))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise ValueError(f"cannot read weight file {f}: {e}") from e
-        expected = {n for n in self._param_meta}
+        expected = set(self._checkpoint_names)
         covered = set()
         for group in self._aliases:
             if any(n in state for n in group):
@@ -427,19 +443,51 @@ class NativeEngine:
         buffers = dict(self.model.named_buffers())
         plan = []
         for name, t in named:
-            target = params.get(name)
+            target, index, shape = params.get(name), None, None
             if target is None:
                 target = buffers.get(name)
+            if target is None and name in self._checkpoint_names:
+                module_name, index, shape = self._checkpoint_names[name]
+                target = params.get(module_name, buffers.get(module_name))
             if target is None:
                 raise KeyError(f"unknown parameter {name!r} for {type(self.model).__name__}")
-            if tuple(t.shape) != tuple(target.shape):
-                raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {tuple(target.shape)}")
-            plan.append((target, t))
-        for target, t in plan:
-            target.data.copy_(t.to(device=target.device, dtype=target.dtype), non_blocking=True)
+            if not self.owns(name):
+                raise ValueError(f"parameter {name!r} belongs to another EP rank (this engine is EP rank "
+                                 f"{self.ep_rank} of {self.ep_size})")
+            expected = tuple(shape if shape is not None else target.shape)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {expected}")
+            plan.append((target, index, t))
+        for target, index, t in plan:
+            write(target.data, index, t.to(device=target.device, dtype=target.dtype, non_blocking=True))
+            self.bytes_loaded += t.numel() * t.element_size()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(plan)
+
+    def owns(self, name: str) -> bool:
+        """Whether this engine holds `name` under expert parallelism (always, without it)."""
+        if self.ep_size <= 1:
+            return True
+        m = EXPERT.search(name)
+        return m is None or int(m.group(1)) // self._experts_per_rank == self.ep_rank
+
+    @torch.no_grad()
+    def weights_checksum(self) -> dict[str, Any]:
+        """The checksum (sync/integrity.py) of every weight this engine owns, by checkpoint name."""
+        with self._model_lock:
+            if "weights" in self.released:
+                raise EngineStateError("weights are released; resume weights before checking them")
+            tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
+            sums = {}
+            for name, (module_name, index, shape) in self._checkpoint_names.items():
+                if not self.owns(name):
+                    continue
+                t = tensors[module_name]
+                sums[name] = entry(t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape))
+            return {"checksum": combine(sums), "count": len(sums), "dtype": str(self.dtype).removeprefix("torch."),
+                    "weight_version": self.weight_version, "bytes_loaded": self.bytes_loaded,
+                    "ep_rank": self.ep_rank, "ep_size": self.ep_size}
 
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._param_meta)

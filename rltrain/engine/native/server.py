@@ -67,6 +67,8 @@ class NativeServer:
                          "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version}
         if path == "/memory":
             return 200, self.engine.memory_report()
+        if path == "/weights_checksum":
+            return 200, self.engine.weights_checksum()
         if path == "/flush_cache":
             return 200, "Cache flushed."
         return 404, {"error": {"message": f"unknown endpoint GET {path}"}}
@@ -284,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deterministic", action="store_true",
                     help="run each request as its own batch, so results do not depend on what else is queued")
+    ap.add_argument("--ep-size", type=int, default=1, help="expert ownership: this engine holds experts of rank --ep-rank")
+    ap.add_argument("--ep-rank", type=int, default=0)
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     ap.add_argument("--log-level", default="INFO")
@@ -298,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
     engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                          seed=args.seed, backup_dir=args.backup_dir, deterministic=args.deterministic)
+                          seed=args.seed, backup_dir=args.backup_dir, deterministic=args.deterministic,
+                          ep_size=args.ep_size, ep_rank=args.ep_rank)
     httpd = ThreadingHTTPServer((args.host, args.port), make_handler(NativeServer(engine)))
     httpd.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())

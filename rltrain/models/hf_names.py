@@ -1,0 +1,80 @@
+"""Checkpoint names <-> a transformers model's own parameters.
+
+transformers 5 keeps some weights in a different layout than its checkpoints: MoE experts live
+as fused 3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H]) while the checkpoint, SGLang and
+every other engine name them per expert (`mlp.experts.3.gate_proj.weight`). Weight sync speaks
+checkpoint names. transformers' own `revert_weight_conversion` (what `save_pretrained` uses)
+turns a module tensor into its checkpoint tensors; we use it in both directions:
+
+- out (trainer -> engine): `to_checkpoint(model, name, tensor)` reverts one module tensor;
+- in (engine): `checkpoint_index(model)` reverts a tensor of element *indices* of each converted
+  parameter once, so every checkpoint tensor knows which elements of which module parameter it
+  came from, and `write(param, index, tensor)` scatters it back. Exact for any conversion made of
+  reshapes, slices, concatenations and transposes, with no per-architecture tables here.
+
+Models without conversions (Llama, Qwen2/3 dense) map names one to one at no cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _revert(model: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers < 5: checkpoints and modules share the layout
+        return named
+    return revert_weight_conversion(model, named)
+
+
+def to_checkpoint(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors (name, tensor) stored in module tensor `name`."""
+    out = _revert(model, {name: tensor})
+    if list(out) == [name]:
+        return [(name, tensor)]
+    return [(n, t.contiguous()) for n, t in out.items()]
+
+
+def checkpoint_specs(model: Any) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+    """(checkpoint name, module name, shape, dtype) of every weight, tied weights once, computed
+    on meta tensors (no memory, no collectives)."""
+    specs = []
+    for name, t in module_weights(model):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        for ck, ct in to_checkpoint(model, name, meta):
+            specs.append((ck, name, ct.shape, ct.dtype))
+    return specs
+
+
+def module_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """(module name, tensor) of every parameter and persistent buffer, tied parameters once."""
+    unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    return [(n, t) for n, t in model.state_dict().items() if n in unique]
+
+
+def checkpoint_index(model: Any) -> dict[str, tuple[str, torch.Tensor | None, torch.Size]]:
+    """checkpoint name -> (module name, flat element indices into it or None when identical,
+    checkpoint shape). Index tensors exist only for converted parameters (int64: 8 bytes per element)."""
+    out: dict[str, tuple[str, torch.Tensor | None, torch.Size]] = {}
+    for name, t in module_weights(model):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        reverted = to_checkpoint(model, name, meta)
+        if [n for n, _ in reverted] == [name]:
+            out[name] = (name, None, t.shape)
+            continue
+        index = torch.arange(t.numel(), dtype=torch.int64).reshape(t.shape)
+        for ck, idx in to_checkpoint(model, name, index):
+            out[ck] = (name, idx.reshape(-1), idx.shape)
+    return out
+
+
+@torch.no_grad()
+def write(target: torch.Tensor, index: torch.Tensor | None, value: torch.Tensor) -> None:
+    """Copy a checkpoint tensor into its module parameter (or a slice of it)."""
+    if index is None:
+        target.copy_(value)
+    else:
+        target.view(-1)[index.to(target.device)] = value.reshape(-1).to(target.dtype)

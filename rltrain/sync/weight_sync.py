@@ -1,0 +1,276 @@
+"""Weight sync after each step: one plan, four transports, every sync verified.
+
+Every rank calls `push(version)` with the world up: a sharded trainer all-gathers each weight
+(`trainer.export_weights(names)`, the same names in the same order on every rank), and each
+node's leader hands the full tensors to its engine by the configured transport:
+
+    tensor       per bucket, one fresh contiguous buffer passed by handle (CUDA IPC / shared
+                 memory), load_format flattened_bucket, inside a weight-update session
+    disk         rank 0 publishes an HF checkpoint version; each leader verifies its files
+                 against the manifest, then its engine loads it
+    delta        rank 0 publishes a delta (or every K-th time a full version); each leader
+                 rebuilds the full version next to its engine, verified, then loads it
+    distributed  per bucket, the leader broadcasts one flat buffer over a weight-update group
+                 made once through /init_weights_update_group (NCCL on GPU, gloo on CPU)
+
+Integrity: while sending, the leader checksums each tensor in the engine's dtype; afterwards
+the engine reports its version and its own checksum over what it holds, and a mismatch fails
+the step on every rank (`WeightMismatchError`). SGLang has no checksum endpoint: there the
+version is verified (and said so once in the log).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from rltrain.engine import tensor_payload
+from rltrain.engine.client import EngineError
+from rltrain.sync.delta import DeltaPublisher, reconstruct
+from rltrain.sync.disk import CorruptWeightsError, StaleWeightsError, publish, verify, version_dir, weights_dir
+from rltrain.sync.hf_files import write_checkpoint
+from rltrain.sync.integrity import WeightMismatchError, combine, entry
+from rltrain.sync.plan import EngineTopology, SyncPlan, WeightSpec, build_plan, num_experts
+
+log = logging.getLogger("rltrain.sync")
+
+
+class WeightSync:
+    def __init__(self, cfg: Any, world: Any, trainer: Any, client: Any, engine_model_path: str):
+        from transformers import AutoConfig
+
+        self.cfg, self.world, self.trainer, self.client = cfg, world, trainer, client
+        self.transport = cfg.sync.transport
+        self.leader = world.env.is_node_leader
+        self.root = weights_dir(cfg)
+        weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in trainer.weight_specs()]
+        engine_names, aliases = checkpoint_names(engine_model_path)
+        experts = num_experts(AutoConfig.from_pretrained(engine_model_path))
+        self.plan: SyncPlan = build_plan(weights, EngineTopology((1,), experts), cfg.sync.bucket_mb << 20,
+                                         engine_names, aliases)
+        self.engine_dtype: torch.dtype | None = None
+        self.engine_checksums = False
+        if self.leader:
+            self.engine_dtype, self.engine_checksums = _probe(client)
+            if cfg.sync.verify and not self.engine_checksums:
+                log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
+        self.publisher = DeltaPublisher(cfg.sync.delta_full_every) if world.rank == 0 else None
+        self.node_dir = self.root / f"node{world.env.node_rank}"  # delta: full versions rebuilt for this node
+        self.node_base: Path | None = None
+        self._group: Any = None
+        self._group_name = f"rltrain_weights_node{world.env.node_rank}"
+
+    # ------------------------------------------------------------------ entry
+
+    def push(self, version: str) -> dict[str, float]:
+        """Send the trainer's weights as `version`; verified on return (collective)."""
+        t0 = time.perf_counter()
+        sums: dict[str, Any] = {}
+        error = None
+        try:
+            if self.transport in ("disk", "delta"):
+                sent = self._via_disk(version, sums)
+            else:
+                sent = self._via_buckets(version, sums)
+        except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
+            error, sent = f"rank {self.world.rank}: sync of version {version} by {self.transport} failed: {e}", 0
+        errors = self.world.bridge.all_gather_object(error, phase="sync")
+        if any(errors):
+            raise SyncError(next(e for e in errors if e))
+        self._verify(version, sums)
+        log.debug("synced version %s by %s: %d bytes in %.3fs", version, self.transport, sent, time.perf_counter() - t0)
+        return {"sync_bytes": float(sent)}  # its time is the loop's "sync" phase
+
+    def _stream(self, names: list[str] | None, sums: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The trainer's tensors (a collective); the leader checksums each in the engine's dtype."""
+        for name, t in self.trainer.export_weights(names):
+            if self.leader and self.cfg.sync.verify:
+                sums[name] = entry(t if self.engine_dtype is None else t.to(self.engine_dtype))
+            yield name, t
+
+    # ------------------------------------------------------------------ disk and delta
+
+    def _via_disk(self, version: str, sums: dict[str, Any]) -> int:
+        tensors = self._stream(None, sums)
+        target = version_dir(self.root, version)
+        error = None
+        try:
+            if self.world.rank == 0:
+                publish(target, self.cfg.loop.keep_weight_versions, lambda tmp: self._write(tmp, version, tensors))
+                if self.publisher is not None and self.transport == "delta":
+                    self.publisher.commit()
+        except (OSError, ValueError) as e:
+            error = f"publishing weight version {version} to {target} failed: {e}"
+        finally:
+            for _ in tensors:  # every rank joins every all-gather, also after a failed write
+                pass
+        errors = self.world.bridge.all_gather_object(error, phase="sync publish")
+        if any(errors):
+            raise OSError(next(e for e in errors if e))
+        sent = sum(f.stat().st_size for f in target.iterdir()) if self.leader else 0
+        if self.leader:
+            path = self._local_full_version(target)
+            self.client.update_weights_from_disk(str(path), weight_version=version)
+        return sent
+
+    def _write(self, tmp: Path, version: str, tensors: Any) -> dict[str, Any]:
+        model_path = self.trainer.model_path
+        if self.transport == "delta":
+            return self.publisher.write(tmp, version, tensors, model_path)
+        write_checkpoint(tmp, model_path, tensors)
+        return {"version": version, "kind": "full"}
+
+    def _local_full_version(self, published: Path) -> Path:
+        """The verified full version this node's engine loads: the published one, or for a delta
+        the one rebuilt here from this node's previous version."""
+        manifest = verify(published)
+        if manifest["kind"] == "full":
+            self.node_base = published
+            return published
+        if self.node_base is None or not self.node_base.exists():
+            raise CorruptWeightsError(f"{published.name} is a delta but this node holds no base version")
+        out = publish(version_dir(self.node_dir, manifest["version"]), 2,
+                      lambda tmp: (reconstruct(published, self.node_base, tmp),
+                                   {"version": manifest["version"], "kind": "full"})[1])
+        self.node_base = out
+        return out
+
+    # ------------------------------------------------------------------ tensor and distributed
+
+    def _via_buckets(self, version: str, sums: dict[str, Any]) -> int:
+        sent, failure = 0, None
+        session = self.leader and self.transport == "tensor"
+        if self.transport == "distributed" and self.leader and self._group is None:
+            self._group = self._open_group()
+        if session:
+            self.client.begin_weight_update()
+        try:
+            last = len(self.plan.buckets) - 1
+            for i, bucket in enumerate(self.plan.buckets):
+                named = list(self._stream(bucket.names, sums))
+                if not self.leader or failure is not None:
+                    continue  # keep joining the all-gathers; the failure is reported after
+                try:
+                    tag = version if i == last else None
+                    if self.transport == "tensor":
+                        self._send_handles(named, tag)
+                    else:
+                        self._broadcast(named, tag)
+                    sent += bucket.nbytes
+                except (EngineError, OSError, RuntimeError, ValueError) as e:
+                    failure = e
+        finally:
+            if session:
+                self.client.end_weight_update()
+        if failure is not None:
+            raise RuntimeError(str(failure)) from failure
+        return sent
+
+    def _send_handles(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        # A fresh buffer per bucket: the engine may still be copying from the previous one.
+        bucket = tensor_payload.flatten_bucket(named)
+        payload = tensor_payload.serialize(bucket)
+        self.client.update_weights_from_tensor([payload] * self.cfg.engine.tp_size, load_format="flattened_bucket",
+                                               weight_version=version, flush_cache=version is not None)
+        del bucket  # only now: the engine has answered, its copies are done
+
+    def _open_group(self) -> Any:
+        from rltrain.engine.launcher import free_port
+        from rltrain.engine.weight_group import open_weight_update_group
+
+        port = free_port()
+        backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
+        size = 1 + self.cfg.engine.tp_size
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.client.init_weights_update_group, "127.0.0.1", port, 1, size,
+                                 self._group_name, backend)
+            pg = open_weight_update_group("127.0.0.1", port, 0, size, self._group_name, backend,
+                                          timeout_s=self.cfg.engine.request_timeout_s)
+            joined.result()
+        return pg
+
+    def _broadcast(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        import torch.distributed as dist
+
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(self.client.update_weights_from_distributed, [n for n, _ in named],
+                                   [str(t.dtype).removeprefix("torch.") for _, t in named],
+                                   [list(t.shape) for _, t in named], self._group_name, version,
+                                   version is not None, "flattened_bucket")
+            dist.broadcast(flat, group=self._group, group_src=0)
+            received.result()
+
+    def close(self) -> None:
+        if self._group is not None:
+            from rltrain.engine.weight_group import close_weight_update_group
+
+            try:
+                self.client.destroy_weights_update_group(self._group_name)
+            except EngineError as e:
+                log.warning("engine did not leave the weight-update group: %s", e)
+            close_weight_update_group(self._group)
+            self._group = None
+
+    # ------------------------------------------------------------------ verify
+
+    def _verify(self, version: str, sums: dict[str, Any]) -> None:
+        error, kind = None, WeightMismatchError
+        try:
+            if self.leader and self.cfg.sync.verify and self.engine_checksums:
+                rep = self.client.weights_checksum()
+                mine = combine(sums)
+                if rep["weight_version"] != version or rep["checksum"] != mine:
+                    error = (f"rank {self.world.rank}: after syncing version {version}, the engine serves version "
+                             f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
+                             f"tensors; the trainer's is {mine} over {len(sums)}")
+            served = self.client.weight_version()
+            if error is None and served != version:
+                kind = StaleWeightsError
+                error = f"rank {self.world.rank}: engine serves weight version {served!r} after loading {version!r}"
+        except EngineError as e:
+            error = f"rank {self.world.rank}: cannot verify weight version {version}: {e}"
+        errors = self.world.bridge.all_gather_object(error, phase="sync verify")
+        if any(errors):
+            raise kind(next(e for e in errors if e))
+
+
+class SyncError(RuntimeError):
+    """A rank could not send or load a weight version; the engine keeps its previous weights."""
+
+
+def _probe(client: Any) -> tuple[torch.dtype | None, bool]:
+    try:
+        rep = client.weights_checksum()
+    except (EngineError, ValueError, TypeError):
+        return None, False
+    if not isinstance(rep, dict) or "dtype" not in rep:
+        return None, False
+    return getattr(torch, rep["dtype"]), True
+
+
+def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:
+    """The weight names of the checkpoint the engine was started from (headers only) and, for
+    tied embeddings, the alias of the output head."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    root = Path(model_path)
+    names: set[str] = set()
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names.update(h.keys())
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}: cannot check what the engine holds")
+    aliases = {}
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+        embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+        if embed:
+            aliases["lm_head.weight"] = embed
+    return names, aliases

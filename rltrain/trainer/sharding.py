@@ -1,0 +1,115 @@
+"""FSDP2 over the world's current default group, and the model state as per-rank local shards.
+
+Why local shards. `fully_shard` binds a module to the process group of its mesh for good, and
+the world destroys that group between steps. So a sharded trainer never outlives its group:
+its state is captured as plain local tensors (`capture`: the rank's shard of every parameter,
+the replicated buffers, the optimizer state), the module is dropped, and a fresh module is
+sharded onto the rebuilt group and filled from those tensors (`restore`). With the same ranks in
+the same order, FSDP2 gives every rank the same dim-0 slice of every parameter, so a local shard
+is valid across groups. The same capture serves offload (to pinned host memory), the host
+snapshot of release-train, and re-sharding after a world rebuild without offload (no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def current_group() -> Any:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> None:
+    """`fully_shard` every transformer block (HF `_no_split_modules`) and then the root, over a
+    1-D mesh of the current default group. Gradients are *summed* over ranks: the loss is
+    already normalised by the global token count, so a mean would divide twice."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _copy(t: torch.Tensor, to_host: bool, pin: bool) -> torch.Tensor:
+    t = local(t).detach()
+    if not to_host:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+    out.copy_(t, non_blocking=pin)
+    return out
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_host: bool, pin: bool) -> dict[str, Any]:
+    """The rank's part of the model (and optimizer) as plain tensors keyed by name.
+    `to_host=False` keeps references to the live storage (no copy)."""
+    state: dict[str, Any] = {
+        "params": {n: _copy(p, to_host, pin) for n, p in model.named_parameters()},
+        "buffers": {n: _copy(b, to_host, pin) for n, b in model.named_buffers()},
+    }
+    if optimizer is not None:
+        sd = optimizer.state_dict()
+        state["optim"] = {
+            "param_groups": sd["param_groups"],
+            "state": {i: {k: (_copy(v, to_host, pin) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                          for k, v in s.items()} for i, s in sd["state"].items()},
+        }
+    if pin:
+        torch.cuda.synchronize()
+    return state
+
+
+@torch.no_grad()
+def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Copy captured tensors into a module of the same architecture and sharding; load the
+    optimizer state onto its parameters. Names and shapes are checked before anything is copied."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    for kind, have, want in (("parameter", params, state["params"]), ("buffer", buffers, state["buffers"])):
+        if set(have) != set(want):
+            raise ValueError(f"captured {kind}s do not match the model: missing {sorted(set(have) - set(want))[:5]}, "
+                             f"unexpected {sorted(set(want) - set(have))[:5]}")
+        for n, t in want.items():
+            if local(have[n]).shape != t.shape:
+                raise ValueError(f"{kind} {n}: captured shard {tuple(t.shape)} but the model's is "
+                                 f"{tuple(local(have[n]).shape)} (different world size or rank order?)")
+    for n, t in state["params"].items():
+        local(params[n]).copy_(t, non_blocking=True)
+    for n, t in state["buffers"].items():
+        buffers[n].copy_(t, non_blocking=True)
+    if optimizer is not None and "optim" in state:
+        ordered = list(model.parameters())
+        sd = {"param_groups": state["optim"]["param_groups"], "state": {}}
+        for i, s in state["optim"]["state"].items():
+            p = ordered[i]
+            sd["state"][i] = {k: (_like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in s.items()}
+        optimizer.load_state_dict(sd)
+
+
+def _like(param: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
+    """A local optimizer-state shard as the parameter's kind of tensor, on its device."""
+    if isinstance(param, DTensor):
+        value = local_value.to(param.to_local().device, non_blocking=True)
+        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
+                                  stride=param.stride(), run_check=False)
+    return local_value.to(param.device, non_blocking=True)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on every rank (an all-gather for a sharded one: every rank must call)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
