@@ -93,7 +93,7 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
 
     engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir)
     engine.client.vocab_size = model_cfg.vocab_size
-    sync = WeightSync(cfg, world, trainer, engine.client, cfg.engine_model_path or str(model_path))
+    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path or str(model_path))
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
         sync.push(restored.version)

@@ -49,3 +49,18 @@ def engine_greedy(client, prompts: list[list[int]], max_new_tokens: int) -> list
     out = client.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
     assert all(c.ok for c in out), [c.error for c in out if not c.ok]
     return [c.output_ids for c in out]
+
+
+def make_moe_model(path: Path, seed: int, experts: int = 4, vocab: int = 256, hidden: int = 64, layers: int = 2) -> Path:
+    """A tiny Qwen3-MoE (transformers keeps its experts fused; checkpoints name them per expert)."""
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+        num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path

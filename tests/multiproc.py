@@ -77,8 +77,10 @@ def run_ranks(
         for p in procs:
             p.start()
         end = time.monotonic() + deadline_s
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
+        # Poll the pids (waitpid), not `join()`: join waits on a pipe that a grandchild such as
+        # torch's shared-memory manager (CPU tensor handles) keeps open after the rank exited.
+        while any(p.is_alive() for p in procs) and time.monotonic() < end:
+            time.sleep(0.05)
         outcomes = []
         for r, p in enumerate(procs):
             if p.is_alive():

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,16 @@ def run_quickstart(tmp_path: Path, *overrides: str) -> subprocess.CompletedProce
            "-m", "rltrain", "--config", str(REPO / "configs" / "quickstart.yaml"),
            f"run.dir={tmp_path}", f"model.path={tmp_path / 'base_model'}", "loop.steps=3",
            "data.prompts_per_step=8", "metrics.progress_bar=false", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # Its own session: on a timeout the whole tree (agent, ranks, engine) is killed, not orphaned.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"quickstart did not finish in 280 s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])
@@ -53,6 +64,20 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         r = run_quickstart(tmp_path, "loop.steps=2")
         assert r.returncode == 0, r.stderr[-4000:]
         assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed", "delta"])
+def test_the_loop_syncs_by_every_transport(tmp_path, transport):
+    extra = ["loop.colocate=false", "sync.delta_full_every=2"] if transport == "delta" else []
+    r = run_quickstart(tmp_path, f"sync.transport={transport}", "loop.steps=4", *extra)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4] and all(row["sync_bytes"] > 0 for row in rows)
+    if transport == "delta":  # versions 1, 3 full; 2, 4 deltas rebuilt next to the engine
+        kinds = [json.loads((tmp_path / "quickstart" / "weights" / f"weight_v{v:06d}" / "rltrain_version.json")
+                            .read_text())["kind"] for v in (3, 4)]
+        assert kinds == ["full", "delta"]
+        assert rows[3]["sync_bytes"] < rows[2]["sync_bytes"]
 
 
 def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):

@@ -80,6 +80,17 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
     return cmd + list(cfg.extra_args)
 
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def engine_environment() -> dict[str, str]:
+    """This process's environment without torchrun's rank variables: the engine is not a rank,
+    and e.g. TORCHELASTIC_USE_AGENT_STORE would make its weight-update rendezvous wait for a
+    store that torchrun's agent does not serve."""
+    return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """preexec_fn: SIGKILL this child when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     try:
@@ -106,7 +117,7 @@ class EngineProcess:
             out.flush()
             proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                env={**engine_environment(), **(env or {})}, start_new_session=True,
                 preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),
             )
         log.info("engine started: pid %d, %s, log %s", proc.pid, url, log_path)

@@ -23,14 +23,10 @@ def open_weight_update_group(
     timeout_s: float = 300.0,
 ) -> Any:
     """Join (rank 0: host) the group; returns the ProcessGroup. Blocks until all ranks joined."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
-    )
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
+    store = PrefixStore(group_name, tcp_store(master_address, master_port, rank, world_size, timeout))
     kwargs: dict[str, Any] = dict(
         group_size=world_size, group_rank=rank, global_ranks_in_group=[], backend=Backend(backend),
         store=store, group_name=group_name, timeout=timeout,
@@ -44,8 +40,58 @@ def open_weight_update_group(
     return pg
 
 
+def tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """Rank 0 hosts the group's TCP store, the others connect. Not `rendezvous("tcp://...")`:
+    under torchrun that connects *every* rank as a client (it expects the agent's store), and the
+    group would wait for a server nobody starts."""
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+
+
 def close_weight_update_group(pg: Any) -> None:
-    dist.destroy_process_group(pg)
+    if isinstance(pg, UnregisteredGroup):
+        pg.close()
+    else:
+        dist.destroy_process_group(pg)
+
+
+class UnregisteredGroup:
+    """The trainer's end of the weight-update group, outside torch's group registry.
+
+    `destroy_process_group()` (which the world calls between steps) destroys every *registered*
+    group; a weight-update group that must live across steps is therefore built here directly
+    as a gloo/NCCL backend, on exactly the store keys `_new_process_group_helper` uses (the
+    `{group_name}/` and `{device}/` prefixes), so the engine side — SGLang or the embedded engine,
+    which use that helper — connects to it unchanged. Only broadcast is needed.
+    """
+
+    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                 backend: str, timeout_s: float = 300.0):
+        from torch.distributed.distributed_c10d import Backend, BackendConfig, PrefixStore
+
+        self.timeout = timedelta(seconds=timeout_s)
+        store = tcp_store(master_address, master_port, rank, world_size, self.timeout)
+        device = next(iter(BackendConfig(Backend(backend)).get_device_backend_map()))
+        store = PrefixStore(f"{device}/", PrefixStore(f"{group_name}/", PrefixStore(group_name, store)))
+        self._store_owner = store  # the TCP store must outlive the backend
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = False
+            opts._timeout = self.timeout
+            self.backend: Any = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+        else:
+            self.backend = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+        self.rank, self.size, self.name = rank, world_size, group_name
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.timeout = self.timeout
+        self.backend.broadcast([tensor], opts).wait(self.timeout)
+
+    def close(self) -> None:
+        if hasattr(self.backend, "shutdown"):
+            self.backend.shutdown()
+        self.backend = None
 
 
 def broadcast_tensors(pg: Any, tensors: list[torch.Tensor], src: int = 0) -> None:

@@ -41,28 +41,34 @@ log = logging.getLogger("rltrain.sync")
 
 
 class WeightSync:
-    def __init__(self, cfg: Any, world: Any, trainer: Any, client: Any, engine_model_path: str):
+    """`receivers`: this node's engine clients, indexed by EP rank (one per engine instance; the
+    loop has one per node). With several and a MoE model, experts are routed (plan.py). The
+    leader talks to them; every rank must hold the same list (each checks the served version)."""
+
+    def __init__(self, cfg: Any, world: Any, trainer: Any, receivers: list[Any], engine_model_path: str):
         from transformers import AutoConfig
 
-        self.cfg, self.world, self.trainer, self.client = cfg, world, trainer, client
+        self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self.transport = cfg.sync.transport
         self.leader = world.env.is_node_leader
         self.root = weights_dir(cfg)
         weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in trainer.weight_specs()]
         engine_names, aliases = checkpoint_names(engine_model_path)
         experts = num_experts(AutoConfig.from_pretrained(engine_model_path))
-        self.plan: SyncPlan = build_plan(weights, EngineTopology((1,), experts), cfg.sync.bucket_mb << 20,
-                                         engine_names, aliases)
+        topology = EngineTopology((len(self.receivers),), experts)
+        self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
         self.engine_dtype: torch.dtype | None = None
         self.engine_checksums = False
         if self.leader:
-            self.engine_dtype, self.engine_checksums = _probe(client)
+            probes = [_probe(c) for c in self.receivers]
+            self.engine_dtype = probes[0][0]
+            self.engine_checksums = all(ok for _, ok in probes)
             if cfg.sync.verify and not self.engine_checksums:
                 log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
         self.publisher = DeltaPublisher(cfg.sync.delta_full_every) if world.rank == 0 else None
         self.node_dir = self.root / f"node{world.env.node_rank}"  # delta: full versions rebuilt for this node
         self.node_base: Path | None = None
-        self._group: Any = None
+        self._groups: list[Any] = []
         self._group_name = f"rltrain_weights_node{world.env.node_rank}"
 
     # ------------------------------------------------------------------ entry
@@ -93,6 +99,9 @@ class WeightSync:
                 sums[name] = entry(t if self.engine_dtype is None else t.to(self.engine_dtype))
             yield name, t
 
+    def _owned(self, sums: dict[str, Any], receiver: int) -> dict[str, Any]:
+        return {n: v for n, v in sums.items() if receiver in self.plan.targets[n]}
+
     # ------------------------------------------------------------------ disk and delta
 
     def _via_disk(self, version: str, sums: dict[str, Any]) -> int:
@@ -115,7 +124,8 @@ class WeightSync:
         sent = sum(f.stat().st_size for f in target.iterdir()) if self.leader else 0
         if self.leader:
             path = self._local_full_version(target)
-            self.client.update_weights_from_disk(str(path), weight_version=version)
+            for client in self.receivers:
+                client.update_weights_from_disk(str(path), weight_version=version)
         return sent
 
     def _write(self, tmp: Path, version: str, tensors: Any) -> dict[str, Any]:
@@ -145,94 +155,100 @@ class WeightSync:
     def _via_buckets(self, version: str, sums: dict[str, Any]) -> int:
         sent, failure = 0, None
         session = self.leader and self.transport == "tensor"
-        if self.transport == "distributed" and self.leader and self._group is None:
-            self._group = self._open_group()
+        if self.transport == "distributed" and self.leader and not self._groups:
+            self._groups = [self._open_group(c, r) for r, c in enumerate(self.receivers)]
         if session:
-            self.client.begin_weight_update()
+            for client in self.receivers:
+                client.begin_weight_update()
         try:
-            last = len(self.plan.buckets) - 1
+            last = {r: max((i for i, b in enumerate(self.plan.buckets) if r in b.targets), default=-1)
+                    for r in range(len(self.receivers))}
             for i, bucket in enumerate(self.plan.buckets):
                 named = list(self._stream(bucket.names, sums))
                 if not self.leader or failure is not None:
                     continue  # keep joining the all-gathers; the failure is reported after
                 try:
-                    tag = version if i == last else None
-                    if self.transport == "tensor":
-                        self._send_handles(named, tag)
-                    else:
-                        self._broadcast(named, tag)
-                    sent += bucket.nbytes
+                    for r in bucket.targets:  # routed: only the EP ranks that own these weights
+                        tag = version if i == last[r] else None
+                        if self.transport == "tensor":
+                            self._send_handles(self.receivers[r], named, tag)
+                        else:
+                            self._broadcast(r, named, tag)
+                        sent += bucket.nbytes
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e
         finally:
             if session:
-                self.client.end_weight_update()
+                for client in self.receivers:
+                    client.end_weight_update()
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent
 
-    def _send_handles(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+    def _send_handles(self, client: Any, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         # A fresh buffer per bucket: the engine may still be copying from the previous one.
         bucket = tensor_payload.flatten_bucket(named)
         payload = tensor_payload.serialize(bucket)
-        self.client.update_weights_from_tensor([payload] * self.cfg.engine.tp_size, load_format="flattened_bucket",
-                                               weight_version=version, flush_cache=version is not None)
+        client.update_weights_from_tensor([payload] * self.cfg.engine.tp_size, load_format="flattened_bucket",
+                                          weight_version=version, flush_cache=version is not None)
         del bucket  # only now: the engine has answered, its copies are done
 
-    def _open_group(self) -> Any:
+    def _open_group(self, client: Any, receiver: int) -> Any:
         from rltrain.engine.launcher import free_port
-        from rltrain.engine.weight_group import open_weight_update_group
+        from rltrain.engine.weight_group import UnregisteredGroup
 
         port = free_port()
         backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
         size = 1 + self.cfg.engine.tp_size
+        name = f"{self._group_name}_ep{receiver}"
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.client.init_weights_update_group, "127.0.0.1", port, 1, size,
-                                 self._group_name, backend)
-            pg = open_weight_update_group("127.0.0.1", port, 0, size, self._group_name, backend,
-                                          timeout_s=self.cfg.engine.request_timeout_s)
+            joined = pool.submit(client.init_weights_update_group, "127.0.0.1", port, 1, size, name, backend)
+            # Outside torch's registry: the world's destroy between steps must not take it down.
+            pg = UnregisteredGroup("127.0.0.1", port, 0, size, name, backend,
+                                   timeout_s=self.cfg.engine.request_timeout_s)
             joined.result()
         return pg
 
-    def _broadcast(self, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        import torch.distributed as dist
-
+    def _broadcast(self, receiver: int, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        client = self.receivers[receiver]
         flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(self.client.update_weights_from_distributed, [n for n, _ in named],
+            received = pool.submit(client.update_weights_from_distributed, [n for n, _ in named],
                                    [str(t.dtype).removeprefix("torch.") for _, t in named],
-                                   [list(t.shape) for _, t in named], self._group_name, version,
+                                   [list(t.shape) for _, t in named], f"{self._group_name}_ep{receiver}", version,
                                    version is not None, "flattened_bucket")
-            dist.broadcast(flat, group=self._group, group_src=0)
+            self._groups[receiver].broadcast(flat, src=0)
             received.result()
 
     def close(self) -> None:
-        if self._group is not None:
-            from rltrain.engine.weight_group import close_weight_update_group
+        from rltrain.engine.weight_group import close_weight_update_group
 
+        for r, pg in enumerate(self._groups):
             try:
-                self.client.destroy_weights_update_group(self._group_name)
+                self.receivers[r].destroy_weights_update_group(f"{self._group_name}_ep{r}")
             except EngineError as e:
                 log.warning("engine did not leave the weight-update group: %s", e)
-            close_weight_update_group(self._group)
-            self._group = None
+            close_weight_update_group(pg)
+        self._groups = []
 
     # ------------------------------------------------------------------ verify
 
     def _verify(self, version: str, sums: dict[str, Any]) -> None:
         error, kind = None, WeightMismatchError
         try:
-            if self.leader and self.cfg.sync.verify and self.engine_checksums:
-                rep = self.client.weights_checksum()
-                mine = combine(sums)
-                if rep["weight_version"] != version or rep["checksum"] != mine:
-                    error = (f"rank {self.world.rank}: after syncing version {version}, the engine serves version "
-                             f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
-                             f"tensors; the trainer's is {mine} over {len(sums)}")
-            served = self.client.weight_version()
-            if error is None and served != version:
-                kind = StaleWeightsError
-                error = f"rank {self.world.rank}: engine serves weight version {served!r} after loading {version!r}"
+            for r, client in enumerate(self.receivers):
+                if error is None and self.leader and self.cfg.sync.verify and self.engine_checksums:
+                    rep = client.weights_checksum()
+                    owned = self._owned(sums, r)
+                    mine = combine(owned)
+                    if rep["weight_version"] != version or rep["checksum"] != mine:
+                        error = (f"rank {self.world.rank}: after syncing version {version}, engine {r} serves version "
+                                 f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
+                                 f"tensors; the trainer's is {mine} over {len(owned)}")
+                served = client.weight_version()
+                if error is None and served != version:
+                    kind = StaleWeightsError
+                    error = f"rank {self.world.rank}: engine {r} serves weight version {served!r} after loading {version!r}"
         except EngineError as e:
             error = f"rank {self.world.rank}: cannot verify weight version {version}: {e}"
         errors = self.world.bridge.all_gather_object(error, phase="sync verify")

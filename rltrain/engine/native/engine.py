@@ -419,7 +419,8 @@ class NativeEngine:
                 state.update(load_file(str(f)))
             except Exception as e:  # safetensors raises its own error types for corrupt files
                 raise ValueError(f"cannot read weight file {f}: {e}") from e
-        expected = set(self._checkpoint_names)
+        state = {n: t for n, t in state.items() if self.owns(n)}  # an EP rank loads its experts only
+        expected = {n for n in self._checkpoint_names if self.owns(n)}
         covered = set()
         for group in self._aliases:
             if any(n in state for n in group):

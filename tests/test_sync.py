@@ -1,0 +1,294 @@
+"""Weight sync: the plan (coverage, buckets, expert routing) and every transport against live
+engines on real processes — after a sync the engine serves exactly the trainer's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import start_engine
+from models import engine_greedy, hf_greedy, make_model, make_moe_model
+from multiproc import run_ranks, values
+from rltrain.sync.plan import EngineTopology, SyncPlanError, WeightSpec, build_plan
+
+PROMPTS = [[1, 2, 3], [5, 6, 7, 8], [9]]
+F32 = torch.float32
+
+
+def spec(name: str, numel: int, dtype: torch.dtype = F32) -> WeightSpec:
+    return WeightSpec(name, (numel,), dtype)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def test_plan_coverage_names_missing_duplicated_and_unexpected_weights():
+    weights = [spec("a", 4), spec("b", 4), spec("b", 4), spec("extra", 4)]
+    with pytest.raises(SyncPlanError) as e:
+        build_plan(weights, EngineTopology(), 1 << 20, engine_names={"a", "b", "c"})
+    msg = str(e.value)
+    assert "sent twice: ['b']" in msg and "['c']" in msg and "['extra']" in msg
+    # A tied head the trainer holds once is covered by its alias.
+    plan = build_plan([spec("embed", 4)], EngineTopology(), 1 << 20, engine_names={"embed", "lm_head"},
+                      aliases={"lm_head": "embed"})
+    assert [w.name for w in plan.weights] == ["embed"]
+
+
+def test_buckets_are_first_fit_decreasing_per_dtype_under_the_limit():
+    weights = [spec("w7", 7), spec("w5", 5), spec("w4", 4), spec("w3", 3), spec("w1", 1), spec("huge", 40),
+               spec("h2", 2, torch.bfloat16), spec("h3", 3, torch.bfloat16)]
+    limit = 10 * 4  # ten float32 elements
+    plan = build_plan(weights, EngineTopology(), limit)
+    f32 = [sorted(b.names) for b in plan.buckets if b.dtype == F32]
+    # FFD by bytes: huge alone (over the limit), then 7+3, 5+4+1.
+    assert sorted(f32) == sorted([["huge"], ["w3", "w7"], ["w1", "w4", "w5"]])
+    assert [sorted(b.names) for b in plan.buckets if b.dtype == torch.bfloat16] == [["h2", "h3"]]
+    assert sorted(n for b in plan.buckets for n in b.names) == sorted(w.name for w in weights)
+    assert all(b.nbytes <= limit or len(b.weights) == 1 for b in plan.buckets)
+
+
+def moe_weights(experts: int = 8) -> list[WeightSpec]:
+    dense = [spec("model.embed_tokens.weight", 100), spec("model.layers.0.mlp.gate.weight", 10)]
+    expert = [spec(f"model.layers.0.mlp.experts.{e}.{p}.weight", 50) for e in range(experts)
+              for p in ("gate_proj", "up_proj", "down_proj")]
+    return dense + expert
+
+
+def test_experts_are_routed_in_contiguous_blocks_to_their_ep_rank():
+    plan = build_plan(moe_weights(8), EngineTopology((2,), 8), 1 << 20)
+    assert plan.routed and plan.fallback_reason is None
+    assert plan.targets["model.layers.0.mlp.experts.3.up_proj.weight"] == (0,)
+    assert plan.targets["model.layers.0.mlp.experts.4.up_proj.weight"] == (1,)
+    assert plan.targets["model.embed_tokens.weight"] == (0, 1)
+    dense, per_rank_experts = 110 * 4, 4 * 3 * 50 * 4
+    assert plan.bytes_to(0) == plan.bytes_to(1) == dense + per_rank_experts
+    unrouted = build_plan(moe_weights(8), EngineTopology((1,), 8), 1 << 20)
+    assert plan.bytes_moved == 2 * dense + 2 * per_rank_experts < 2 * unrouted.bytes_moved
+
+
+@pytest.mark.parametrize("topology,names,reason", [
+    (EngineTopology((2, 4), 8), None, "homogeneous"),
+    (EngineTopology((3,), 8), None, "do not divide"),
+    (EngineTopology((2,), 0), None, "no routed experts"),
+    (EngineTopology((2,), 8), ["model.layers.0.mlp.experts.gate_up_proj"], "fused"),
+])
+def test_routing_falls_back_to_broadcast_with_the_reason(topology, names, reason, caplog):
+    weights = moe_weights(8) if names is None else [spec(n, 10) for n in names]
+    plan = build_plan(weights, topology, 1 << 20)
+    assert not plan.routed and reason in plan.fallback_reason
+    assert all(t == tuple(range(topology.ep_size)) for t in plan.targets.values())
+    assert reason in caplog.text
+
+
+# --------------------------------------------------------------------------- transports
+
+
+def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str, urls: list[str], transport: str,
+               weights_dir: str, fault: str | None) -> dict:
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync import weight_sync
+    from rltrain.trainer.native import TorchTrainer
+
+    world = World(backend="gloo", timeout=60)
+    clients = [EngineClient(u, request_timeout_s=120) for u in urls]
+    overrides = [f"model.path={trainer_model}", "data.path=synthetic:addition", f"sync.transport={transport}", "sync.bucket_mb=1",
+                 f"loop.weights_dir={weights_dir}",
+                 "sync.delta_full_every=3"]
+    if transport == "delta":
+        overrides.append("loop.colocate=false")
+    cfg = load_config(None, overrides)
+    sync = None
+    try:
+        t = TorchTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
+        t.create()
+        sync = weight_sync.WeightSync(cfg, world, t, clients, engine_model)
+        out = {"v1": sync.push("1"), "buckets": len(sync.plan.buckets), "routed": sync.plan.routed,
+               "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))], "moved": sync.plan.bytes_moved}
+        if transport == "delta" or fault:
+            with torch.no_grad():  # a sparse update: 1% of one matrix
+                w = t.model.get_input_embeddings().weight.to_local()
+                w.view(-1)[:: 100] += 0.5
+            if fault == "corrupt":
+                real = weight_sync.publish
+
+                def corrupting(target, keep, write):  # storage corrupts a byte after a good write
+                    out = real(target, keep, write)
+                    f = max((p for p in out.iterdir() if p.suffix in (".safetensors", ".bin")), key=lambda p: p.stat().st_size)
+                    data = bytearray(f.read_bytes())
+                    data[len(data) // 2] ^= 0xFF
+                    f.write_bytes(bytes(data))
+                    return out
+
+                weight_sync.publish = corrupting
+            if fault == "tamper":  # the engine ends up with other weights than the trainer sent
+                from rltrain.engine import tensor_payload
+                from rltrain.sync.integrity import entry
+
+                sums = {n: entry(x) for n, x in t.export_weights()}  # a collective: both ranks
+                if world.rank == 0:
+                    name = "model.norm.weight"
+                    bad = tensor_payload.serialize(tensor_payload.flatten_bucket([(name, torch.full(sums[name][1], 3.0))]))
+                    clients[0].update_weights_from_tensor([bad], weight_version="1")
+                try:
+                    sync._verify("1", sums)
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out["verify_error"] = f"{type(e).__name__}: {e}"
+                return out
+            try:
+                out["v2"] = sync.push("2")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out["v2_error"] = f"{type(e).__name__}: {e}"
+        t.save_pretrained(f"{weights_dir}/trainer_now")  # a collective; rank 0 writes
+        return out
+    finally:
+        if sync is not None:
+            sync.close()
+        world.close()
+
+
+@pytest.fixture(scope="module")
+def big_a(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("big_a"), seed=11, vocab=2048, hidden=128)
+
+
+@pytest.fixture(scope="module")
+def big_b(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("big_b"), seed=12, vocab=2048, hidden=128)
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk", "distributed", "delta"])
+def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a, big_b, transport):
+    """Two FSDP ranks hold model B, the engine serves model A; after the sync (several buckets)
+    the engine's greedy output is the trainer's and its checksum matched (else push raises)."""
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        assert engine_greedy(eng.client, PROMPTS, 6) != hf_greedy(big_b, PROMPTS, 6)
+        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_b), str(big_a), [eng.process.url], transport,
+                                  str(tmp_path / "w"), None, deadline_s=240))
+        assert "v2_error" not in r0, r0.get("v2_error")
+        assert eng.client.weight_version() == ("2" if transport == "delta" else "1")
+        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(tmp_path / "w" / "trainer_now", PROMPTS, 6)
+        if transport in ("tensor", "distributed"):
+            assert r0["buckets"] >= 3
+            assert r0["v1"]["sync_bytes"] == r0["bytes_to"][0]
+            assert eng.client.weights_checksum()["bytes_loaded"] == r0["bytes_to"][0]
+        if transport == "delta":
+            assert r0["v2"]["sync_bytes"] < 0.05 * r0["v1"]["sync_bytes"]  # 1% of one matrix changed
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+@pytest.mark.parametrize("transport", ["disk", "delta"])
+def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previous(tmp_path, big_a, transport):
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        r0, _ = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
+                                 str(tmp_path / "w"), "corrupt", deadline_s=240))
+        assert "checksum" in r0["v2_error"] and "keeps" in r0["v2_error"], r0["v2_error"]
+        assert eng.client.weight_version() == "1"
+        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(big_a, PROMPTS, 6)
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+def test_moe_experts_reach_only_their_ep_rank_and_match(tmp_path):
+    """A tiny Qwen3-MoE (4 experts) synced to two engines that are EP ranks 0 and 1: each gets the
+    dense weights and its own two experts (bytes counted on both sides), and each one's checksum
+    over what it owns equals the trainer's."""
+    a = make_moe_model(tmp_path / "moe_a", seed=1)
+    b = make_moe_model(tmp_path / "moe_b", seed=2)
+    engines = [start_engine("native", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+               for r in range(2)]
+    try:
+        r0, _ = values(run_ranks(_sync_rank, 2, str(b), str(a), [e.process.url for e in engines], "distributed",
+                                 str(tmp_path / "w"), None, deadline_s=240))
+        assert r0["routed"]
+        for r, e in enumerate(engines):
+            rep = e.client.weights_checksum()  # push already compared it with the trainer's
+            assert rep["weight_version"] == "1" and rep["bytes_loaded"] == r0["bytes_to"][r]
+        assert r0["v1"]["sync_bytes"] == r0["moved"] == sum(r0["bytes_to"])
+        # Without routing each EP rank would receive all four experts of every layer.
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(b)
+        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".experts." in n)
+        assert r0["bytes_to"] == [total - experts // 2] * 2
+        assert r0["moved"] == 2 * total - experts < 2 * total
+    finally:
+        for e in engines:
+            e.client.close()
+            e.process.stop()
+
+
+def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
+    """transformers keeps Qwen3-MoE experts fused; the engine receives per-expert checkpoint
+    names and still generates exactly as the trainer's weights."""
+    a = make_moe_model(tmp_path / "moe_a", seed=1)
+    b = make_moe_model(tmp_path / "moe_b", seed=2)
+    eng = start_engine("native", a, tmp_path)
+    try:
+        values(run_ranks(_sync_rank, 2, str(b), str(a), [eng.process.url], "tensor", str(tmp_path / "w"), None,
+                         deadline_s=240))
+        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(b, PROMPTS, 6)
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_path, big_a):
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        ranks = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "tensor",
+                                 str(tmp_path / "w"), "tamper", deadline_s=240))
+        for r in ranks:
+            assert r["verify_error"].startswith("WeightMismatchError") and "checksum" in r["verify_error"]
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
+    from rltrain.sync.delta import DeltaOrderError, DeltaPublisher, reconstruct
+    from rltrain.sync.disk import CorruptWeightsError, publish
+
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(16)}
+    src = make_model(tmp_path / "cfg", seed=0)  # only its config files are copied
+    pub = DeltaPublisher(full_every=10)
+
+    def put(version: str) -> dict:
+        out = publish(tmp_path / f"weight_v{int(version):06d}", 10,
+                      lambda tmp: pub.write(tmp, version, state.items(), str(src)))
+        pub.commit()
+        return {"dir": out, "bytes": sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".safetensors", ".bin"))}
+
+    v1 = put("1")
+    total = sum(t.numel() for t in state.values())
+    changed = torch.randperm(total, generator=g)[: total // 100]  # 1% of all parameters
+    flat = torch.cat([t.reshape(-1) for t in state.values()])
+    flat[changed] += torch.randn(len(changed), generator=g)
+    state = dict(zip(state, flat.split(256 * 256)))
+    state = {k: v.reshape(256, 256) for k, v in state.items()}
+    v2 = put("2")
+    assert v2["bytes"] <= 0.02 * v1["bytes"]
+    reconstruct(v2["dir"], v1["dir"], tmp_path / "rebuilt")
+    from safetensors.torch import load_file
+
+    rebuilt = load_file(str(tmp_path / "rebuilt" / "model.safetensors"))
+    assert all(torch.equal(rebuilt[k], state[k]) for k in state)
+    v3 = put("3")
+    with pytest.raises(DeltaOrderError, match="skipped or reordered"):
+        reconstruct(v3["dir"], v1["dir"], tmp_path / "wrong_base")  # v3 applies to v2
+    blob = v3["dir"] / "delta.bin"
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    blob.write_bytes(bytes(data))
+    rebuilt_v2 = publish(tmp_path / "node" / "weight_v000002", 2,
+                         lambda tmp: (reconstruct(v2["dir"], v1["dir"], tmp), {"version": "2", "kind": "full"})[1])
+    with pytest.raises(CorruptWeightsError):
+        reconstruct(v3["dir"], rebuilt_v2, tmp_path / "from_corrupt")
