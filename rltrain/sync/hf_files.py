@@ -72,7 +72,7 @@ def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterabl
         fsync_file(index)
     for name in CONFIG_FILES:
         src = Path(config_from) / name
-        if src.is_file():
+        if src.is_file() and src.resolve() != (path / name).resolve():
             shutil.copyfile(src, path / name)
             fsync_file(path / name)
     return weight_map

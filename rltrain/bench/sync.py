@@ -1,0 +1,283 @@
+"""Benchmark: weight sync per transport, next to the limit of its link measured in the same run.
+
+    python -m rltrain.bench.sync                                   # CPU: every transport, small model
+    python -m rltrain.bench.sync --device cuda --transports tensor --shape 4b    # H200: ~8.8 GB bf16
+
+One process is the trainer (a one-rank world: FSDP2 over one rank), the embedded engine is a
+second process on the same device serving a model of the same architecture. Per transport: one
+warm-up push, then timed pushes of new versions (steady state), with the post-sync checksum
+verification on and off. The limits, on the same bytes:
+  tensor       device-to-device copy in one process (the receiver's copy is the floor)
+  disk, delta  raw safetensors write (+fsync) and read of the same tensors
+  distributed  raw broadcast of the same bytes between two processes (gloo on CPU)
+and, without tensors, the bytes a MoE model (Qwen3-30B-A3B shape) sends to each engine EP rank
+with and without expert routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
+    "tiny": (256, 768, 4, 4, 2, 32000),
+    "small": (1024, 3072, 8, 16, 4, 32000),
+    "4b": (2560, 9728, 36, 32, 8, 151936),  # Qwen3-4B shape: ~8.8 GB in bf16
+}
+
+
+def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
+    import transformers
+
+    from rltrain.sync.hf_files import write_checkpoint
+
+    h, inter, layers, heads, kv, vocab = SHAPES[shape]
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if h >= 1024 else 64,
+                                   max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=vocab - 1)
+    with device:
+        model = transformers.Qwen3ForCausalLM(cfg).to(dtype)
+    cfg.save_pretrained(path)
+    # Tied weights once, as a checkpoint holds them (state_dict lists tied names twice).
+    unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    write_checkpoint(path, path, ((n, t) for n, t in model.state_dict().items() if n in unique))
+    del model
+    return path
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def raw_copy_gbps(nbytes: int, device: torch.device, chunk: int = 512 << 20) -> float:
+    src = torch.empty(chunk, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(max(1, nbytes // chunk)):
+            dst.copy_(src)
+        _sync(device)
+        s = time.perf_counter() - t0
+    return max(1, nbytes // chunk) * chunk / s / 1e9
+
+
+def _ipc_receiver(jobs, done, chunk: int) -> None:
+    dst = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    while (item := jobs.get()) is not None:
+        dst.copy_(item)
+        torch.cuda.synchronize()
+        del item
+        done.put(1)
+
+
+def raw_ipc_seconds(nbytes: int, chunk: int = 512 << 20) -> tuple[float, float]:
+    """Two processes on one GPU: buckets of `chunk` bytes passed as CUDA IPC handles and copied
+    by the receiver. Returns seconds for `nbytes` with a fresh buffer per bucket (what a sync
+    that frees its buffers pays: the receiver maps each new allocation) and with one reused
+    buffer (steady state: the receiver's mapping is cached)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    jobs, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_ipc_receiver, args=(jobs, done, chunk))
+    proc.start()
+    n = max(1, nbytes // chunk)
+    reused = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    out = []
+    for fresh in (True, False):
+        for attempt in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                buf = torch.empty(chunk, dtype=torch.uint8, device="cuda") if fresh else reused
+                jobs.put(buf)
+                done.get()
+                del buf
+            s = time.perf_counter() - t0
+        out.append(s * nbytes / (n * chunk))
+    jobs.put(None)
+    proc.join(60)
+    return out[0], out[1]
+
+
+def raw_safetensors_gbps(tensors: dict[str, torch.Tensor], path: Path) -> tuple[float, float]:
+    from safetensors.torch import load_file, save_file
+
+    from rltrain.sync.hf_files import fsync_file
+
+    host = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    nbytes = sum(v.numel() * v.element_size() for v in host.values())
+    t0 = time.perf_counter()
+    save_file(host, str(path))
+    fsync_file(path)
+    write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    back = load_file(str(path))
+    read = time.perf_counter() - t0
+    del back
+    path.unlink()
+    return nbytes / write / 1e9, nbytes / read / 1e9
+
+
+def _broadcast_rank(rank: int, port: int, nbytes: int, out: str) -> None:
+    from rltrain.engine.weight_group import UnregisteredGroup
+
+    g = UnregisteredGroup("127.0.0.1", port, rank, 2, "raw", "gloo", timeout_s=300)
+    chunk = min(nbytes, 512 << 20)
+    buf = torch.empty(chunk, dtype=torch.uint8)
+    for _ in range(2):
+        t0 = time.perf_counter()
+        for _ in range(max(1, nbytes // chunk)):
+            g.broadcast(buf, src=0)
+        s = time.perf_counter() - t0
+    if rank == 0:
+        Path(out).write_text(str(max(1, nbytes // chunk) * chunk / s / 1e9))
+
+
+def raw_broadcast_gbps(nbytes: int) -> float:
+    import torch.multiprocessing as mp
+
+    from rltrain.engine.launcher import free_port
+
+    port = free_port()
+    with tempfile.NamedTemporaryFile() as f:
+        procs = [mp.get_context("spawn").Process(target=_broadcast_rank, args=(r, port, nbytes, f.name)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+        return float(Path(f.name).read_text())
+
+
+def routing_table() -> list[tuple[int, float, float]]:
+    """(ep, GB to each EP rank routed, unrouted) for a Qwen3-30B-A3B-shaped MoE, from metadata."""
+    import transformers
+
+    from rltrain.models.hf_names import checkpoint_specs
+    from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                      num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in checkpoint_specs(model)]
+    rows = []
+    for ep in (2, 4, 8):
+        routed = build_plan(weights, EngineTopology((ep,), 128), 512 << 20)
+        assert routed.routed
+        rows.append((ep, routed.bytes_to(0) / 1e9, sum(w.nbytes for w in weights) / 1e9))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--transports", default="tensor,disk,delta,distributed")
+    ap.add_argument("--shape", default=None, help=f"model shape, one of {sorted(SHAPES)} (default: small on CPU, 4b on GPU)")
+    ap.add_argument("--disk-shape", default=None, help="shape for disk/delta (default: --shape)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
+    a = ap.parse_args(argv)
+
+    from transformers.utils import logging as hf_logging
+
+    from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.native import TorchTrainer
+
+    hf_logging.disable_progress_bar()
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(k, None)
+    device = torch.device(a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=600)
+    root = Path(a.dir or tempfile.mkdtemp(prefix="rltrain-bench-sync-"))
+    shape = a.shape or ("4b" if device.type == "cuda" else "small")
+    print(f"# rltrain.bench.sync  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device} "
+          f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})  {dtype}")
+    print(f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
+          f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}")
+    for transport in a.transports.split(","):
+        if transport == "distributed" and device.type == "cuda":
+            print(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device); multi-GPU kinds not lent")
+            continue
+        s = (a.disk_shape or shape) if transport in ("disk", "delta") else shape
+        path = root / f"model_{s}"
+        if not (path / "config.json").exists():
+            build(path, s, dtype, device)
+        trainer = TorchTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
+        trainer.create()
+        port = free_port()
+        ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."))
+        proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}", root / f"engine_{transport}.log")
+        client = EngineClient(proc.url, request_timeout_s=600)
+        try:
+            client.wait_healthy(600, alive=lambda: proc.alive)
+            results = {}
+            for verify in (False, True):
+                cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
+                                         f"sync.verify={str(verify).lower()}", f"loop.weights_dir={root / 'weights' / transport}",
+                                         "sync.delta_full_every=1000000", f"loop.colocate={str(transport != 'delta').lower()}"])
+                ws = WeightSync(cfg, world, trainer, [client], str(path))
+                times = []
+                for i in range(a.repeats + 1):
+                    if transport == "delta":  # a sparse update between versions: 1% of one matrix
+                        with torch.no_grad():
+                            trainer.model.get_input_embeddings().weight.to_local().view(-1)[i::100] += 1
+                    version = str(len(results) * 100 + i + 1)
+                    _sync(device)
+                    t0 = time.perf_counter()
+                    stats = ws.push(version)
+                    times.append(time.perf_counter() - t0)
+                if a.profile and not verify:
+                    import cProfile
+                    import pstats
+
+                    prof = cProfile.Profile()
+                    prof.runcall(ws.push, str(len(results) * 100 + 99))
+                    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+                ws.close()
+                results[verify] = (min(times[1:]), stats["sync_bytes"])
+            nbytes = sum(w.nbytes for w in ws.plan.weights)
+            best, sent = results[False]
+            if transport == "tensor" and device.type == "cuda":
+                fresh_s, steady_s = raw_ipc_seconds(nbytes)
+                print(f"{'':>11s} raw CUDA IPC, 2 procs, 512 MiB buckets: fresh buffers {fresh_s:.3f} s, "
+                      f"one reused buffer {steady_s:.3f} s; device copy {nbytes / raw_copy_gbps(nbytes, device) / 1e9:.3f} s")
+                limit_name, limit = "CUDA IPC, fresh buffers", nbytes / fresh_s / 1e9
+            elif transport == "tensor":
+                limit_name, limit = "memory copy", raw_copy_gbps(nbytes, device)
+            elif transport == "distributed":
+                limit_name, limit = "raw gloo broadcast, 2 procs", raw_broadcast_gbps(nbytes)
+            else:
+                w, r = raw_safetensors_gbps(dict(trainer.export_weights()), root / "raw.safetensors")
+                limit_name, limit = f"safetensors w {w:.2f} + r {r:.2f}", 1 / (1 / w + 1 / r)
+            gbps = nbytes / best / 1e9
+            print(f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} {results[True][0] - best:9.3f} | "
+                  f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}" + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else ""))
+        finally:
+            client.close()
+            proc.stop()
+            trainer.release()
+    print("\n# expert routing, Qwen3-30B-A3B shape (128 experts, bf16), GB received per engine EP rank")
+    print(f"{'ep':>3s} {'routed':>8s} {'unrouted':>9s} {'saved':>6s}")
+    for ep, routed, unrouted in routing_table():
+        print(f"{ep:>3d} {routed:8.2f} {unrouted:9.2f} {1 - routed / unrouted:6.0%}")
+    world.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
