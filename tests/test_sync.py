@@ -292,3 +292,43 @@ def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
                          lambda tmp: (reconstruct(v2["dir"], v1["dir"], tmp), {"version": "2", "kind": "full"})[1])
     with pytest.raises(CorruptWeightsError):
         reconstruct(v3["dir"], rebuilt_v2, tmp_path / "from_corrupt")
+
+
+def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, models: list[str], transport: str,
+                      weights_dir: str) -> list[list[list[int]]]:
+    """One rank: push each model in turn to the live server; greedy output after each push."""
+    from models import engine_greedy as greedy
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.native import TorchTrainer
+
+    world = World(backend="gloo", timeout=120)
+    client = EngineClient(url, request_timeout_s=120)
+    outs = []
+    try:
+        for i, model in enumerate(models):
+            cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", f"sync.transport={transport}",
+                                     f"loop.weights_dir={weights_dir}"])
+            t = TorchTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
+            t.create()
+            sync = WeightSync(cfg, world, t, [client], engine_model)
+            try:
+                sync.push(str(100 + i))
+                outs.append(greedy(client, PROMPTS, 6))
+            finally:
+                sync.close()
+        return outs
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk", "distributed"])
+def test_every_transport_updates_both_engines(server, model_a, model_b, tmp_path, transport):
+    """The embedded engine and real SGLang: after each push the engine generates as the pushed
+    model (B, then A again, which also leaves the shared server as it was)."""
+    (outs,) = values(run_ranks(_server_sync_rank, 1, server.process.url, str(model_a), [str(model_b), str(model_a)],
+                               transport, str(tmp_path / "w"), deadline_s=240))
+    assert outs == [hf_greedy(model_b, PROMPTS, 6), hf_greedy(model_a, PROMPTS, 6)]
+    assert server.client.weight_version() == "101"

@@ -82,11 +82,28 @@ class UnregisteredGroup:
             self.backend = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         self.rank, self.size, self.name = rank, world_size, group_name
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, give_up: Any = None) -> None:
+        """`give_up()`: polled while waiting; truthy when the peers will not join (their request
+        failed), which raises instead of waiting out the timeout."""
+        import time
+
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = self.timeout
-        self.backend.broadcast([tensor], opts).wait(self.timeout)
+        work = self.backend.broadcast([tensor], opts)
+        if give_up is None:
+            work.wait(self.timeout)
+            return
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not work.is_completed():
+            reason = give_up()
+            if reason:
+                raise RuntimeError(f"weight-update group {self.name}: broadcast abandoned, the receiver will not "
+                                   f"join: {reason}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"weight-update group {self.name}: broadcast not received within {self.timeout}")
+            time.sleep(0.001)
+        work.wait(self.timeout)
 
     def close(self) -> None:
         if hasattr(self.backend, "shutdown"):

@@ -154,7 +154,7 @@ class WeightSync:
 
     def _via_buckets(self, version: str, sums: dict[str, Any]) -> int:
         sent, failure = 0, None
-        session = self.leader and self.transport == "tensor"
+        session = self.leader  # SGLang requires a weight-update session around tensor and distributed updates
         if self.transport == "distributed" and self.leader and not self._groups:
             self._groups = [self._open_group(c, r) for r, c in enumerate(self.receivers)]
         if session:
@@ -217,7 +217,8 @@ class WeightSync:
                                    [str(t.dtype).removeprefix("torch.") for _, t in named],
                                    [list(t.shape) for _, t in named], f"{self._group_name}_ep{receiver}", version,
                                    version is not None, "flattened_bucket")
-            self._groups[receiver].broadcast(flat, src=0)
+            # If the engine refuses the request it never joins the broadcast: stop waiting then.
+            self._groups[receiver].broadcast(flat, src=0, give_up=lambda: received.done() and received.exception())
             received.result()
 
     def close(self) -> None:
