@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import xxhash
 
+from rltrain.sync.hf_files import fsync_dir
+
 log = logging.getLogger("rltrain.checkpoint")
 
 MANIFEST = "manifest.json"
@@ -69,15 +71,7 @@ def _fsync_tree(root: Path) -> None:
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
-        _fsync_dir(d)
-
-
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(d)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -87,7 +81,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def verify(path: Path) -> dict[str, Any]:
@@ -214,7 +208,7 @@ class Checkpointer:
                 if final.exists():
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
                 _atomic_write_text(self.root / "latest", final.name)
                 self._prune(final)
             except (OSError, CheckpointError) as e:

@@ -91,8 +91,8 @@ class DeltaPublisher:
 
 def reconstruct(delta_dir: Path, base_dir: Path, out: Path) -> None:
     """Write the full version of `delta_dir` (applied to the full version `base_dir`) into `out`."""
-    from safetensors import safe_open
     import zstandard
+    from safetensors import safe_open
 
     manifest = read_manifest(delta_dir)
     base_version = read_manifest(base_dir)["version"]

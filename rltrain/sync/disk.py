@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import xxhash
 
-from rltrain.sync.hf_files import fsync_file
+from rltrain.sync.hf_files import fsync_dir, fsync_file
 
 MANIFEST = "rltrain_version.json"
 
@@ -63,7 +63,7 @@ def publish(target: Path, keep: int, write: Callable[[Path], dict[str, Any]]) ->
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -98,11 +98,3 @@ def verify(path: Path) -> dict[str, Any]:
             raise CorruptWeightsError(f"weight version {path}: {name} does not match its checksum (corrupt or "
                                       f"partly written); the engine keeps its current weights")
     return manifest
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -25,6 +25,15 @@ def fsync_file(path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
                      write: bool = True, shard_bytes: int = 2 << 30) -> dict[str, str]:
     """Write `tensors` as HF shards under `path` (if `write`), copying the config files of

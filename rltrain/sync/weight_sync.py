@@ -32,10 +32,23 @@ import torch
 from rltrain.engine import tensor_payload
 from rltrain.engine.client import EngineError
 from rltrain.sync.delta import DeltaPublisher, reconstruct
-from rltrain.sync.disk import CorruptWeightsError, StaleWeightsError, publish, verify, version_dir, weights_dir
+from rltrain.sync.disk import (
+    CorruptWeightsError,
+    StaleWeightsError,
+    publish,
+    verify,
+    version_dir,
+    weights_dir,
+)
 from rltrain.sync.hf_files import write_checkpoint
 from rltrain.sync.integrity import WeightMismatchError, combine, entry
-from rltrain.sync.plan import EngineTopology, SyncPlan, WeightSpec, build_plan, num_experts
+from rltrain.sync.plan import (
+    EngineTopology,
+    SyncPlan,
+    WeightSpec,
+    build_plan,
+    num_experts,
+)
 
 log = logging.getLogger("rltrain.sync")
 

@@ -56,11 +56,14 @@ def free_storage(model: torch.nn.Module) -> None:
     (hooks <-> state): dropping the last reference frees nothing until a gc pass, which costs
     ~0.2 s with transformers loaded (measured) — and until then the GPU memory stays taken.
     The module must not be used afterwards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return  # a plain module is freed by reference counting (and may hold mmapped storage)
     reshard(model)
-    for t in list(model.parameters()) + list(model.buffers()):
-        local(t).untyped_storage().resize_(0)
-        if t.grad is not None:
-            local(t.grad).untyped_storage().resize_(0)
+    for t in list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters()]:
+        if t is not None and local(t).untyped_storage().resizable():
+            local(t).untyped_storage().resize_(0)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
