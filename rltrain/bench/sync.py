@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer = TorchTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
         trainer.create()
         port = free_port()
-        ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."))
+        ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."),
+                            extra_args=["--log-level", "DEBUG"] if a.profile else [])
         proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}", root / f"engine_{transport}.log")
         client = EngineClient(proc.url, request_timeout_s=600)
         try:

@@ -134,6 +134,7 @@ class NativeServer:
         return samples[0] if single and params.n == 1 else samples
 
     def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
+        t0 = time.perf_counter()
         payloads = _need(body, "serialized_named_tensors", list)
         if not 0 <= self.tp_rank < len(payloads):
             raise BadRequest(f"serialized_named_tensors has {len(payloads)} entries; this engine is tp rank {self.tp_rank}")
@@ -148,7 +149,10 @@ class NativeServer:
             named = list(data.items()) if isinstance(data, dict) else list(data)
         else:
             raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
+        t1 = time.perf_counter()
         n = self.engine.load_named_tensors(named, body.get("weight_version"))
+        log.debug("update_weights_from_tensor: %d tensors, unpack %.2f ms, load %.2f ms", n, (t1 - t0) * 1e3,
+                  (time.perf_counter() - t1) * 1e3)
         return {"success": True, "message": f"loaded {n} tensors"}
 
     def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
