@@ -34,6 +34,7 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
     import transformers
 
+    from rltrain.models.hf_names import module_weights
     from rltrain.sync.hf_files import write_checkpoint
 
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
@@ -43,9 +44,7 @@ def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> P
     with device:
         model = transformers.Qwen3ForCausalLM(cfg).to(dtype)
     cfg.save_pretrained(path)
-    # Tied weights once, as a checkpoint holds them (state_dict lists tied names twice).
-    unique = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    write_checkpoint(path, path, ((n, t) for n, t in model.state_dict().items() if n in unique))
+    write_checkpoint(path, path, module_weights(model))  # tied weights once, as a checkpoint holds them
     del model
     return path
 
