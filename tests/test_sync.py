@@ -252,6 +252,36 @@ def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_pa
         eng.process.stop()
 
 
+def test_shards_written_here_read_back_by_safetensors_with_the_digest_of_their_bytes(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from rltrain.sync.disk import file_digest
+    from rltrain.sync.hf_files import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "a": torch.randn(7, generator=g),
+        "mask": torch.rand(4, 2, generator=g) > 0.5,
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "half": torch.randn(1, generator=g).half(),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "strided": torch.randn(4, 6, generator=g)[:, ::2],  # not contiguous
+    }
+    digest = write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
+    assert digest == file_digest(tmp_path / "x.safetensors")
+    back = load_file(str(tmp_path / "x.safetensors"))
+    assert set(back) == set(tensors)
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape and torch.equal(back[name], t), name
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    with pytest.raises(TypeError, match="complex64"):
+        write_safetensors(tmp_path / "y.safetensors", {"c": torch.zeros(2, dtype=torch.complex64)})
+
+
 def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
     from rltrain.sync.delta import DeltaOrderError, DeltaPublisher, reconstruct
     from rltrain.sync.disk import CorruptWeightsError, publish

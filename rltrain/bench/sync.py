@@ -9,7 +9,8 @@ warm-up push, then timed pushes of new versions (steady state), with the post-sy
 verification on and off. The limits, on the same bytes:
   tensor       device-to-device copy in one process (the receiver's copy is the floor)
   disk, delta  raw safetensors write (+fsync) and read of the same tensors
-  distributed  raw broadcast of the same bytes between two processes (gloo on CPU)
+  distributed  raw broadcast of the same bytes between two processes (gloo on CPU; NCCL between
+               two GPUs, the engine on the second, when the machine has two)
 and, without tensors, the bytes a MoE model (Qwen3-30B-A3B shape) sends to each engine EP rank
 with and without expert routing.
 """
@@ -125,34 +126,54 @@ def raw_safetensors_gbps(tensors: dict[str, torch.Tensor], path: Path) -> tuple[
     return nbytes / write / 1e9, nbytes / read / 1e9
 
 
-def _broadcast_rank(rank: int, port: int, nbytes: int, out: str) -> None:
+def _broadcast_rank(rank: int, port: int, nbytes: int, out: str, backend: str) -> None:
     from rltrain.engine.weight_group import UnregisteredGroup
 
-    g = UnregisteredGroup("127.0.0.1", port, rank, 2, "raw", "gloo", timeout_s=300)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    g = UnregisteredGroup("127.0.0.1", port, rank, 2, "raw", backend, timeout_s=300)
     chunk = min(nbytes, 512 << 20)
-    buf = torch.empty(chunk, dtype=torch.uint8)
-    for _ in range(2):
+    buf = torch.empty(chunk, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        _sync(device)
         t0 = time.perf_counter()
         for _ in range(max(1, nbytes // chunk)):
             g.broadcast(buf, src=0)
+        _sync(device)
         s = time.perf_counter() - t0
     if rank == 0:
         Path(out).write_text(str(max(1, nbytes // chunk) * chunk / s / 1e9))
 
 
-def raw_broadcast_gbps(nbytes: int) -> float:
+def raw_broadcast_gbps(nbytes: int, backend: str = "gloo") -> float:
     import torch.multiprocessing as mp
 
     from rltrain.engine.launcher import free_port
 
     port = free_port()
     with tempfile.NamedTemporaryFile() as f:
-        procs = [mp.get_context("spawn").Process(target=_broadcast_rank, args=(r, port, nbytes, f.name)) for r in range(2)]
+        procs = [mp.get_context("spawn").Process(target=_broadcast_rank, args=(r, port, nbytes, f.name, backend))
+                 for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(600)
         return float(Path(f.name).read_text())
+
+
+def _engine_breakdown(log_path: Path) -> None:
+    """Median per-bucket times from the embedded engine's DEBUG log (--profile)."""
+    import re
+    import statistics
+
+    rows: dict[str, list[float]] = {}
+    for line in log_path.read_text().splitlines():
+        if "update_weights_from_tensor:" in line:
+            for key, value in re.findall(r"([a-z]+) ([0-9.]+)(?: ms)?", line.split("update_weights_from_tensor:", 1)[1]):
+                rows.setdefault(key, []).append(float(value))
+    print("engine per bucket, ms (median / max): " + ", ".join(
+        f"{k} {statistics.median(v):.2f} / {max(v):.2f}" for k, v in rows.items()))
 
 
 def routing_table() -> list[tuple[int, float, float]]:
@@ -183,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None, help=f"model shape, one of {sorted(SHAPES)} (default: small on CPU, 4b on GPU)")
     ap.add_argument("--disk-shape", default=None, help="shape for disk/delta (default: --shape)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
     a = ap.parse_args(argv)
@@ -208,10 +230,13 @@ def main(argv: list[str] | None = None) -> int:
           f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})  {dtype}")
     print(f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
           f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}")
+    two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     for transport in a.transports.split(","):
-        if transport == "distributed" and device.type == "cuda":
-            print(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device); multi-GPU kinds not lent")
+        if transport == "distributed" and device.type == "cuda" and not two_gpus:
+            print(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device)")
             continue
+        # distributed on GPU: the engine on the second GPU (NCCL refuses two ranks on one device)
+        engine_env = {"CUDA_VISIBLE_DEVICES": "1"} if transport == "distributed" and two_gpus else None
         s = (a.disk_shape or shape) if transport in ("disk", "delta") else shape
         path = root / f"model_{s}"
         if not (path / "config.json").exists():
@@ -221,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."),
                             extra_args=["--log-level", "DEBUG"] if a.profile else [])
-        proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}", root / f"engine_{transport}.log")
+        proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}", root / f"engine_{transport}.log",
+                                   env=engine_env)
         client = EngineClient(proc.url, request_timeout_s=600)
         try:
             client.wait_healthy(600, alive=lambda: proc.alive)
@@ -229,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             for verify in (False, True):
                 cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
                                          f"sync.verify={str(verify).lower()}", f"loop.weights_dir={root / 'weights' / transport}",
-                                         "sync.delta_full_every=1000000", f"loop.colocate={str(transport != 'delta').lower()}"])
+                                         "sync.delta_full_every=1000000", f"sync.bucket_mb={a.bucket_mb}", f"loop.colocate={str(transport != 'delta').lower()}"])
                 ws = WeightSync(cfg, world, trainer, [client], str(path))
                 times = []
                 for i in range(a.repeats + 1):
@@ -241,17 +267,24 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     stats = ws.push(version)
                     times.append(time.perf_counter() - t0)
+                if not verify:
+                    timings = dict(ws.timings)  # of the last timed push
                 if a.profile and not verify:
                     import cProfile
                     import pstats
 
                     prof = cProfile.Profile()
                     prof.runcall(ws.push, str(len(results) * 100 + 99))
-                    pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+                    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 ws.close()
                 results[verify] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
             best, sent = results[False]
+            if a.profile:
+                print("trainer side of the last timed push, s: " + ", ".join(f"{k} {v:.4f}" for k, v in timings.items())
+                      + ("  (wait: for the previous bucket's request, on a sender thread)" if transport == "tensor" else ""))
+            if a.profile and transport == "tensor":
+                _engine_breakdown(root / f"engine_{transport}.log")
             if transport == "tensor" and device.type == "cuda":
                 fresh_s, steady_s = raw_ipc_seconds(nbytes)
                 print(f"{'':>11s} raw CUDA IPC, 2 procs, 512 MiB buckets: fresh buffers {fresh_s:.3f} s, "
@@ -260,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             elif transport == "tensor":
                 limit_name, limit = "memory copy", raw_copy_gbps(nbytes, device)
             elif transport == "distributed":
-                limit_name, limit = "raw gloo broadcast, 2 procs", raw_broadcast_gbps(nbytes)
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                limit_name, limit = f"raw {backend} broadcast, 2 procs", raw_broadcast_gbps(nbytes, backend)
             else:
                 w, r = raw_safetensors_gbps(dict(trainer.export_weights()), root / "raw.safetensors")
                 limit_name, limit = f"safetensors w {w:.2f} + r {r:.2f}", 1 / (1 / w + 1 / r)

@@ -13,6 +13,7 @@ With several nodes, `weights_dir` must be on a filesystem all nodes see.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import tempfile
@@ -43,20 +44,26 @@ def version_dir(root: Path, version: str) -> Path:
 
 
 def file_digest(path: Path) -> str:
+    """xxh3 of a file's bytes, hashed from a memory map (no copy into Python buffers: half the
+    cost of reading it in chunks, measured on the sync benchmark)."""
     h = xxhash.xxh3_64()
     with open(path, "rb") as fh:
-        while chunk := fh.read(16 << 20):
-            h.update(chunk)
+        if os.fstat(fh.fileno()).st_size:
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                h.update(m)
     return h.hexdigest()
 
 
-def publish(target: Path, keep: int, write: Callable[[Path], dict[str, Any]]) -> Path:
-    """Run `write(tmp_dir) -> manifest fields`, add file digests, fsync, rename to `target`, prune."""
+def publish(target: Path, keep: int | None, write: Callable[[Path], dict[str, Any]]) -> Path:
+    """Run `write(tmp_dir) -> manifest fields` (a "digests" field: xxh3 of files it wrote, known
+    without reading them back), add file digests, fsync, rename to `target`, prune
+    (unless `keep` is None: then the caller prunes, e.g. off the critical path)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp"))
     try:
         fields = write(tmp)
-        files = {f.name: file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+        known = fields.pop("digests", {})  # computed while writing: not read back
+        files = {f.name: known.get(f.name) or file_digest(f) for f in sorted(tmp.iterdir()) if f.is_file()}
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({**fields, "files": files}, indent=1))
         fsync_file(manifest)
@@ -67,7 +74,8 @@ def publish(target: Path, keep: int, write: Callable[[Path], dict[str, Any]]) ->
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    prune(target, keep)
+    if keep is not None:
+        prune(target, keep)
     return target
 
 

@@ -4,6 +4,13 @@ Tensors arrive one at a time (from a sharded trainer, each is an all-gather ever
 shards are written as they fill and the whole model is never held in host memory at once. Only
 the writing rank keeps anything; the others drain the iterator. Every file is fsynced; making the
 directory appear atomically is the caller's job (write into a temporary directory, then rename).
+
+Shards are written here, not by `safetensors.save_file`, for two measured reasons (weight sync
+on an H200, 0.37 GB model): device tensors are copied into a reused page-locked staging buffer
+(per-tensor `.to("cpu")` into fresh pageable memory ran at 1.6 GB/s and was a third of the sync),
+and each file's xxh3 is computed from memory while it is written instead of by reading it back.
+The format is safetensors' (8-byte header length, JSON header, packed data); the files are read
+by `safetensors` and `from_pretrained` in the tests.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import xxhash
 
 INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -34,13 +42,77 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                     write: bool = True, shard_bytes: int = 2 << 30) -> dict[str, str]:
-    """Write `tensors` as HF shards under `path` (if `write`), copying the config files of
-    `config_from`. Returns the weight map (name -> file) on the writing rank."""
-    from safetensors.torch import save_file
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
+    """Write host tensors as one safetensors file, fsynced; returns the xxh3 of its bytes."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} has no safetensors code")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    digest = xxhash.xxh3_64()
+    with open(path, "wb") as fh:
+        for chunk in (len(head).to_bytes(8, "little"), head):
+            fh.write(chunk)
+            digest.update(chunk)
+        for t in tensors.values():
+            if t.numel():
+                raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+                fh.write(raw)
+                digest.update(raw)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return digest.hexdigest()
+
+
+class HostStaging:
+    """A page-locked host buffer, reused across checkpoints, that device tensors of one shard are
+    copied into (asynchronously; `ready()` waits for the copies). On CPU tensors pass through."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self._buf, self._used = capacity, None, 0
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.detach().contiguous()
+        nbytes = t.numel() * t.element_size()
+        start = -(-self._used // 64) * 64
+        if start + nbytes > self.capacity:
+            return t.detach().to("cpu").contiguous()  # bigger than the staging buffer: plain copy
+        if self._buf is None:
+            self._buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+        self._used = start + nbytes
+        out = self._buf[start : start + nbytes].view(t.dtype).view(t.shape)
+        out.copy_(t.detach(), non_blocking=True)
+        return out
+
+    def ready(self) -> None:
+        if self._used:
+            torch.cuda.synchronize()
+
+    def reset(self) -> None:
+        self._used = 0
+
+
+def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                     write: bool = True, shard_bytes: int = 2 << 30, staging: HostStaging | None = None,
+                     digests: dict[str, str] | None = None) -> dict[str, str]:
+    """Write `tensors` as HF shards under `path` (if `write`), copying the config files of
+    `config_from`. Returns the weight map (name -> file) on the writing rank. With `staging`
+    (capacity >= shard_bytes is best), device tensors go through it; `digests` receives the xxh3
+    of every file written."""
     path = Path(path)
+    staging = staging or HostStaging(0)
+    file_digests: dict[str, str] = {}
     if write:
         path.mkdir(parents=True, exist_ok=True)
     pending: dict[str, torch.Tensor] = {}
@@ -53,8 +125,9 @@ def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterabl
         if not pending:
             return
         tmp = path / f".part-{len(parts):05d}.safetensors"
-        save_file(pending, str(tmp), metadata={"format": "pt"})
-        fsync_file(tmp)
+        staging.ready()
+        file_digests[tmp.name] = write_safetensors(tmp, pending, {"format": "pt"})
+        staging.reset()
         parts.append(list(pending))
         pending, pending_bytes = {}, 0
 
@@ -64,7 +137,7 @@ def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterabl
         size = t.numel() * t.element_size()
         if pending and pending_bytes + size > shard_bytes:
             flush()
-        pending[name] = t.detach().to("cpu").contiguous()
+        pending[name] = staging.take(t)
         pending_bytes += size
         total += size
     if not write:
@@ -74,6 +147,7 @@ def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterabl
     for i, names in enumerate(parts):
         final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" if len(parts) > 1 else "model.safetensors"
         os.replace(path / f".part-{i:05d}.safetensors", path / final)
+        file_digests[final] = file_digests.pop(f".part-{i:05d}.safetensors")
         weight_map.update({n: final for n in names})
     if len(parts) > 1:
         index = path / INDEX
@@ -84,4 +158,6 @@ def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterabl
         if src.is_file() and src.resolve() != (path / name).resolve():
             shutil.copyfile(src, path / name)
             fsync_file(path / name)
+    if digests is not None:
+        digests.update(file_digests)
     return weight_map

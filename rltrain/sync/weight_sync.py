@@ -22,6 +22,7 @@ version is verified (and said so once in the log).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,12 +36,13 @@ from rltrain.sync.delta import DeltaPublisher, reconstruct
 from rltrain.sync.disk import (
     CorruptWeightsError,
     StaleWeightsError,
+    prune,
     publish,
     verify,
     version_dir,
     weights_dir,
 )
-from rltrain.sync.hf_files import write_checkpoint
+from rltrain.sync.hf_files import HostStaging, write_checkpoint
 from rltrain.sync.integrity import WeightMismatchError, combine, entry
 from rltrain.sync.plan import (
     EngineTopology,
@@ -51,6 +53,7 @@ from rltrain.sync.plan import (
 )
 
 log = logging.getLogger("rltrain.sync")
+SHARD_BYTES = 2 << 30
 
 
 class WeightSync:
@@ -82,6 +85,9 @@ class WeightSync:
         self.node_dir = self.root / f"node{world.env.node_rank}"  # delta: full versions rebuilt for this node
         self.node_base: Path | None = None
         self._groups: list[Any] = []
+        self._pruner: threading.Thread | None = None
+        self._staging: HostStaging | None = None
+        self.timings: dict[str, float] = {}  # seconds per part of the last bucketed push (benchmarks)
         self._group_name = f"rltrain_weights_node{world.env.node_rank}"
 
     # ------------------------------------------------------------------ entry
@@ -121,11 +127,21 @@ class WeightSync:
         tensors = self._stream(None, sums)
         target = version_dir(self.root, version)
         error = None
+        clock = time.perf_counter
+        self.timings = timings = dict.fromkeys(("prune_wait", "publish", "verify", "load"), 0.0)
         try:
             if self.world.rank == 0:
-                publish(target, self.cfg.loop.keep_weight_versions, lambda tmp: self._write(tmp, version, tensors))
+                t0 = clock()
+                self._wait_pruned()
+                t1 = clock()
+                publish(target, None, lambda tmp: self._write(tmp, version, tensors))
+                timings["prune_wait"], timings["publish"] = t1 - t0, clock() - t1
                 if self.publisher is not None and self.transport == "delta":
                     self.publisher.commit()
+                # Deleting old versions (unlinking GBs of cached pages) is off the critical path.
+                self._pruner = threading.Thread(target=prune, args=(target, self.cfg.loop.keep_weight_versions),
+                                                name="rltrain-prune", daemon=True)
+                self._pruner.start()
         except (OSError, ValueError) as e:
             error = f"publishing weight version {version} to {target} failed: {e}"
         finally:
@@ -136,17 +152,28 @@ class WeightSync:
             raise OSError(next(e for e in errors if e))
         sent = sum(f.stat().st_size for f in target.iterdir()) if self.leader else 0
         if self.leader:
+            t0 = clock()
             path = self._local_full_version(target)
+            t1 = clock()
             for client in self.receivers:
                 client.update_weights_from_disk(str(path), weight_version=version)
+            timings["verify"], timings["load"] = t1 - t0, clock() - t1
         return sent
+
+    def _wait_pruned(self) -> None:
+        if self._pruner is not None:
+            self._pruner.join()
+            self._pruner = None
 
     def _write(self, tmp: Path, version: str, tensors: Any) -> dict[str, Any]:
         model_path = self.trainer.model_path
         if self.transport == "delta":
             return self.publisher.write(tmp, version, tensors, model_path)
-        write_checkpoint(tmp, model_path, tensors)
-        return {"version": version, "kind": "full"}
+        if self._staging is None:  # page-locked, reused by every version (up to one shard)
+            self._staging = HostStaging(min(SHARD_BYTES, sum(w.nbytes for w in self.plan.weights)))
+        digests: dict[str, str] = {}
+        write_checkpoint(tmp, model_path, tensors, shard_bytes=SHARD_BYTES, staging=self._staging, digests=digests)
+        return {"version": version, "kind": "full", "digests": digests}
 
     def _local_full_version(self, published: Path) -> Path:
         """The verified full version this node's engine loads: the published one, or for a delta
@@ -173,24 +200,48 @@ class WeightSync:
         if session:
             for client in self.receivers:
                 client.begin_weight_update()
+        # tensor: the request for bucket k runs on a sender thread while this thread gathers and
+        # flattens bucket k+1, so at most two flat buckets (plus one gathered) are alive.
+        sender = ThreadPoolExecutor(1, thread_name_prefix="rltrain-sync") if self.transport == "tensor" else None
+        in_flight = None
+        clock = time.perf_counter
+        self.timings = timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
         try:
             last = {r: max((i for i, b in enumerate(self.plan.buckets) if r in b.targets), default=-1)
                     for r in range(len(self.receivers))}
             for i, bucket in enumerate(self.plan.buckets):
+                t0 = clock()
                 named = list(self._stream(bucket.names, sums))
+                timings["gather"] += clock() - t0
                 if not self.leader or failure is not None:
                     continue  # keep joining the all-gathers; the failure is reported after
                 try:
-                    for r in bucket.targets:  # routed: only the EP ranks that own these weights
-                        tag = version if i == last[r] else None
-                        if self.transport == "tensor":
-                            self._send_handles(self.receivers[r], named, tag)
-                        else:
+                    tags = {r: version if i == last[r] else None for r in bucket.targets}
+                    if sender is not None:
+                        # A fresh buffer per bucket: the engine may still be copying from the previous one.
+                        t0 = clock()
+                        flat = tensor_payload.flatten_bucket(named)
+                        del named
+                        payload = tensor_payload.serialize(flat)
+                        t1 = clock()
+                        if in_flight is not None:
+                            in_flight, _ = None, in_flight.result()
+                        timings["flatten"] += t1 - t0
+                        timings["wait"] += clock() - t1
+                        in_flight = sender.submit(self._send_handles, flat, payload, tags)
+                    else:
+                        for r, tag in tags.items():  # routed: only the EP ranks that own these weights
                             self._broadcast(r, named, tag)
-                        sent += bucket.nbytes
+                    sent += bucket.nbytes * len(bucket.targets)
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e
+            if in_flight is not None and failure is None:
+                in_flight.result()
+        except (EngineError, OSError, RuntimeError, ValueError) as e:
+            failure = e
         finally:
+            if sender is not None:
+                sender.shutdown(wait=True)
             if session:
                 for client in self.receivers:
                     client.end_weight_update()
@@ -198,13 +249,16 @@ class WeightSync:
             raise RuntimeError(str(failure)) from failure
         return sent
 
-    def _send_handles(self, client: Any, named: list[tuple[str, torch.Tensor]], version: str | None) -> None:
-        # A fresh buffer per bucket: the engine may still be copying from the previous one.
-        bucket = tensor_payload.flatten_bucket(named)
-        payload = tensor_payload.serialize(bucket)
-        client.update_weights_from_tensor([payload] * self.cfg.engine.tp_size, load_format="flattened_bucket",
-                                          weight_version=version, flush_cache=version is not None)
-        del bucket  # only now: the engine has answered, its copies are done
+    def _send_handles(self, flat: dict[str, Any], payload: str, tags: dict[int, str | None]) -> None:
+        """One bucket to each receiver that owns it (sender thread). `flat` stays referenced
+        until every engine has answered, i.e. finished copying out of it."""
+        t0 = time.perf_counter()
+        for r, tag in tags.items():
+            self.receivers[r].update_weights_from_tensor([payload] * self.cfg.engine.tp_size,
+                                                         load_format="flattened_bucket",
+                                                         weight_version=tag, flush_cache=tag is not None)
+        self.timings["request"] += time.perf_counter() - t0
+        del flat
 
     def _open_group(self, client: Any, receiver: int) -> Any:
         from rltrain.engine.launcher import free_port
@@ -237,12 +291,17 @@ class WeightSync:
     def close(self) -> None:
         from rltrain.engine.weight_group import close_weight_update_group
 
+        self._wait_pruned()
         for r, pg in enumerate(self._groups):
-            try:
-                self.receivers[r].destroy_weights_update_group(f"{self._group_name}_ep{r}")
-            except EngineError as e:
-                log.warning("engine did not leave the weight-update group: %s", e)
-            close_weight_update_group(pg)
+            # Both ends tear down at once: NCCL's communicator teardown waits for its peer (seen on
+            # two H200s: the engine's destroy did not return while the trainer's end stayed open).
+            with ThreadPoolExecutor(1) as pool:
+                left = pool.submit(self.receivers[r].destroy_weights_update_group, f"{self._group_name}_ep{r}")
+                close_weight_update_group(pg)
+                try:
+                    left.result()
+                except EngineError as e:
+                    log.warning("engine did not leave the weight-update group: %s", e)
         self._groups = []
 
     # ------------------------------------------------------------------ verify

@@ -151,8 +151,12 @@ class NativeServer:
             raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
         t1 = time.perf_counter()
         n = self.engine.load_named_tensors(named, body.get("weight_version"))
-        log.debug("update_weights_from_tensor: %d tensors, unpack %.2f ms, load %.2f ms", n, (t1 - t0) * 1e3,
-                  (time.perf_counter() - t1) * 1e3)
+        t2 = time.perf_counter()
+        del named, data  # unmaps the sender's buffer (CUDA IPC) or shared-memory file
+        if log.isEnabledFor(logging.DEBUG):
+            parts = " ".join(f"{k} {v:.2f}" for k, v in self.engine.last_update_ms.items())
+            log.debug("update_weights_from_tensor: %d tensors, unpack %.2f ms, load %.2f ms (%s), free %.2f ms", n,
+                      (t1 - t0) * 1e3, (t2 - t1) * 1e3, parts, (time.perf_counter() - t2) * 1e3)
         return {"success": True, "message": f"loaded {n} tensors"}
 
     def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +239,7 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _dispatch(self, method: str) -> None:
+            t0 = time.perf_counter()
             path = self.path.split("?", 1)[0]
             try:
                 if method == "GET":
@@ -258,6 +263,8 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
                 status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(err),
                                                                      "error": {"message": str(err)}}
             self._send(int(status), payload)
+            if path == "/update_weights_from_tensor" and log.isEnabledFor(logging.DEBUG):
+                log.debug("update_weights_from_tensor: handled in %.2f ms", (time.perf_counter() - t0) * 1e3)
 
         def do_GET(self) -> None:  # noqa: N802
             self._dispatch("GET")
