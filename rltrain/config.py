@@ -154,7 +154,9 @@ class AlgoConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: Literal["native"] = "native"
+    # native: transformers model + FSDP2; megatron: megatron-core GPTModel (needs megatron-core)
+    backend: Literal["native", "megatron"] = "native"
+    tensor_parallel_size: int = 1  # megatron only; must divide the world size and the KV heads
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     lr: float = 1e-6
     beta1: float = 0.9
@@ -171,6 +173,13 @@ class TrainerConfig:
     def check(self) -> None:
         if self.lr <= 0 or self.micro_batch_size < 1 or self.grad_clip <= 0:
             raise ConfigError("trainer.lr, trainer.grad_clip must be > 0 and trainer.micro_batch_size >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("trainer.tensor_parallel_size must be >= 1")
+        if self.backend == "native" and self.tensor_parallel_size != 1:
+            raise ConfigError("trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
+                              "trainer shards with FSDP2 over all ranks)")
+        if self.backend == "megatron" and self.gradient_checkpointing:
+            raise ConfigError("trainer.gradient_checkpointing is not supported by trainer.backend=megatron yet")
 
 
 @dataclass
@@ -300,6 +309,9 @@ class Config:
         if self.release.train and self.release.source == "host" and self.checkpoint.interval == 0:
             raise ConfigError("release.train with release.source=host keeps the released trainer only in RAM: "
                               "set checkpoint.interval >= 1 so it is also written to disk")
+        if self.trainer.backend == "megatron" and (self.checkpoint.interval or self.release.train):
+            raise ConfigError("trainer.backend=megatron does not write checkpoints yet: set checkpoint.interval=0 "
+                              "and release.train=false")
         if self.sync.transport == "delta" and self.loop.colocate:
             raise ConfigError("sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                               "disk, but colocated engines read the trainer's memory directly (use tensor)")

@@ -83,8 +83,14 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     rewards = RewardRunner(load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s,
                            cfg.reward.workers)
 
-    trainer = TorchTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
-                           total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
+    if cfg.trainer.backend == "megatron":
+        from rltrain.trainer.megatron.trainer import MegatronTrainer
+
+        trainer = MegatronTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, world, seed=cfg.run.seed,
+                                  total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
+    else:
+        trainer = TorchTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
+                               total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
     trainer.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer.create()
 

@@ -233,11 +233,16 @@ class TorchTrainer:
 
     def _forward_logp(self, model: torch.nn.Module, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
-        logits = out.logits[:, :-1].float()
+        return self._logp_from_logits(out.logits, mb.tokens, with_entropy)
+
+    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor,
+                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, L] log-probs of `tokens` under next-token `logits` [B, L, V] (0 at position 0)."""
+        logits = logits[:, :-1].float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
         logsm = torch.log_softmax(logits, dim=-1)
-        logp = logsm.gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
+        logp = logsm.gather(-1, tokens[:, 1:, None]).squeeze(-1)
         logp = torch.nn.functional.pad(logp, (1, 0))
         ent = None
         if with_entropy:
@@ -316,10 +321,10 @@ class TorchTrainer:
         # Sharded, FSDP2 sums the ranks' gradients (divide factor 1), giving the full-batch gradient.
         counts = torch.tensor([float(mini.loss_mask.sum()), float(len(mini))], device=self.device)
         if dist.is_initialized():
-            dist.all_reduce(counts)
+            dist.all_reduce(counts, group=self._data_group())
         normalizer = counts[0].item() if algo.loss_agg == "token-mean" else counts[1].item()
         total_tokens = max(counts[0].item(), 1.0)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "approx_kl_old": 0.0}
         for mb, _ in self._micro_batches(mini):
             mb = mb.to(self.device)
@@ -341,20 +346,32 @@ class TorchTrainer:
             acc["entropy"] += float((ent.detach() * mb.loss_mask).sum())
             acc["clip_frac"] += float(stats["clip_frac"].detach()) * w
             acc["approx_kl_old"] += float(stats["approx_kl_old"].detach()) * w
+        grad_norm = self._apply_gradients()
+        self._zero_grad()  # no gradients live between steps
+        # Token-weighted statistics, summed over ranks.
+        vec = torch.tensor([acc["loss"], acc["pg_loss"], acc["kl"], acc["entropy"], acc["clip_frac"], acc["approx_kl_old"]],
+                           dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(vec, group=self._data_group())
+        loss_sum, pg_sum, kl, ent, clip, akl = vec.tolist()
+        return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
+                "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+
+    def _data_group(self) -> Any:
+        """The group whose ranks hold different samples (None: the whole world)."""
+        return None
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _apply_gradients(self) -> float:
+        """Clip and step (skipped on a non-finite norm); returns the gradient norm."""
         grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
         if not torch.isfinite(grad_norm):
             log.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # no gradients live between steps
-        # Token-weighted statistics, summed over ranks.
-        vec = torch.tensor([acc["loss"], acc["pg_loss"], acc["kl"], acc["entropy"], acc["clip_frac"], acc["approx_kl_old"]],
-                           dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(vec)
-        loss_sum, pg_sum, kl, ent, clip, akl = vec.tolist()
-        return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
-                "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+        return float(grad_norm)
 
     # ------------------------------------------------------------------ weights and state
 

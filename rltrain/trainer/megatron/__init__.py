@@ -1,0 +1,1 @@
+"""The megatron-core trainer backend (`trainer.backend: megatron`); needs megatron-core installed."""

@@ -1,0 +1,246 @@
+"""HF <-> megatron-core weights for dense decoder models (Llama, Qwen2, Qwen3), with TP sharding.
+
+megatron-bridge was considered first; it is not on PyPI for the megatron-core that Python 3.11
+resolves here (0.16.1), so the conversion is written out, for the three dense families only, and
+pinned by exact round-trip tests (HF -> megatron shards -> HF, bit for bit, at TP=1 and TP=2).
+
+Layouts (megatron-core's local layer spec, names of `GPTModel.state_dict()`):
+
+    embedding.word_embeddings.weight                  model.embed_tokens.weight       vocab-parallel (dim 0)
+    decoder.layers.i.input_layernorm.weight           ...input_layernorm.weight       replicated
+    decoder.layers.i.self_attention.linear_qkv.weight q_proj, k_proj, v_proj          column-parallel, per query group
+    decoder.layers.i.self_attention.linear_qkv.bias   q/k/v biases (Qwen2)            column-parallel, per query group
+    decoder.layers.i.self_attention.q_layernorm.weight ...self_attn.q_norm.weight     replicated (Qwen3)
+    decoder.layers.i.self_attention.k_layernorm.weight ...self_attn.k_norm.weight     replicated (Qwen3)
+    decoder.layers.i.self_attention.linear_proj.weight ...self_attn.o_proj.weight     row-parallel (dim 1)
+    decoder.layers.i.pre_mlp_layernorm.weight         ...post_attention_layernorm     replicated
+    decoder.layers.i.mlp.linear_fc1.weight            gate_proj, up_proj              column-parallel, gate and up split apart
+    decoder.layers.i.mlp.linear_fc2.weight            ...mlp.down_proj.weight         row-parallel (dim 1)
+    decoder.final_layernorm.weight                    model.norm.weight               replicated
+    output_layer.weight                               lm_head.weight                  vocab-parallel (absent when tied)
+
+The fused QKV weight holds, per query group g, that group's query heads, then its key head, then
+its value head: [g0: q.. k v | g1: q.. k v | ...]. A TP rank holds a contiguous run of groups, so
+the number of query groups must divide by TP. The fused fc1 weight on a TP rank is [gate shard;
+up shard], so it is sharded gate and up apart. The vocabulary is padded to a multiple of TP (the
+padding rows are zero and their logits are masked); export drops the padding.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# megatron suffix within a layer -> HF suffix within a layer (one-to-one weights)
+_SIMPLE = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+class ConversionError(ValueError):
+    """The HF model cannot be mapped onto megatron-core's GPT model (architecture, sizes, names)."""
+
+
+@dataclass(frozen=True)
+class Dims:
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    padded_vocab: int
+    qkv_bias: bool
+    qk_norm: bool
+    tied: bool
+
+
+def dims(hf_config: Any, tp: int) -> Dims:
+    arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
+    model_type = getattr(hf_config, "model_type", "")
+    if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3"):
+        raise ConversionError(f"trainer.backend=megatron supports {', '.join(SUPPORTED)}; this model is {arch} "
+                              f"({model_type}). MoE models are not converted yet.")
+    heads = hf_config.num_attention_heads
+    groups = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    if groups % tp or heads % tp:
+        raise ConversionError(f"tensor parallel size {tp} must divide the attention heads ({heads}) and key/value "
+                              f"heads ({groups})")
+    if hf_config.intermediate_size % tp:
+        raise ConversionError(f"tensor parallel size {tp} must divide intermediate_size {hf_config.intermediate_size}")
+    vocab = hf_config.vocab_size
+    return Dims(
+        layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=heads, groups=groups,
+        head_dim=head_dim, ffn=hf_config.intermediate_size, vocab=vocab, padded_vocab=-(-vocab // tp) * tp,
+        qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=model_type == "qwen3", tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
+    """The megatron `TransformerConfig` fields that describe the HF architecture."""
+    d = dims(hf_config, 1)
+    return dict(
+        num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads, num_query_groups=d.groups,
+        kv_channels=d.head_dim, ffn_hidden_size=d.ffn, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=d.qkv_bias,
+        qk_layernorm=d.qk_norm, layernorm_epsilon=hf_config.rms_norm_eps,
+    )
+
+
+def mcore_names(d: Dims) -> list[str]:
+    """Every weight name of the (unsharded) megatron model, in module order."""
+    names = ["embedding.word_embeddings.weight"]
+    for i in range(d.layers):
+        p = f"decoder.layers.{i}."
+        names.append(p + "input_layernorm.weight")
+        names.append(p + "self_attention.linear_qkv.weight")
+        if d.qkv_bias:
+            names.append(p + "self_attention.linear_qkv.bias")
+        if d.qk_norm:
+            names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
+                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+    names.append("decoder.final_layernorm.weight")
+    if not d.tied:
+        names.append("output_layer.weight")
+    return names
+
+
+# ---------------------------------------------------------------------- HF -> megatron (full)
+
+def hf_names_of(name: str, d: Dims) -> list[str]:
+    """The HF checkpoint names a megatron weight is made of."""
+    if name == "embedding.word_embeddings.weight":
+        return ["model.embed_tokens.weight"]
+    if name == "decoder.final_layernorm.weight":
+        return ["model.norm.weight"]
+    if name == "output_layer.weight":
+        return ["lm_head.weight"]
+    m = _LAYER.match(name)
+    if not m:
+        raise ConversionError(f"unknown megatron weight {name!r}")
+    p, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    if rest in _SIMPLE:
+        return [p + _SIMPLE[rest]]
+    if rest == "self_attention.linear_qkv.weight":
+        return [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+    if rest == "self_attention.linear_qkv.bias":
+        return [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
+    if rest == "mlp.linear_fc1.weight":
+        return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    raise ConversionError(f"unknown megatron weight {name!r}")
+
+
+def to_mcore(name: str, parts: list[torch.Tensor], d: Dims) -> torch.Tensor:
+    """The full megatron tensor `name` from its HF parts (in `hf_names_of` order)."""
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        q, k, v = parts
+        per = d.heads // d.groups * d.head_dim
+        tail = q.shape[1:]
+        fused = torch.cat([q.reshape(d.groups, per, *tail), k.reshape(d.groups, d.head_dim, *tail),
+                           v.reshape(d.groups, d.head_dim, *tail)], dim=1)
+        return fused.reshape(-1, *tail)
+    if rest == "mlp.linear_fc1.weight":
+        return torch.cat(parts, dim=0)
+    (t,) = parts
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight") and d.padded_vocab != d.vocab:
+        t = torch.cat([t, t.new_zeros(d.padded_vocab - d.vocab, *t.shape[1:])])
+    return t
+
+
+def from_mcore(name: str, full: torch.Tensor, d: Dims) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) pairs of a full megatron tensor."""
+    hf = hf_names_of(name, d)
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        per = d.heads // d.groups * d.head_dim
+        tail = full.shape[1:]
+        g = full.reshape(d.groups, per + 2 * d.head_dim, *tail)
+        q, k, v = g.split([per, d.head_dim, d.head_dim], dim=1)
+        return [(hf[0], q.reshape(-1, *tail)), (hf[1], k.reshape(-1, *tail)), (hf[2], v.reshape(-1, *tail))]
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return [(hf[0], gate), (hf[1], up)]
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full = full[: d.vocab]
+    return [(hf[0], full)]
+
+
+# ---------------------------------------------------------------------- TP sharding
+
+def tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's part of a full megatron tensor."""
+    if tp == 1:
+        return full
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
+    if rest in _ROW_PARALLEL:
+        return full.chunk(tp, dim=1)[rank]
+    if rest.startswith("self_attention.linear_qkv") or name in ("embedding.word_embeddings.weight",
+                                                                 "output_layer.weight"):
+        return full.chunk(tp, dim=0)[rank]
+    return full  # replicated (norms)
+
+
+def tp_unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """The full megatron tensor from every TP rank's part (in TP rank order)."""
+    if len(parts) == 1:
+        return parts[0]
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    if rest == "mlp.linear_fc1.weight":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if rest in _ROW_PARALLEL:
+        return torch.cat(parts, dim=1)
+    if rest.startswith("self_attention.linear_qkv") or name in ("embedding.word_embeddings.weight",
+                                                                 "output_layer.weight"):
+        return torch.cat(parts, dim=0)
+    return parts[0]
+
+
+def tp_partition_dim(name: str) -> int:
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    return 1 if rest in _ROW_PARALLEL else 0
+
+
+def is_tp_sharded(name: str) -> bool:
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    return (rest == "mlp.linear_fc1.weight" or rest in _ROW_PARALLEL or rest.startswith("self_attention.linear_qkv")
+            or name in ("embedding.word_embeddings.weight", "output_layer.weight"))
+
+
+def hf_to_mcore_shards(hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """This TP rank's megatron state from a full HF state dict. Every HF weight must be used."""
+    out, used = {}, set()
+    for name in mcore_names(d):
+        srcs = hf_names_of(name, d)
+        missing = [s for s in srcs if s not in hf]
+        if missing:
+            raise ConversionError(f"HF checkpoint lacks {missing} (needed for {name})")
+        used.update(srcs)
+        out[name] = tp_shard(name, to_mcore(name, [hf[s] for s in srcs], d), rank, tp)
+    unused = sorted(set(hf) - used - ({"lm_head.weight"} if d.tied else set()))
+    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
+    if unused:
+        raise ConversionError(f"HF weights with no megatron counterpart: {unused[:5]}")
+    return out

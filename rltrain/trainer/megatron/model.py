@@ -1,0 +1,127 @@
+"""megatron-core GPT models built from HF configs, over process groups from rltrain's World.
+
+Process groups. Megatron's modules keep the groups they were built with. rltrain destroys and
+rebuilds every group between phases, so the groups are made once through `World.new_group`
+(handles that the World re-creates on every rebuild) and handed to megatron-core as a
+`ProcessGroupCollection` (megatron-core's own way to pass groups in, instead of its global
+`parallel_state`). After a rebuild the trainer builds its modules again from the handles' new
+groups and moves its state into them, as the FSDP2 trainer does (trainer/sharding.py).
+
+Rank layout: tensor parallel fastest, then data parallel — rank = dp_rank * tp + tp_rank, as
+Megatron's default order with pipeline, context and expert parallel of size 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrain.trainer.megatron.convert import ConversionError, dims, transformer_config_kwargs
+
+
+@dataclass
+class Layout:
+    tp: int
+    dp: int
+
+    @classmethod
+    def of(cls, world_size: int, tp: int) -> "Layout":
+        if tp < 1 or world_size % tp:
+            raise ValueError(f"trainer.tensor_parallel_size={tp} must divide the world size {world_size}")
+        return cls(tp, world_size // tp)
+
+    def tp_ranks(self, dp_rank: int) -> list[int]:
+        return [dp_rank * self.tp + t for t in range(self.tp)]
+
+    def dp_ranks(self, tp_rank: int) -> list[int]:
+        return [d * self.tp + tp_rank for d in range(self.dp)]
+
+
+class MegatronGroups:
+    """This rank's tensor-, data- and single-rank groups as World handles (collective to create)."""
+
+    def __init__(self, world: Any, tp: int):
+        self.layout = Layout.of(world.world_size, tp)
+        rank = world.rank
+        self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        self.tp = self._mine(world, [self.layout.tp_ranks(d) for d in range(self.layout.dp)], "megatron tp")
+        self.dp = self._mine(world, [self.layout.dp_ranks(t) for t in range(tp)], "megatron dp")
+        # Pipeline, context and expert parallel have size 1 here: each rank is its own group.
+        self.own = self._mine(world, [[r] for r in range(world.world_size)], "megatron self")
+        self.all = world.new_group(None, description="megatron tp-dp")
+
+    def _mine(self, world: Any, groups: list[list[int]], name: str) -> Any:
+        mine = None
+        for i, ranks in enumerate(groups):
+            h = world.new_group(ranks, description=f"{name} {i}")  # every rank creates every group
+            if world.rank in ranks:
+                mine = h
+        return mine
+
+    def collection(self) -> Any:
+        """A ProcessGroupCollection of the groups as they are now (after the latest rebuild)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        tp, dp, own, every = self.tp.pg, self.dp.pg, self.own.pg, self.all.pg
+        return ProcessGroupCollection(
+            tp=tp, pp=own, mp=tp, embd=own, pos_embd=own, cp=own, tp_cp=tp, ep=own, expt_tp=tp, tp_ep=tp,
+            tp_ep_pp=tp, tp_dp_cp=every, dp=dp, dp_cp=dp, expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp,
+        )
+
+
+def rotary_base(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConversionError(f"RoPE scaling {kind!r} is not supported by the megatron backend yet")
+    return float(getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0))
+
+
+def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """An uninitialised GPTModel (weights are loaded after) with the local layer spec."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    d = dims(hf_config, tp)
+    arch = transformer_config_kwargs(hf_config)
+    config = TransformerConfig(
+        **arch, tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        # Losses are normalised by global token counts (as the FSDP2 trainer does): gradients
+        # are summed over data-parallel ranks, not averaged.
+        calculate_per_token_loss=True,
+    )
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # the local attention's scratch buffer
+        parallel_state._set_global_memory_buffer()
+    spec = get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
+    with torch.device(device):
+        model = GPTModel(
+            config, spec, vocab_size=d.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
+            position_embedding_type="rope", rotary_base=rotary_base(hf_config),
+            share_embeddings_and_output_weights=d.tied, parallel_output=False, pg_collection=pgs,
+        )
+    _mark_tensor_parallel(model)
+    return model
+
+
+def _mark_tensor_parallel(model: Any) -> None:
+    """Tag the TP-sharded weights as megatron's initialisers would. Without initialisation
+    (perform_initialization=False: the weights are loaded next) megatron-core leaves them untagged,
+    and its gradient norm then counts the shards of TP rank 0 only (found by the TP=2 test)."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    from rltrain.trainer.megatron.convert import is_tp_sharded, tp_partition_dim
+
+    for name, p in model.named_parameters():
+        if is_tp_sharded(name) and not getattr(p, "tensor_model_parallel", False):
+            for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+                if hasattr(p, attr):
+                    delattr(p, attr)
+            set_tensor_model_parallel_attributes(p, True, tp_partition_dim(name), 1)

@@ -1,0 +1,342 @@
+"""`trainer.backend: megatron` — megatron-core's GPTModel, DDP and optimizer behind the Trainer protocol.
+
+What it shares with the torch-native trainer (it subclasses it): the RL loss, micro-batching,
+metrics and learning-rate schedule. What is its own:
+  model      GPTModel (local layer spec) built from the HF config, weights converted from the HF
+             checkpoint and sharded over tensor parallel (convert.py); megatron-core DDP over
+             the data-parallel group, gradients summed (losses use global token counts)
+  optimizer  megatron-core's optimizer (Adam; fp32 main params for bf16 models, grad clipping)
+  data       the ranks of a tensor-parallel group hold different samples in the loop; each step
+             they pool them (all ranks of a TP group must run the same sequences), log-probs are
+             handed back per rank
+  groups     World handles (model.py); after a world rebuild the modules, DDP and optimizer are
+             built again over the new groups and the state is moved in (offloaded or not)
+  export     each weight gathered over tensor parallel and converted to HF names (convert.py)
+
+Not yet: pipeline, expert and context parallel, MoE models, the distributed optimizer, and
+checkpoints (save/resume and release-train) — the config refuses those combinations.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from rltrain.runtime.memory import free_cuda_caches
+from rltrain.trainer.megatron.convert import dims, from_mcore, hf_to_mcore_shards, is_tp_sharded, mcore_names, tp_unshard
+from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
+from rltrain.trainer.native import TorchTrainer, TrainBatch
+
+log = logging.getLogger("rltrain.trainer")
+
+
+class _Schedule:
+    """LR schedule over a megatron optimizer (not a torch optimizer, so no LambdaLR)."""
+
+    def __init__(self, optimizer: Any, base_lr: float, factor: Any):
+        self.optimizer, self.base_lr, self.factor, self.step_count = optimizer, base_lr, factor, 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.base_lr * self.factor(self.step_count)
+
+    def get_last_lr(self) -> list[float]:
+        return [self.base_lr * self.factor(self.step_count)]
+
+    def step(self) -> None:
+        self.step_count += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_count": self.step_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self._apply()
+
+
+class MegatronTrainer(TorchTrainer):
+    def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, world: Any, seed: int = 0,
+                 total_steps: int = 1, temperature: float = 1.0):
+        from transformers import AutoConfig
+
+        super().__init__(cfg, algo, model_path, device, seed=seed, total_steps=total_steps, temperature=temperature)
+        if not dist.is_initialized():
+            raise RuntimeError("trainer.backend=megatron needs torch.distributed (run under torchrun)")
+        self.world = world
+        self.tp = cfg.tensor_parallel_size
+        self._hf_config = AutoConfig.from_pretrained(model_path)
+        self.dims = dims(self._hf_config, self.tp)
+        self.groups: MegatronGroups | None = None
+        self._generation: int | None = None  # the world generation the modules were built on
+        self._pgs: Any = None  # megatron ProcessGroupCollection of that generation
+
+    @property
+    def sharded(self) -> bool:
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, load_weights: bool = True) -> None:
+        if self.groups is None:
+            self.groups = MegatronGroups(self.world, self.tp)
+        self._seed()
+        hf = self._hf_shards() if load_weights else None
+        self._assemble({"model": hf, "optimizer": None, "reference": hf if self.algo.kl_coef > 0 else None})
+        self._parked = None
+
+    def _seed(self) -> None:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=self.groups.tp_rank, ep_rank=0,
+                                                        etp_rank=self.groups.tp_rank)
+
+    def _hf_shards(self) -> dict[str, torch.Tensor]:
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        hf: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(self.model_path).glob("*.safetensors")):
+            hf.update(load_file(str(f)))
+        if not hf:
+            raise FileNotFoundError(f"no *.safetensors in {self.model_path}")
+        return hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp)
+
+    def _gpt(self) -> Any:
+        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device)
+
+    def _assemble(self, state: dict[str, Any]) -> None:
+        """Modules, DDP and optimizer over the world's current groups, filled from `state`
+        (megatron name -> this rank's tensor; None leaves the model uninitialised)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self._drop()
+        pgs = self._pgs = self.groups.collection()
+        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device)
+        if state["model"] is not None:
+            _fill(gpt, state["model"])
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=False)
+        self.model = DistributedDataParallel(gpt.config, ddp_cfg, gpt, pg_collection=pgs)
+        self.model.train()
+        opt_cfg = OptimizerConfig(optimizer="adam", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                  adam_beta1=self.cfg.beta1, adam_beta2=self.cfg.beta2, adam_eps=self.cfg.eps,
+                                  clip_grad=self.cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
+                                  params_dtype=self.dtype, use_distributed_optimizer=False)
+        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], pg_collection=pgs, use_gloo_process_groups=False)
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler = _Schedule(self.optimizer, self.cfg.lr, self._lr_factor)
+        if "scheduler" in state:
+            self.load_host_state(state)
+        self.ref_model = None
+        if state.get("reference") is not None:
+            ref = self._gpt().eval()
+            ref.requires_grad_(False)
+            _fill(ref, state["reference"])
+            self.ref_model = ref
+        self._generation = self.world.generation
+        self._group = self.groups.tp.pg
+        self._module_tensors = None
+
+    def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
+        def copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if not to_host:
+                return {k: v.detach().clone() for k, v in sd.items()}
+            pin = self.device.type == "cuda"
+            return {k: v.detach().to("cpu", copy=True).pin_memory() if pin else v.detach().to("cpu", copy=True)
+                    for k, v in sd.items()}
+
+        state = {"model": copy(_weights(_unwrap(self.model))), "optimizer": _to(self.optimizer.state_dict(),
+                                                                                 "cpu" if to_host else None),
+                 **self.host_state()}
+        state["reference"] = copy(_weights(self.ref_model)) if with_reference and self.ref_model is not None else None
+        return state
+
+    def _rebuild(self, state: dict[str, Any]) -> None:
+        self._seed()
+        if state.get("optimizer") is not None:
+            state = {**state, "optimizer": _to(state["optimizer"], self.device)}
+        self._assemble(state)
+        if self.algo.kl_coef > 0 and self.ref_model is None:
+            self.ref_model = self._gpt().eval()
+            self.ref_model.requires_grad_(False)
+            _fill(self.ref_model, self._hf_shards())
+
+    def _free(self) -> None:
+        pass  # plain modules: dropping the references frees them
+
+    def onload(self) -> None:
+        if self._parked is not None:
+            parked, self._parked = self._parked, None
+            self._rebuild(parked)
+        elif self.model is not None and self._generation != self.world.generation:
+            self._rebuild(self._capture(to_host=False, with_reference=True))
+
+    def offload(self) -> None:
+        if self.device.type == "cpu" or self.offloaded or self.released:
+            return
+        self._parked = self._capture(to_host=True, with_reference=True)
+        self._drop()
+        free_cuda_caches()
+
+    # ------------------------------------------------------------------ compute
+
+    def _data_group(self) -> Any:
+        return self.groups.dp.pg
+
+    def _forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, L = mb.tokens.shape
+        positions = torch.arange(L, device=mb.tokens.device).expand(B, L)
+        logits = model(mb.tokens, positions, attention_mask=None)  # causal; the batch is right-padded
+        return self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy)
+
+    def _pool(self, batch: TrainBatch) -> tuple[TrainBatch, slice]:
+        """Every sample of this rank's tensor-parallel group (same order on each) and where this
+        rank's own samples are in it."""
+        if self.tp == 1:
+            return batch, slice(0, len(batch))
+        parts: list[Any] = [None] * self.tp
+        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=self.groups.tp.pg)
+        start = sum(len(p) for p in parts[: self.groups.tp_rank])
+        width = max(p.tokens.shape[1] for p in parts)
+        pooled = TrainBatch(**{k: (torch.cat([_pad(getattr(p, k), width) for p in parts])
+                                   if getattr(parts[0], k) is not None else None) for k in batch.__dict__})
+        return pooled, slice(start, start + len(batch))
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        pooled, mine = self._pool(batch)
+        lp, ent = super().logprobs(pooled, reference)
+        L = batch.tokens.shape[1]
+        return lp[mine, :L], ent[mine, :L]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return super().train_step(self._pool(batch)[0])
+
+    def _zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _apply_gradients(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        # Sums gradients over data parallel, and over tensor parallel those of replicated weights
+        # that see only this rank's heads (q/k layernorm). Losses already carry global token counts.
+        finalize_model_grads([self.model], None, pg_collection=self._pgs)
+        ok, grad_norm, _ = self.optimizer.step()  # clips to trainer.grad_clip
+        if not ok:
+            log.warning("non-finite gradients: optimizer step skipped")
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    # ------------------------------------------------------------------ weights
+
+    def weight_specs(self) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+        """(HF name, megatron name, full shape, dtype) of every weight; no collectives."""
+        if self._specs is None:
+            specs = []
+            for name in mcore_names(self.dims):
+                full = _full_shape(name, self.dims)
+                meta = torch.empty(full, dtype=self.dtype, device="meta")
+                for hf_name, t in from_mcore(name, meta, self.dims):
+                    specs.append((hf_name, name, t.shape, self.dtype))
+            self._specs = specs
+        return self._specs
+
+    @torch.no_grad()
+    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every weight (or of `names`): a collective over each tensor
+        parallel group (every rank iterates to the end with the same names)."""
+        specs = self.weight_specs()
+        wanted = None if names is None else set(names)
+        if wanted is not None:
+            unknown = sorted(wanted - {s[0] for s in specs})
+            if unknown:
+                raise KeyError(f"no trainer weight is named {unknown[:5]}")
+        source_of = {ck: src for ck, src, _, _ in specs}
+        sources = list(dict.fromkeys(source_of[n] for n in (names if names is not None else source_of)))
+        local = _weights(_unwrap(self.model))
+        for src in sources:
+            part = local[src]
+            if self.tp > 1 and is_tp_sharded(src):
+                parts = [torch.empty_like(part) for _ in range(self.tp)]
+                dist.all_gather(parts, part.contiguous(), group=self.groups.tp.pg)
+                full = tp_unshard(src, parts)
+            else:
+                full = part
+            for hf_name, t in from_mcore(src, full, self.dims):
+                if wanted is None or hf_name in wanted:
+                    yield hf_name, t
+
+    def save_pretrained(self, path: str) -> None:
+        from rltrain.sync.hf_files import write_checkpoint
+
+        write_checkpoint(path, self.model_path, self.export_weights(), write=dist.get_rank() == 0)
+
+    def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        raise NotImplementedError("checkpoints of the megatron backend are not implemented yet")
+
+
+def _unwrap(model: Any) -> Any:
+    return getattr(model, "module", model)
+
+
+def _weights(gpt: Any) -> dict[str, torch.Tensor]:
+    """Megatron name -> this rank's parameter (module order)."""
+    return {n: p for n, p in gpt.named_parameters()}
+
+
+@torch.no_grad()
+def _fill(gpt: Any, state: dict[str, torch.Tensor]) -> None:
+    params = _weights(gpt)
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"megatron state does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in params.items():
+        src = state[name]
+        if tuple(src.shape) != tuple(p.shape):
+            raise ValueError(f"{name}: shape {tuple(src.shape)} does not fit the model's {tuple(p.shape)}")
+        p.copy_(src)
+
+
+def _to(obj: Any, device: Any) -> Any:
+    """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if device is None else obj.detach().to(device, copy=True)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 and t.shape[1] < width else t
+
+
+def _full_shape(name: str, d: Any) -> tuple[int, ...]:
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    qkv_rows = (d.heads + 2 * d.groups) * d.head_dim
+    return {
+        "embedding.word_embeddings.weight": (d.padded_vocab, d.hidden),
+        "output_layer.weight": (d.padded_vocab, d.hidden),
+        "decoder.final_layernorm.weight": (d.hidden,),
+        "input_layernorm.weight": (d.hidden,),
+        "pre_mlp_layernorm.weight": (d.hidden,),
+        "self_attention.linear_qkv.weight": (qkv_rows, d.hidden),
+        "self_attention.linear_qkv.bias": (qkv_rows,),
+        "self_attention.q_layernorm.weight": (d.head_dim,),
+        "self_attention.k_layernorm.weight": (d.head_dim,),
+        "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
+        "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
+        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
+    }[rest]
+
+
+__all__ = ["MegatronTrainer"]
