@@ -142,7 +142,7 @@ class MegatronTrainer(TorchTrainer):
             _fill(ref, state["reference"])
             self.ref_model = ref
         self._generation = self.world.generation
-        self._group = self.groups.tp.pg
+        self._group = self.groups.tp_group()
         self._module_tensors = None
 
     def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
@@ -189,7 +189,7 @@ class MegatronTrainer(TorchTrainer):
     # ------------------------------------------------------------------ compute
 
     def _data_group(self) -> Any:
-        return self.groups.dp.pg
+        return self._pgs.dp
 
     def _forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, L = mb.tokens.shape
@@ -203,7 +203,7 @@ class MegatronTrainer(TorchTrainer):
         if self.tp == 1:
             return batch, slice(0, len(batch))
         parts: list[Any] = [None] * self.tp
-        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=self.groups.tp.pg)
+        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=self.groups.tp_group())
         start = sum(len(p) for p in parts[: self.groups.tp_rank])
         width = max(p.tokens.shape[1] for p in parts)
         pooled = TrainBatch(**{k: (torch.cat([_pad(getattr(p, k), width) for p in parts])
@@ -265,7 +265,7 @@ class MegatronTrainer(TorchTrainer):
             part = local[src]
             if self.tp > 1 and is_tp_sharded(src):
                 parts = [torch.empty_like(part) for _ in range(self.tp)]
-                dist.all_gather(parts, part.contiguous(), group=self.groups.tp.pg)
+                dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
                 full = tp_unshard(src, parts)
             else:
                 full = part

@@ -1,0 +1,168 @@
+"""Benchmark: one GRPO step per trainer backend — tokens/s and GPU memory per phase.
+
+    python -m rltrain.bench.trainers --device cuda                       # both backends, Qwen3-1.7B shape
+    python -m rltrain.bench.trainers --backends megatron --shape 0.6b
+
+One rank (a one-rank world: FSDP2 over one rank for `native`, TP=1 for `megatron`), a
+Qwen3-shaped model with random weights built locally, bf16 on GPU. Per backend: create, old
+log-probs, a train step (one optimizer step over the batch), offload, onload — each timed, with
+the GPU memory in use after it (`torch.cuda.mem_get_info`: everything the process holds,
+including the CUDA context) and allocated by torch. The limits measured in the same run: the
+bf16 matmul rate (for MFU: 6 x params x tokens per train step, 2 x for log-probs) and the
+pinned host<->device copy bandwidth (what offload/onload move at best).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
+    "tiny": (256, 768, 2, 4, 2, 1024),
+    "0.6b": (1024, 3072, 28, 16, 8, 151936),
+    "1.7b": (2048, 6144, 28, 16, 8, 151936),
+}
+
+
+def build(path: Path, shape: str, device: torch.device) -> Path:
+    import transformers
+
+    h, inter, layers, heads, kv, vocab = SHAPES[shape]
+    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if h >= 1024 else 64,
+                                   max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=vocab - 1)
+    with device:  # random init on the GPU: seconds instead of a minute on the host
+        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def matmul_tflops(device: torch.device, n: int = 8192) -> float:
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
+
+
+def pinned_gbps(nbytes: int, device: torch.device) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    for _ in range(2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host.copy_(src, non_blocking=True)
+        src.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        s = time.perf_counter() - t0
+    return 2 * nbytes / s / 1e9
+
+
+def batch(n: int, L: int, vocab: int):
+    from rltrain.trainer.native import TrainBatch
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, vocab - 1, (n, L), generator=g)
+    attn = torch.ones(n, L, dtype=torch.long)
+    loss = attn.float()
+    loss[:, : L // 4] = 0  # a prompt quarter
+    adv = torch.randn(n, 1, generator=g).expand(n, L) * loss
+    return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backends", default="native,megatron")
+    ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro", type=int, default=4)
+    a = ap.parse_args(argv)
+
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.world import World
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(k, None)
+    device = torch.device(a.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    if device.type != "cuda":
+        raise SystemExit("this benchmark measures GPU memory and matmul rates: run it with --device cuda")
+    torch.cuda.set_device(device)
+    world = World(backend="nccl", timeout=600)
+    root = Path(tempfile.mkdtemp(prefix="rltrain-bench-trainers-"))
+    path = build(root / "model", a.shape, device)
+    vocab = SHAPES[a.shape][5]
+    tflops = matmul_tflops(device)
+    print(f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+          f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16")
+    print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy d->h->d measured per backend below")
+    for backend in a.backends.split(","):
+        cfg = TrainerConfig(backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro)
+        algo = AlgoConfig()
+        b = batch(a.samples, a.seq, vocab)
+        tokens = a.samples * a.seq
+        rows = []
+
+        def phase(name: str, fn):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            free, total = torch.cuda.mem_get_info()
+            rows.append((name, s, (total - free) / 2**30, torch.cuda.memory_allocated() / 2**30))
+            return out
+
+        if backend == "megatron":
+            from rltrain.trainer.megatron.trainer import MegatronTrainer
+
+            t = MegatronTrainer(cfg, algo, str(path), device, world)
+        else:
+            from rltrain.trainer.native import TorchTrainer
+
+            t = TorchTrainer(cfg, algo, str(path), device)
+        phase("create", t.create)
+        params = sum(n.numel() for n in t.model.parameters())
+        for rep in range(2):  # the first round warms kernels up; the second is reported
+            rows.clear()
+            lp, _ = phase("logprobs", functools.partial(t.logprobs, b))
+            b.old_logp = lp
+            stats = phase("train", functools.partial(t.train_step, b))
+            phase("offload", t.offload)
+            phase("onload", t.onload)
+        state_bytes = params * (2 + 4 + 4 + 4)  # bf16 weights + fp32 main copy / Adam moments (upper bound)
+        copy = pinned_gbps(min(state_bytes, 4 << 30), device)
+        print(f"\n## {backend}: {params / 1e9:.2f} B parameters; grad_norm {stats['grad_norm']:.3g}")
+        print(f"{'phase':>10s} {'s':>8s} {'GPU used GiB':>13s} {'allocated GiB':>14s}  rate")
+        for name, s, used, alloc in rows:
+            rate = ""
+            if name == "logprobs":
+                rate = f"{tokens / s:,.0f} tok/s, MFU {2 * params * tokens / s / 1e12 / tflops:.0%}"
+            elif name == "train":
+                # forward for the loss + backward: 6 x params x tokens (no recompute)
+                rate = f"{tokens / s:,.0f} tok/s, MFU {6 * params * tokens / s / 1e12 / tflops:.0%}"
+            print(f"{name:>10s} {s:8.3f} {used:13.2f} {alloc:14.2f}  {rate}")
+        print(f"pinned copy d->h->d: {copy:.1f} GB/s")
+        t.release()
+        del t
+        torch.cuda.empty_cache()
+    world.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
