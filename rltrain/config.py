@@ -157,6 +157,7 @@ class TrainerConfig:
     # native: transformers model + FSDP2; megatron: megatron-core GPTModel (needs megatron-core)
     backend: Literal["native", "megatron"] = "native"
     tensor_parallel_size: int = 1  # megatron only; must divide the world size and the KV heads
+    distributed_optimizer: bool = False  # megatron only: shard optimizer state over data parallel
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     lr: float = 1e-6
     beta1: float = 0.9
@@ -175,6 +176,9 @@ class TrainerConfig:
             raise ConfigError("trainer.lr, trainer.grad_clip must be > 0 and trainer.micro_batch_size >= 1")
         if self.tensor_parallel_size < 1:
             raise ConfigError("trainer.tensor_parallel_size must be >= 1")
+        if self.backend == "native" and self.distributed_optimizer:
+            raise ConfigError("trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the native "
+                              "trainer shards optimizer state with FSDP2 anyway")
         if self.backend == "native" and self.tensor_parallel_size != 1:
             raise ConfigError("trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
                               "trainer shards with FSDP2 over all ranks)")

@@ -88,17 +88,19 @@ def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
     return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
 
 
-def _trainer(path: str, world, tp: int, lr: float = 1e-3):
+def _trainer(path: str, world, tp: int, lr: float = 1e-3, dist_opt: bool = False):
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
     t = MegatronTrainer(TrainerConfig(backend="megatron", tensor_parallel_size=tp, lr=lr, micro_batch_size=2,
-                                      dtype="float32"), AlgoConfig(), path, torch.device("cpu"), world)
+                                      dtype="float32", distributed_optimizer=dist_opt), AlgoConfig(), path,
+                        torch.device("cpu"), world)
     t.create()
     return t
 
 
-def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: str | None, weights_dir: str) -> dict:
+def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: str | None, weights_dir: str,
+                   dist_opt: bool = False) -> dict:
     from tests.megatron_shim import megatron_on_cpu
 
     from rltrain.runtime.world import World
@@ -106,7 +108,7 @@ def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: s
     world = World(backend="gloo", timeout=120)
     try:
         with megatron_on_cpu():
-            t = _trainer(path, world, tp)
+            t = _trainer(path, world, tp, dist_opt=dist_opt)
             dp_rank = rank // tp
             full = _batch(0, n=8)
             # Each rank brings its own samples; a TP group pools them.
@@ -168,13 +170,14 @@ def megatron_runs(tmp_path_factory):
         EngineClient(proc.url, request_timeout_s=120).wait_healthy(180, alive=lambda: proc.alive)
         tp2 = values(run_ranks(_megatron_rank, 2, str(path), 2, proc.url, str(root / "w"), deadline_s=400))
         dp2 = values(run_ranks(_megatron_rank, 2, str(path), 1, None, str(root / "w2"), deadline_s=400))
+        dist_opt = values(run_ranks(_megatron_rank, 2, str(path), 1, None, str(root / "w3"), True, deadline_s=400))
     finally:
         proc.stop()
-    return path, tp2, dp2
+    return path, tp2, dp2, dist_opt
 
 
 def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
-    path, tp2, dp2 = megatron_runs
+    path, tp2, dp2, _ = megatron_runs
     full = _batch(0, n=8)
     ref = _hf_logprobs(path, full)
     for runs in (tp2, dp2):
@@ -185,7 +188,7 @@ def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
 
 
 def test_a_grpo_step_changes_the_weights_identically_under_tp_and_dp(megatron_runs):
-    path, tp2, dp2 = megatron_runs
+    path, tp2, dp2, _ = megatron_runs
     hf = _hf_state(path)
     for runs in (tp2, dp2):
         for r in runs:
@@ -206,14 +209,24 @@ def test_a_grpo_step_changes_the_weights_identically_under_tp_and_dp(megatron_ru
 
 
 def test_groups_keep_working_across_a_world_rebuild(megatron_runs):
-    _, tp2, dp2 = megatron_runs
+    _, tp2, dp2, _ = megatron_runs
     for r in tp2 + dp2:
         assert torch.equal(r["lp_cycled"], r["lp_after"])  # same weights, new groups and modules
         assert torch.isfinite(torch.tensor(r["stats2"]["grad_norm"]))
 
 
+def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_rebuild(megatron_runs):
+    _, _, dp2, dist_opt = megatron_runs
+    for plain, sharded in zip(dp2, dist_opt):
+        assert sharded["stats"]["grad_norm"] == pytest.approx(plain["stats"]["grad_norm"], rel=1e-5)
+        # Second step after the rebuild: the optimizer shards (Adam moments, fp32 main params) came along.
+        assert sharded["stats2"]["grad_norm"] == pytest.approx(plain["stats2"]["grad_norm"], rel=1e-4)
+        for n, w in plain["weights"].items():
+            assert (sharded["weights"][n] - w).abs().max() < 1e-4, n
+
+
 def test_a_weight_sync_from_the_megatron_trainer_passes_the_engine_checksum(megatron_runs):
-    _, tp2, _ = megatron_runs
+    _, tp2, _, _ = megatron_runs
     assert [r["synced"] for r in tp2] == ["7", "7"]
 
 

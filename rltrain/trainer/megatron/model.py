@@ -91,6 +91,8 @@ class MegatronGroups:
         return ProcessGroupCollection(
             tp=tp, pp=own, mp=tp, embd=own, pos_embd=own, cp=own, tp_cp=tp, ep=own, expt_tp=tp, tp_ep=tp,
             tp_ep_pp=tp, tp_dp_cp=every, dp=dp, dp_cp=dp, expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp,
+            # one distributed-optimizer instance: no inter-instance group, the intra one is DP
+            inter_dist_opt=None, intra_dist_opt=dp,
         )
 
     def tp_group(self) -> Any:

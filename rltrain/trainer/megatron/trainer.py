@@ -121,17 +121,18 @@ class MegatronTrainer(TorchTrainer):
         gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device)
         if state["model"] is not None:
             _fill(gpt, state["model"])
+        dist_opt = self.cfg.distributed_optimizer
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=False)
+                                                use_distributed_optimizer=dist_opt)
         self.model = DistributedDataParallel(gpt.config, ddp_cfg, gpt, pg_collection=pgs)
         self.model.train()
         opt_cfg = OptimizerConfig(optimizer="adam", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                   adam_beta1=self.cfg.beta1, adam_beta2=self.cfg.beta2, adam_eps=self.cfg.eps,
                                   clip_grad=self.cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
-                                  params_dtype=self.dtype, use_distributed_optimizer=False)
+                                  params_dtype=self.dtype, use_distributed_optimizer=dist_opt)
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], pg_collection=pgs, use_gloo_process_groups=False)
         if state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            _load_optimizer(self.optimizer, state["optimizer"])
         self.scheduler = _Schedule(self.optimizer, self.cfg.lr, self._lr_factor)
         if "scheduler" in state:
             self.load_host_state(state)
@@ -153,9 +154,8 @@ class MegatronTrainer(TorchTrainer):
             return {k: v.detach().to("cpu", copy=True).pin_memory() if pin else v.detach().to("cpu", copy=True)
                     for k, v in sd.items()}
 
-        state = {"model": copy(_weights(_unwrap(self.model))), "optimizer": _to(self.optimizer.state_dict(),
-                                                                                 "cpu" if to_host else None),
-                 **self.host_state()}
+        state = {"model": copy(_weights(_unwrap(self.model))),
+                 "optimizer": _to(_optimizer_state(self.optimizer), "cpu" if to_host else None), **self.host_state()}
         state["reference"] = copy(_weights(self.ref_model)) if with_reference and self.ref_model is not None else None
         return state
 
@@ -303,6 +303,45 @@ def _fill(gpt: Any, state: dict[str, torch.Tensor]) -> None:
         if tuple(src.shape) != tuple(p.shape):
             raise ValueError(f"{name}: shape {tuple(src.shape)} does not fit the model's {tuple(p.shape)}")
         p.copy_(src)
+
+
+def _inner(optimizer: Any) -> list[Any]:
+    """The megatron optimizers inside a (possibly chained) one."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _optimizer_state(optimizer: Any) -> list[dict[str, Any]]:
+    """This rank's optimizer state, loadable into a fresh optimizer over the same model layout.
+    A distributed optimizer's `state_dict()` leaves out the parameter state (it is sharded);
+    here the shard's Adam state and fp32 main parameters are taken as they are."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    out = []
+    for opt in _inner(optimizer):
+        if isinstance(opt, DistributedOptimizer):
+            main = [p.detach().clone() for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)
+                    for g in groups for p in g]
+            out.append({"inner": opt.optimizer.state_dict(), "main": main})
+        else:
+            out.append({"wrapper": opt.state_dict()})
+    return out
+
+
+@torch.no_grad()
+def _load_optimizer(optimizer: Any, state: list[dict[str, Any]]) -> None:
+    opts = _inner(optimizer)
+    if len(opts) != len(state):
+        raise ValueError(f"optimizer state for {len(state)} optimizers, this one has {len(opts)}")
+    for opt, st in zip(opts, state):
+        if "wrapper" in st:
+            opt.load_state_dict(st["wrapper"])
+            continue
+        opt.optimizer.load_state_dict(st["inner"])
+        mains = [p for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups) for g in groups for p in g]
+        if len(mains) != len(st["main"]):
+            raise ValueError("distributed optimizer shards do not match the captured state")
+        for p, saved in zip(mains, st["main"]):
+            p.copy_(saved)
 
 
 def _to(obj: Any, device: Any) -> Any:
