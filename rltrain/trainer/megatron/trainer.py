@@ -19,6 +19,7 @@ checkpoints (save/resume and release-train) — the config refuses those combina
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any, Iterator
 
@@ -74,6 +75,7 @@ class MegatronTrainer(TorchTrainer):
         self.groups: MegatronGroups | None = None
         self._generation: int | None = None  # the world generation the modules were built on
         self._pgs: Any = None  # megatron ProcessGroupCollection of that generation
+        self._host: _HostMirror | None = None  # page-locked buffers offloads copy into (GPU)
 
     @property
     def sharded(self) -> bool:
@@ -147,23 +149,22 @@ class MegatronTrainer(TorchTrainer):
         self._module_tensors = None
 
     def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
-        def copy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            if not to_host:
-                return {k: v.detach().clone() for k, v in sd.items()}
-            pin = self.device.type == "cuda"
-            return {k: v.detach().to("cpu", copy=True).pin_memory() if pin else v.detach().to("cpu", copy=True)
-                    for k, v in sd.items()}
-
-        state = {"model": copy(_weights(_unwrap(self.model))),
-                 "optimizer": _to(_optimizer_state(self.optimizer), "cpu" if to_host else None), **self.host_state()}
-        state["reference"] = copy(_weights(self.ref_model)) if with_reference and self.ref_model is not None else None
-        return state
+        """Weights, optimizer state (and the reference) of this rank: cloned on the device, or
+        copied to host memory — on GPU into page-locked buffers kept from the previous offload
+        (pinning ~30 GB afresh per offload took 18 s for a 2B model on the H200, measured)."""
+        state = {"model": _weights(_unwrap(self.model)), "optimizer": _optimizer_state(self.optimizer),
+                 "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None}
+        if to_host and self.device.type == "cuda":
+            if self._host is None:
+                self._host = _HostMirror()
+            state = self._host.copy_in(state)
+        else:
+            state = _to(state, "cpu" if to_host else None)
+        return {**state, **self.host_state()}
 
     def _rebuild(self, state: dict[str, Any]) -> None:
         self._seed()
-        if state.get("optimizer") is not None:
-            state = {**state, "optimizer": _to(state["optimizer"], self.device)}
-        self._assemble(state)
+        self._assemble(state)  # torch's optimizer load_state_dict moves the state to its params' device
         if self.algo.kl_coef > 0 and self.ref_model is None:
             self.ref_model = self._gpt().eval()
             self.ref_model.requires_grad_(False)
@@ -184,7 +185,14 @@ class MegatronTrainer(TorchTrainer):
             return
         self._parked = self._capture(to_host=True, with_reference=True)
         self._drop()
+        # megatron's DDP keeps its parameter and gradient buffers in reference cycles: without a
+        # collection pass they stayed allocated (38 GiB of a 2B model, measured on the H200).
+        gc.collect()
         free_cuda_caches()
+
+    def release(self) -> None:
+        super().release()
+        self._host = None
 
     # ------------------------------------------------------------------ compute
 
@@ -344,15 +352,50 @@ def _load_optimizer(optimizer: Any, state: list[dict[str, Any]]) -> None:
             p.copy_(saved)
 
 
+class _HostMirror:
+    """Page-locked host copies of a nested state, reused while its tensors keep their shapes."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+
+    def copy_in(self, state: Any) -> Any:
+        tensors: list[torch.Tensor] = []
+        _walk(state, tensors.append)
+        fits = len(tensors) == len(self._buffers) and all(
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self._buffers, tensors))
+        if not fits:
+            self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for b, t in zip(self._buffers, tensors):
+            b.copy_(t.detach(), non_blocking=True)
+        torch.cuda.synchronize()
+        it = iter(self._buffers)
+        return _map(state, lambda _: next(it))
+
+
+def _walk(obj: Any, fn: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        fn(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _walk(v, fn)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _walk(v, fn)
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
 def _to(obj: Any, device: Any) -> Any:
     """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone() if device is None else obj.detach().to(device, copy=True)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
+    return _map(obj, lambda t: t.detach().clone() if device is None else t.detach().to(device, copy=True))
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
