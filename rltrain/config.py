@@ -313,9 +313,6 @@ class Config:
         if self.release.train and self.release.source == "host" and self.checkpoint.interval == 0:
             raise ConfigError("release.train with release.source=host keeps the released trainer only in RAM: "
                               "set checkpoint.interval >= 1 so it is also written to disk")
-        if self.trainer.backend == "megatron" and (self.checkpoint.interval or self.release.train):
-            raise ConfigError("trainer.backend=megatron does not write checkpoints yet: set checkpoint.interval=0 "
-                              "and release.train=false")
         if self.sync.transport == "delta" and self.loop.colocate:
             raise ConfigError("sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                               "disk, but colocated engines read the trainer's memory directly (use tensor)")

@@ -225,6 +225,55 @@ def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_reb
             assert (sharded["weights"][n] - w).abs().max() < 1e-4, n
 
 
+def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool) -> dict:
+    from pathlib import Path
+
+    from tests.megatron_shim import megatron_on_cpu
+
+    from rltrain.checkpoint import Checkpointer
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=120)
+    try:
+        with megatron_on_cpu():
+            ck = Checkpointer(Path(root) / "ck", world, keep_last=2)
+            mine = [_batch(s, n=8).slice(slice(rank * 2, rank * 2 + 2)) for s in range(3)]
+
+            def step(t, b):
+                b.old_logp, _ = t.logprobs(b)
+                return t.train_step(b)
+
+            t = _trainer(path, world, tp, dist_opt=dist_opt)
+            step(t, mine[0])
+            saved = ck.save(1, t, "1", {})
+            step(t, mine[1])
+            step(t, mine[2])
+            straight = {k: v.clone() for k, v in t.export_weights()}
+            # Release-train from the checkpoint: a new trainer, architecture only, state from disk.
+            t.release()
+            t.create(load_weights=False)
+            ck.load(saved, t, restore_rank_state=False)
+            step(t, mine[1])
+            snap = t.snapshot()
+            # ... and from a host snapshot.
+            t.release()
+            t.restore_snapshot(snap)
+            step(t, mine[2])
+            resumed = {k: v.clone() for k, v in t.export_weights()}
+            return {"straight": straight, "resumed": resumed, "steps": t.steps}
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("tp,dist_opt", [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
+def test_release_and_resume_from_checkpoint_and_snapshot_are_exact(tmp_path, tp, dist_opt):
+    path = make_model(tmp_path / "m", seed=11, arch="qwen3")
+    for r in values(run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, deadline_s=300)):
+        assert r["steps"] == 3
+        for n, w in r["straight"].items():
+            assert torch.equal(r["resumed"][n], w), n
+
+
 def test_a_weight_sync_from_the_megatron_trainer_passes_the_engine_checksum(megatron_runs):
     _, tp2, _, _ = megatron_runs
     assert [r["synced"] for r in tp2] == ["7", "7"]

@@ -5,16 +5,19 @@ metrics and learning-rate schedule. What is its own:
   model      GPTModel (local layer spec) built from the HF config, weights converted from the HF
              checkpoint and sharded over tensor parallel (convert.py); megatron-core DDP over
              the data-parallel group, gradients summed (losses use global token counts)
-  optimizer  megatron-core's optimizer (Adam; fp32 main params for bf16 models, grad clipping)
+  optimizer  megatron-core's optimizer (Adam; fp32 main params for bf16 models, grad clipping),
+             optionally distributed (state sharded over data parallel)
   data       the ranks of a tensor-parallel group hold different samples in the loop; each step
              they pool them (all ranks of a TP group must run the same sequences), log-probs are
              handed back per rank
   groups     World handles (model.py); after a world rebuild the modules, DDP and optimizer are
              built again over the new groups and the state is moved in (offloaded or not)
   export     each weight gathered over tensor parallel and converted to HF names (convert.py)
+  checkpoint torch.distributed.checkpoint of this rank's live tensors under layout-qualified keys
+             (restored in place, at the same TP/DP sizes); release-train by checkpoint or snapshot
 
-Not yet: pipeline, expert and context parallel, MoE models, the distributed optimizer, and
-checkpoints (save/resume and release-train) — the config refuses those combinations.
+Not yet: pipeline, expert and context parallel, MoE models, resharding checkpoints to another
+layout (megatron's dist_checkpointing would do it).
 """
 
 from __future__ import annotations
@@ -286,8 +289,25 @@ class MegatronTrainer(TorchTrainer):
 
         write_checkpoint(path, self.model_path, self.export_weights(), write=dist.get_rank() == 0)
 
+    # ------------------------------------------------------------------ checkpoints
+
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        raise NotImplementedError("checkpoints of the megatron backend are not implemented yet")
+        """This rank's tensors for torch.distributed.checkpoint, by layout-qualified keys: weights
+        per TP rank (identical DP replicas are written once), optimizer state per TP rank and,
+        with the distributed optimizer, per DP rank. The tensors are the live ones, so a load
+        fills the trainer in place. A checkpoint restores at the same TP and DP sizes only (the
+        keys name them; another layout fails the load listing the keys it lacks)."""
+        tp, dp = self.groups.tp_rank, self.groups.dp_rank
+        layout = f"tp{tp}of{self.tp}"
+        model = {f"{layout}/{n}": p for n, p in _weights(_unwrap(self.model)).items()}
+        _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
+        tensors: list[torch.Tensor] = []
+        _walk(_optimizer_state(self.optimizer, clone=False), tensors.append)
+        tag = f"{layout}/dp{dp}of{self.groups.layout.dp}" if self.cfg.distributed_optimizer else layout
+        return model, {f"{tag}/optimizer/{i}": t for i, t in enumerate(tensors)}
+
+    def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        pass  # loaded in place (see distributed_state_dict)
 
 
 def _unwrap(model: Any) -> Any:
@@ -318,21 +338,35 @@ def _inner(optimizer: Any) -> list[Any]:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
-def _optimizer_state(optimizer: Any) -> list[dict[str, Any]]:
+def _optimizer_state(optimizer: Any, clone: bool = True) -> list[dict[str, Any]]:
     """This rank's optimizer state, loadable into a fresh optimizer over the same model layout.
     A distributed optimizer's `state_dict()` leaves out the parameter state (it is sharded);
-    here the shard's Adam state and fp32 main parameters are taken as they are."""
+    here the shard's Adam state and fp32 main parameters are taken as they are (`clone=False`:
+    the live tensors)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     out = []
     for opt in _inner(optimizer):
         if isinstance(opt, DistributedOptimizer):
-            main = [p.detach().clone() for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)
-                    for g in groups for p in g]
+            main = [p.detach().clone() if clone else p.detach()
+                    for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups) for g in groups for p in g]
             out.append({"inner": opt.optimizer.state_dict(), "main": main})
         else:
             out.append({"wrapper": opt.state_dict()})
     return out
+
+
+@torch.no_grad()
+def _ensure_optimizer_state(optimizer: Any) -> None:
+    """Adam's per-parameter state (step, moments) as zeros where none exists yet: the layout a
+    trained optimizer has, so a checkpoint of one can be loaded into a fresh one in place."""
+    for opt in _inner(optimizer):
+        torch_opt = opt.optimizer
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                if not torch_opt.state[p]:
+                    torch_opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                              exp_avg_sq=torch.zeros_like(p))
 
 
 @torch.no_grad()
