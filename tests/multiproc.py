@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -103,3 +106,20 @@ def values(outcomes: list[RankOutcome]) -> list[Any]:
     if bad:
         raise AssertionError("\n".join(f"rank {o.rank} (exit {o.exitcode}): {o.error}" for o in bad))
     return [o.value for o in outcomes]
+
+
+def run_torchrun(cwd: Path, entry: list[str], args: list[str], nproc: int = 2, timeout_s: float = 280,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node=nproc <entry> <args>` in its own session: on a timeout the
+    whole tree (agent, ranks, engine) is killed, not orphaned, and the test fails with its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           *entry, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{' '.join(entry)} did not finish in {timeout_s:.0f} s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

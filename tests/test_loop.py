@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from multiproc import free_port
+from multiproc import run_torchrun
 from rltrain.loop import _check_versions
 from rltrain.sync.disk import StaleWeightsError
 
@@ -19,20 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_quickstart(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           "-m", "rltrain", "--config", str(REPO / "configs" / "quickstart.yaml"),
-           f"run.dir={tmp_path}", f"model.path={tmp_path / 'base_model'}", "loop.steps=3",
-           "data.prompts_per_step=8", "metrics.progress_bar=false", *overrides]
-    # Its own session: on a timeout the whole tree (agent, ranks, engine) is killed, not orphaned.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"quickstart did not finish in 280 s:\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_torchrun(tmp_path, ["-m", "rltrain"], [
+        "--config", str(REPO / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}", "loop.steps=3", "data.prompts_per_step=8",
+        "metrics.progress_bar=false", *overrides])
 
 
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])

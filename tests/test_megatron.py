@@ -176,6 +176,45 @@ def megatron_runs(tmp_path_factory):
     return path, tp2, dp2, dist_opt
 
 
+def _parity_rank(rank: int, world_size: int, path: str) -> dict:
+    from tests.megatron_shim import megatron_on_cpu
+
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=120)
+    try:
+        with megatron_on_cpu():
+            t = _trainer(path, world, 2)
+            mine = _batch(1, n=4, vocab=255).slice(slice(rank * 2, rank * 2 + 2))
+            lp, _ = t.logprobs(mine)
+            return {"lp": lp, "weights": dict(t.export_weights())}
+    finally:
+        world.close()
+
+
+def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
+    """Llama with tied embeddings and an odd vocabulary (255, padded to 256 for TP=2)."""
+    import transformers
+
+    path = make_model(tmp_path / "m", seed=4, arch="llama", vocab=255)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(path)
+    ranks = values(run_ranks(_parity_rank, 2, str(path), deadline_s=200))
+    full = _batch(1, n=4, vocab=255)
+    ref = _hf_logprobs(path, full)
+    hf = _hf_state(path)
+    assert "lm_head.weight" not in hf
+    for rank, r in enumerate(ranks):
+        mine = slice(rank * 2, rank * 2 + 2)
+        mask = full.attention_mask[mine].bool()
+        assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), rank
+        assert set(r["weights"]) == set(hf)  # exported as the checkpoint holds them: the head once
+        for n, t in hf.items():
+            assert torch.equal(r["weights"][n], t), n
+
+
 def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
     path, tp2, dp2, _ = megatron_runs
     full = _batch(0, n=8)
@@ -284,29 +323,17 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp):
     """Two ranks under torchrun: rollout on the embedded engine, megatron trains, tensor sync
     with the checksum verified every step, world destroy/rebuild between phases."""
     import json
-    import os
-    import signal
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from tests.multiproc import free_port
+    from tests.multiproc import run_torchrun
 
     repo = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(repo / "tests" / "megatron_loop_script.py"), "--config", str(repo / "configs" / "quickstart.yaml"),
-           f"run.dir={tmp_path}", f"model.path={tmp_path / 'base_model'}", "loop.steps=4", "data.prompts_per_step=8",
-           "metrics.progress_bar=false", "metrics.plot=false", "trainer.backend=megatron",
-           f"trainer.tensor_parallel_size={tp}", "sync.transport=tensor"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True, env={**os.environ, "PYTHONPATH": str(repo)})
-    try:
-        _, err = proc.communicate(timeout=280)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        raise AssertionError(f"did not finish in 280 s:\n{err[-4000:]}") from None
-    assert proc.returncode == 0, err[-4000:]
+    r = run_torchrun(tmp_path, [str(repo / "tests" / "megatron_loop_script.py")], [
+        "--config", str(repo / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}", "loop.steps=4", "data.prompts_per_step=8",
+        "metrics.progress_bar=false", "metrics.plot=false", "trainer.backend=megatron",
+        f"trainer.tensor_parallel_size={tp}", "sync.transport=tensor"], env={"PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
