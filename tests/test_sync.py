@@ -136,6 +136,20 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     out["verify_error"] = f"{type(e).__name__}: {e}"
                 return out
+            if fault == "refuse" and world.rank == 0:  # the engine refuses the second bucket
+                from rltrain.engine.client import EngineError
+
+                client, calls = clients[0], []
+                name = "update_weights_from_tensor" if transport == "tensor" else "update_weights_from_distributed"
+                real_update = getattr(client, name)
+
+                def refusing(*a, **k):
+                    calls.append(1)
+                    if len(calls) == 2:
+                        raise EngineError(f"/{name}", "refused by the test", 400)
+                    return real_update(*a, **k)
+
+                setattr(client, name, refusing)
             try:
                 out["v2"] = sync.push("2")
             except Exception as e:  # noqa: BLE001 - reported to the test
@@ -190,6 +204,23 @@ def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previou
         assert "checksum" in r0["v2_error"] and "keeps" in r0["v2_error"], r0["v2_error"]
         assert eng.client.weight_version() == "1"
         assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(big_a, PROMPTS, 6)
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path, big_a, transport):
+    """The engine refuses one bucket in the middle (the sender thread of `tensor`, the broadcast of
+    `distributed`): every rank raises, nobody waits for the timeout, the old version stays served."""
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
+                                  str(tmp_path / "w"), "refuse", deadline_s=120))
+        for r in (r0, r1):
+            assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
+        assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
+        assert eng.client.weight_version() == "1"
     finally:
         eng.client.close()
         eng.process.stop()
