@@ -16,6 +16,9 @@ Layouts (megatron-core's local layer spec, names of `GPTModel.state_dict()`):
     decoder.layers.i.pre_mlp_layernorm.weight         ...post_attention_layernorm     replicated
     decoder.layers.i.mlp.linear_fc1.weight            gate_proj, up_proj              column-parallel, gate and up split apart
     decoder.layers.i.mlp.linear_fc2.weight            ...mlp.down_proj.weight         row-parallel (dim 1)
+    decoder.layers.i.mlp.router.weight                ...mlp.gate.weight              replicated (MoE)
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight  ...mlp.experts.e.gate_proj, up_proj (MoE)
+    decoder.layers.i.mlp.experts.local_experts.e.linear_fc2.weight  ...mlp.experts.e.down_proj      (MoE)
     decoder.final_layernorm.weight                    model.norm.weight               replicated
     output_layer.weight                               lm_head.weight                  vocab-parallel (absent when tied)
 
@@ -24,6 +27,11 @@ its value head: [g0: q.. k v | g1: q.. k v | ...]. A TP rank holds a contiguous 
 the number of query groups must divide by TP. The fused fc1 weight on a TP rank is [gate shard;
 up shard], so it is sharded gate and up apart. The vocabulary is padded to a multiple of TP (the
 padding rows are zero and their logits are masked); export drops the padding.
+
+MoE (Qwen3-MoE, every layer sparse): expert names here use the *global* expert index; a model
+holding a block of experts (expert parallel) maps them to its local indices. Experts are not
+tensor-parallel sharded yet (MoE needs TP=1). HF's `norm_topk_prob` (renormalise the top-k
+probabilities) is megatron's top-k before the softmax (`moe_router_pre_softmax=False`).
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -68,14 +77,26 @@ class Dims:
     qkv_bias: bool
     qk_norm: bool
     tied: bool
+    experts: int = 0  # 0: dense
+    topk: int = 0
+    moe_ffn: int = 0
+    norm_topk: bool = False
 
 
 def dims(hf_config: Any, tp: int) -> Dims:
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     model_type = getattr(hf_config, "model_type", "")
-    if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3"):
+    if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
         raise ConversionError(f"trainer.backend=megatron supports {', '.join(SUPPORTED)}; this model is {arch} "
-                              f"({model_type}). MoE models are not converted yet.")
+                              f"({model_type}). Other MoE families (Mixtral) are not converted yet.")
+    experts = int(getattr(hf_config, "num_experts", 0) or 0) if model_type == "qwen3_moe" else 0
+    if experts:
+        if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+            raise ConversionError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not "
+                                  "converted yet: every layer must be sparse")
+        if tp > 1:
+            raise ConversionError(f"MoE models need trainer.tensor_parallel_size=1 for now (got {tp}): expert "
+                                  "weights are not tensor-parallel sharded yet")
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -89,19 +110,29 @@ def dims(hf_config: Any, tp: int) -> Dims:
         layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=heads, groups=groups,
         head_dim=head_dim, ffn=hf_config.intermediate_size, vocab=vocab, padded_vocab=-(-vocab // tp) * tp,
         qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=model_type == "qwen3", tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"), tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        experts=experts, topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        moe_ffn=int(getattr(hf_config, "moe_intermediate_size", 0) or 0) if experts else 0,
+        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)) if experts else False,
     )
 
 
 def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
     """The megatron `TransformerConfig` fields that describe the HF architecture."""
     d = dims(hf_config, 1)
-    return dict(
+    kw = dict(
         num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads, num_query_groups=d.groups,
         kv_channels=d.head_dim, ffn_hidden_size=d.ffn, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=d.qkv_bias,
         qk_layernorm=d.qk_norm, layernorm_epsilon=hf_config.rms_norm_eps,
     )
+    if d.experts:
+        # No load-balancing loss: RL fine-tuning keeps the router as trained (as the HF forward does
+        # without output_router_logits).
+        kw.update(num_moe_experts=d.experts, moe_router_topk=d.topk, moe_ffn_hidden_size=d.moe_ffn,
+                  moe_router_pre_softmax=not d.norm_topk, moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+    return kw
 
 
 def mcore_names(d: Dims) -> list[str]:
@@ -115,8 +146,14 @@ def mcore_names(d: Dims) -> list[str]:
             names.append(p + "self_attention.linear_qkv.bias")
         if d.qk_norm:
             names += [p + "self_attention.q_layernorm.weight", p + "self_attention.k_layernorm.weight"]
-        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight",
-                  p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+        names += [p + "self_attention.linear_proj.weight", p + "pre_mlp_layernorm.weight"]
+        if d.experts:
+            names.append(p + "mlp.router.weight")
+            for e in range(d.experts):
+                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+        else:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
     if not d.tied:
         names.append("output_layer.weight")
@@ -145,6 +182,13 @@ def hf_names_of(name: str, d: Dims) -> list[str]:
         return [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+    if rest == "mlp.router.weight":
+        return [p + "mlp.gate.weight"]
+    e = _EXPERT.match(rest)
+    if e and e.group(2) == "linear_fc1":
+        return [p + f"mlp.experts.{e.group(1)}.gate_proj.weight", p + f"mlp.experts.{e.group(1)}.up_proj.weight"]
+    if e:
+        return [p + f"mlp.experts.{e.group(1)}.down_proj.weight"]
     raise ConversionError(f"unknown megatron weight {name!r}")
 
 
@@ -158,7 +202,7 @@ def to_mcore(name: str, parts: list[torch.Tensor], d: Dims) -> torch.Tensor:
         fused = torch.cat([q.reshape(d.groups, per, *tail), k.reshape(d.groups, d.head_dim, *tail),
                            v.reshape(d.groups, d.head_dim, *tail)], dim=1)
         return fused.reshape(-1, *tail)
-    if rest == "mlp.linear_fc1.weight":
+    if rest == "mlp.linear_fc1.weight" or rest.endswith(".linear_fc1.weight"):
         return torch.cat(parts, dim=0)
     (t,) = parts
     if name in ("embedding.word_embeddings.weight", "output_layer.weight") and d.padded_vocab != d.vocab:
@@ -176,7 +220,7 @@ def from_mcore(name: str, full: torch.Tensor, d: Dims) -> list[tuple[str, torch.
         g = full.reshape(d.groups, per + 2 * d.head_dim, *tail)
         q, k, v = g.split([per, d.head_dim, d.head_dim], dim=1)
         return [(hf[0], q.reshape(-1, *tail)), (hf[1], k.reshape(-1, *tail)), (hf[2], v.reshape(-1, *tail))]
-    if rest == "mlp.linear_fc1.weight":
+    if rest == "mlp.linear_fc1.weight" or rest.endswith(".linear_fc1.weight"):
         gate, up = full.chunk(2, dim=0)
         return [(hf[0], gate), (hf[1], up)]
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):

@@ -116,6 +116,8 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     d = dims(hf_config, tp)
+    if d.experts:
+        _moe_without_transformer_engine()
     arch = transformer_config_kwargs(hf_config)
     config = TransformerConfig(
         **arch, tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -128,7 +130,8 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
     )
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:  # the local attention's scratch buffer
         parallel_state._set_global_memory_buffer()
-    spec = get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=d.experts or None, moe_grouped_gemm=False, qk_layernorm=d.qk_norm,
+                                    normalization="RMSNorm")
     with torch.device(device):
         model = GPTModel(
             config, spec, vocab_size=d.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
@@ -137,6 +140,17 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
         )
     _mark_tensor_parallel(model)
     return model
+
+
+def _moe_without_transformer_engine() -> None:
+    """megatron-core 0.16.1 binds `moe_utils.te_general_gemm` only when Transformer Engine
+    imports, but its router tests `te_general_gemm is not None` unconditionally: without TE every
+    MoE forward raises NameError. The name is defined as None, which is what that test means by
+    'no TE' — nothing else in megatron is touched."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _mark_tensor_parallel(model: Any) -> None:

@@ -452,7 +452,8 @@ def _full_shape(name: str, d: Any) -> tuple[int, ...]:
         "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
         "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
         "mlp.linear_fc2.weight": (d.hidden, d.ffn),
-    }[rest]
+        "mlp.router.weight": (d.experts, d.hidden),
+    }.get(rest) or {"linear_fc1": (2 * d.moe_ffn, d.hidden), "linear_fc2": (d.hidden, d.moe_ffn)}[rest.split(".")[-2]]
 
 
 __all__ = ["MegatronTrainer"]
