@@ -78,10 +78,18 @@ class _Stream:
         pass
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     patches = [
-        mock.patch("torch.cuda.current_device", lambda: 0),
+        # A device, not an index: megatron passes it as `device=` also inside autograd backward
+        # functions, where the TorchFunctionMode below does not reach.
+        mock.patch("torch.cuda.current_device", lambda: torch.device("cpu")),
         mock.patch("torch.cuda.device_count", lambda: 1),
         # torch.manual_seed calls torch.cuda.manual_seed_all: that one must stay a no-op.
         mock.patch("torch.cuda.manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
@@ -97,6 +105,9 @@ def megatron_on_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.max_memory_allocated", lambda device=None: 0),
         mock.patch("megatron.core.tensor_parallel.random._get_cuda_rng_state",
                    lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+        # The MoE all-to-all dispatcher moves its split sizes to host numpy arrays only when they
+        # are CUDA tensors; here they are CPU tensors already, which all_to_all_single refuses.
+        mock.patch("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", _to_host),
         mock.patch("megatron.core.tensor_parallel.random._set_cuda_rng_state",
                    lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)),
     ]

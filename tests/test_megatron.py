@@ -240,48 +240,86 @@ def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
             assert torch.equal(r["weights"][n], t), n
 
 
-def _moe_rank(rank: int, world_size: int, path: str) -> dict:
+def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str) -> dict:
+    from pathlib import Path
+
     from tests.megatron_shim import megatron_on_cpu
 
+    from rltrain.checkpoint import Checkpointer
+    from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
+    from rltrain.trainer.megatron.trainer import MegatronTrainer
 
     world = World(backend="gloo", timeout=120)
     try:
         with megatron_on_cpu():
-            t = _trainer(path, world, 1)
+            t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=ep, lr=1e-3, micro_batch_size=2,
+                                              dtype="float32"), AlgoConfig(), path, torch.device("cpu"), world)
+            t.create()
+            held = sorted(n for n in dict(t.model.module.named_parameters()) if "local_experts" in n)
             mine = _batch(2, n=4).slice(slice(rank * 2, rank * 2 + 2))
             lp, _ = t.logprobs(mine)
             mine.old_logp = lp
             stats = t.train_step(mine)
+            ck = Checkpointer(Path(root) / f"ck{ep}", world)
+            saved = ck.save(1, t, "1", {})
             world.destroy()
             world.rebuild()
             t.onload()
             lp_after, _ = t.logprobs(mine)
-            return {"lp": lp, "lp_after": lp_after, "stats": stats, "weights": dict(t.export_weights())}
+            t.train_step(mine)
+            after_two = {k: v.clone() for k, v in t.export_weights()}
+            t.release()
+            t.create(load_weights=False)
+            ck.load(saved, t, restore_rank_state=False)
+            t.train_step(mine)
+            resumed = dict(t.export_weights())
+            return {"lp": lp, "lp_after": lp_after, "stats": stats, "weights": after_two, "resumed": resumed,
+                    "held": held}
     finally:
         world.close()
 
 
-def test_a_qwen3_moe_model_matches_hf_and_trains_under_data_parallel(tmp_path):
-    """Qwen3-MoE (4 experts, top-2) on megatron's MoE layer at DP=2: log-probs match the HF model,
-    a GRPO step moves every weight (experts and router too), and it survives a world rebuild."""
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
     from tests.models import make_moe_model
 
-    path = make_moe_model(tmp_path / "moe", seed=2)
-    ranks = values(run_ranks(_moe_rank, 2, str(path), deadline_s=240))
+    root = tmp_path_factory.mktemp("moe")
+    path = make_moe_model(root / "moe", seed=2)
+    return path, {ep: values(run_ranks(_moe_rank, 2, str(path), ep, str(root), deadline_s=300)) for ep in (1, 2)}
+
+
+def test_a_qwen3_moe_model_matches_hf_and_trains(moe_runs):
+    """Qwen3-MoE (4 experts, top-2) on megatron's MoE layer at DP=2, experts replicated (EP=1) or
+    split over the two ranks (EP=2): log-probs match the HF model, a GRPO step moves every weight
+    (router and experts too), both layouts take the same step, and it survives a world rebuild."""
+    path, runs = moe_runs
     full = _batch(2, n=4)
     ref = _hf_logprobs(path, full)
     hf = _hf_state(path)
-    for rank, r in enumerate(ranks):
-        mine = slice(rank * 2, rank * 2 + 2)
-        mask = full.attention_mask[mine].bool()
-        assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), rank
-        assert r["stats"]["grad_norm"] > 0 and not torch.equal(r["lp_after"], r["lp"])
-        assert set(r["weights"]) == set(hf)
-    moved = [n for n, t in hf.items() if not torch.equal(ranks[0]["weights"][n], t)]
-    assert "model.layers.0.mlp.gate.weight" in moved and "model.layers.1.mlp.experts.3.down_proj.weight" in moved
-    for n in hf:
-        assert torch.equal(ranks[0]["weights"][n], ranks[1]["weights"][n]), n
+    assert len(runs[1][0]["held"]) == 2 * 2 * 4 and len(runs[2][0]["held"]) == 2 * 2 * 2  # layers x fc1/fc2 x experts
+    for ep, ranks in runs.items():
+        for rank, r in enumerate(ranks):
+            mine = slice(rank * 2, rank * 2 + 2)
+            mask = full.attention_mask[mine].bool()
+            assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), (ep, rank)
+            assert r["stats"]["grad_norm"] > 0 and not torch.equal(r["lp_after"], r["lp"])
+            assert set(r["weights"]) == set(hf)
+        moved = [n for n, t in hf.items() if not torch.equal(ranks[0]["weights"][n], t)]
+        assert "model.layers.0.mlp.gate.weight" in moved and "model.layers.1.mlp.experts.3.down_proj.weight" in moved
+        for n in hf:
+            assert torch.equal(ranks[0]["weights"][n], ranks[1]["weights"][n]), (ep, n)
+    assert runs[2][0]["stats"]["grad_norm"] == pytest.approx(runs[1][0]["stats"]["grad_norm"], rel=1e-5)
+    for n in hf:  # two Adam steps at lr 1e-3, as in the dense TP/DP comparison
+        assert (runs[2][0]["weights"][n] - runs[1][0]["weights"][n]).abs().max() < 1e-4, n
+
+
+def test_a_moe_checkpoint_resumes_exactly_with_experts_split(moe_runs):
+    _, runs = moe_runs
+    for ep, ranks in runs.items():
+        for r in ranks:
+            for n, w in r["weights"].items():
+                assert torch.equal(r["resumed"][n], w), (ep, n)
 
 
 def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):

@@ -273,15 +273,36 @@ def is_tp_sharded(name: str) -> bool:
             or name in ("embedding.word_embeddings.weight", "output_layer.weight"))
 
 
-def hf_to_mcore_shards(hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int) -> dict[str, torch.Tensor]:
-    """This TP rank's megatron state from a full HF state dict. Every HF weight must be used."""
+def expert_of(name: str) -> int | None:
+    """The global expert index of a megatron expert weight name (None: not an expert weight)."""
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    m = _EXPERT.match(rest)
+    return int(m.group(1)) if m else None
+
+
+def local_expert_name(name: str, local: int) -> str:
+    """`name` with its (global) expert index replaced by a local one."""
+    return re.sub(r"local_experts\.\d+\.", f"local_experts.{local}.", name)
+
+
+def hf_to_mcore_shards(hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int, ep_rank: int = 0,
+                       ep: int = 1) -> dict[str, torch.Tensor]:
+    """This rank's megatron state (its TP shard; with expert parallel, its block of experts under
+    local indices) from a full HF state dict. Every HF weight must be used by some rank."""
     out, used = {}, set()
+    per_rank = d.experts // ep if d.experts else 0
     for name in mcore_names(d):
         srcs = hf_names_of(name, d)
         missing = [s for s in srcs if s not in hf]
         if missing:
             raise ConversionError(f"HF checkpoint lacks {missing} (needed for {name})")
         used.update(srcs)
+        e = expert_of(name)
+        if e is not None:
+            if e // per_rank != ep_rank:
+                continue  # another expert-parallel rank's expert
+            out[local_expert_name(name, e % per_rank)] = to_mcore(name, [hf[s] for s in srcs], d)
+            continue
         out[name] = tp_shard(name, to_mcore(name, [hf[s] for s in srcs], d), rank, tp)
     unused = sorted(set(hf) - used - ({"lm_head.weight"} if d.tied else set()))
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]

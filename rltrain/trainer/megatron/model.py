@@ -48,11 +48,15 @@ class MegatronGroups:
     ~0.5 s to tear down at each world destroy (measured: a TP=1 loop step spent 2.3 s waiting
     for five of them before the engine could take its memory back)."""
 
-    def __init__(self, world: Any, tp: int):
+    def __init__(self, world: Any, tp: int, ep: int = 1):
         self.layout = Layout.of(world.world_size, tp)
         self.world = world
         rank = world.rank
         self.tp_rank, self.dp_rank = rank % tp, rank // tp
+        if ep > 1 and (tp != 1 or self.layout.dp % ep):
+            raise ValueError(f"trainer.expert_parallel_size={ep} needs tensor_parallel_size=1 and must divide "
+                             f"the data-parallel size {self.layout.dp}")
+        self.ep_size, self.ep_rank = ep, self.dp_rank % ep
         self.own = self._mine(world, [[r] for r in range(world.world_size)], "megatron self", backend="gloo")
         self.tp = self._parallel(world, [self.layout.tp_ranks(d) for d in range(self.layout.dp)], "megatron tp",
                                  single_ok=True)
@@ -60,6 +64,13 @@ class MegatronGroups:
         # of one rank is still a group of the world's backend.
         self.dp = self._parallel(world, [self.layout.dp_ranks(t) for t in range(tp)], "megatron dp",
                                  single_ok=False)
+        # Expert parallel (TP=1): blocks of `ep` consecutive data-parallel ranks share the experts
+        # out; the ranks at the same place in each block hold the same experts (expert DP).
+        blocks = self.layout.dp // ep
+        self.ep = self.own if ep == 1 else self._parallel(
+            world, [[b * ep + i for i in range(ep)] for b in range(blocks)], "megatron ep", single_ok=True)
+        self.expt_dp = self.dp if ep == 1 else self._parallel(
+            world, [[b * ep + i for b in range(blocks)] for i in range(ep)], "megatron expert dp", single_ok=False)
 
     def _parallel(self, world: Any, groups: list[list[int]], name: str, single_ok: bool) -> Any:
         if len(groups[0]) == world.world_size:
@@ -88,9 +99,11 @@ class MegatronGroups:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         tp, dp, own, every = self._pg(self.tp), self._pg(self.dp), self.own.pg, dist.group.WORLD
+        ep, expt_dp = self._pg(self.ep), self._pg(self.expt_dp)
+        tp_ep = tp if self.ep_size == 1 else ep  # expert parallel runs with TP=1
         return ProcessGroupCollection(
-            tp=tp, pp=own, mp=tp, embd=own, pos_embd=own, cp=own, tp_cp=tp, ep=own, expt_tp=tp, tp_ep=tp,
-            tp_ep_pp=tp, tp_dp_cp=every, dp=dp, dp_cp=dp, expt_dp=dp, intra_dp_cp=dp, intra_expt_dp=dp,
+            tp=tp, pp=own, mp=tp, embd=own, pos_embd=own, cp=own, tp_cp=tp, ep=ep, expt_tp=tp, tp_ep=tp_ep,
+            tp_ep_pp=tp_ep, tp_dp_cp=every, dp=dp, dp_cp=dp, expt_dp=expt_dp, intra_dp_cp=dp, intra_expt_dp=expt_dp,
             # one distributed-optimizer instance: no inter-instance group, the intra one is DP
             inter_dist_opt=None, intra_dist_opt=dp,
         )
@@ -108,7 +121,7 @@ def rotary_base(hf_config: Any) -> float:
     return float(getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0))
 
 
-def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: torch.device) -> Any:
+def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: torch.device, ep: int = 1) -> Any:
     """An uninitialised GPTModel (weights are loaded after) with the local layer spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -120,7 +133,7 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
         _moe_without_transformer_engine()
     arch = transformer_config_kwargs(hf_config)
     config = TransformerConfig(
-        **arch, tensor_model_parallel_size=tp, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        **arch, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,

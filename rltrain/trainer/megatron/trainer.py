@@ -16,8 +16,12 @@ metrics and learning-rate schedule. What is its own:
   checkpoint torch.distributed.checkpoint of this rank's live tensors under layout-qualified keys
              (restored in place, at the same TP/DP sizes); release-train by checkpoint or snapshot
 
-Not yet: pipeline, expert and context parallel, MoE models, resharding checkpoints to another
-layout (megatron's dist_checkpointing would do it).
+  MoE        Qwen3-MoE on megatron's MoE layer (TP=1), experts optionally split over
+             `trainer.expert_parallel_size` data-parallel ranks; export broadcasts each expert
+             from the rank that holds it
+
+Not yet: pipeline and context parallel, experts sharded over TP, Mixtral, resharding checkpoints
+to another layout (megatron's dist_checkpointing would do it).
 """
 
 from __future__ import annotations
@@ -30,7 +34,16 @@ import torch
 import torch.distributed as dist
 
 from rltrain.runtime.memory import free_cuda_caches
-from rltrain.trainer.megatron.convert import dims, from_mcore, hf_to_mcore_shards, is_tp_sharded, mcore_names, tp_unshard
+from rltrain.trainer.megatron.convert import (
+    dims,
+    expert_of,
+    from_mcore,
+    hf_to_mcore_shards,
+    is_tp_sharded,
+    local_expert_name,
+    mcore_names,
+    tp_unshard,
+)
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
 from rltrain.trainer.native import TorchTrainer, TrainBatch
 
@@ -73,8 +86,12 @@ class MegatronTrainer(TorchTrainer):
             raise RuntimeError("trainer.backend=megatron needs torch.distributed (run under torchrun)")
         self.world = world
         self.tp = cfg.tensor_parallel_size
+        self.ep = cfg.expert_parallel_size
         self._hf_config = AutoConfig.from_pretrained(model_path)
         self.dims = dims(self._hf_config, self.tp)
+        if self.ep > 1 and (not self.dims.experts or self.dims.experts % self.ep):
+            raise ValueError(f"trainer.expert_parallel_size={self.ep} needs a MoE model whose expert count it "
+                             f"divides (this model has {self.dims.experts} experts)")
         self.groups: MegatronGroups | None = None
         self._generation: int | None = None  # the world generation the modules were built on
         self._pgs: Any = None  # megatron ProcessGroupCollection of that generation
@@ -88,7 +105,7 @@ class MegatronTrainer(TorchTrainer):
 
     def create(self, load_weights: bool = True) -> None:
         if self.groups is None:
-            self.groups = MegatronGroups(self.world, self.tp)
+            self.groups = MegatronGroups(self.world, self.tp, self.ep)
         self._seed()
         hf = self._hf_shards() if load_weights else None
         self._assemble({"model": hf, "optimizer": None, "reference": hf if self.algo.kl_coef > 0 else None})
@@ -97,8 +114,8 @@ class MegatronTrainer(TorchTrainer):
     def _seed(self) -> None:
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=self.groups.tp_rank, ep_rank=0,
-                                                        etp_rank=self.groups.tp_rank)
+        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=self.groups.tp_rank,
+                                                        ep_rank=self.groups.ep_rank, etp_rank=self.groups.tp_rank)
 
     def _hf_shards(self) -> dict[str, torch.Tensor]:
         from pathlib import Path
@@ -110,10 +127,10 @@ class MegatronTrainer(TorchTrainer):
             hf.update(load_file(str(f)))
         if not hf:
             raise FileNotFoundError(f"no *.safetensors in {self.model_path}")
-        return hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp)
+        return hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp, self.groups.ep_rank, self.ep)
 
     def _gpt(self) -> Any:
-        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device)
+        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep)
 
     def _assemble(self, state: dict[str, Any]) -> None:
         """Modules, DDP and optimizer over the world's current groups, filled from `state`
@@ -123,7 +140,7 @@ class MegatronTrainer(TorchTrainer):
 
         self._drop()
         pgs = self._pgs = self.groups.collection()
-        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device)
+        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device, self.ep)
         if state["model"] is not None:
             _fill(gpt, state["model"])
         dist_opt = self.cfg.distributed_optimizer
@@ -272,7 +289,20 @@ class MegatronTrainer(TorchTrainer):
         source_of = {ck: src for ck, src, _, _ in specs}
         sources = list(dict.fromkeys(source_of[n] for n in (names if names is not None else source_of)))
         local = _weights(_unwrap(self.model))
+        per_rank = self.dims.experts // self.ep if self.dims.experts else 0
         for src in sources:
+            e = expert_of(src)
+            if e is not None and self.ep > 1:  # the expert-parallel rank that holds it broadcasts it
+                owner = e // per_rank
+                if owner == self.groups.ep_rank:
+                    full = local[local_expert_name(src, e % per_rank)].detach().contiguous()
+                else:
+                    full = torch.empty(_full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+                dist.broadcast(full, group=self._pgs.ep, group_src=owner)
+                for hf_name, t in from_mcore(src, full, self.dims):
+                    if wanted is None or hf_name in wanted:
+                        yield hf_name, t
+                continue
             part = local[src]
             if self.tp > 1 and is_tp_sharded(src):
                 parts = [torch.empty_like(part) for _ in range(self.tp)]
@@ -299,11 +329,15 @@ class MegatronTrainer(TorchTrainer):
         keys name them; another layout fails the load listing the keys it lacks)."""
         tp, dp = self.groups.tp_rank, self.groups.dp_rank
         layout = f"tp{tp}of{self.tp}"
-        model = {f"{layout}/{n}": p for n, p in _weights(_unwrap(self.model)).items()}
+        experts = f"{layout}/ep{self.groups.ep_rank}of{self.ep}"  # expert weights differ per EP rank
+        model = {f"{experts if expert_of(n) is not None else layout}/{n}": p
+                 for n, p in _weights(_unwrap(self.model)).items()}
         _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
         tensors: list[torch.Tensor] = []
         _walk(_optimizer_state(self.optimizer, clone=False), tensors.append)
-        tag = f"{layout}/dp{dp}of{self.groups.layout.dp}" if self.cfg.distributed_optimizer else layout
+        tag = experts if self.ep > 1 else layout
+        if self.cfg.distributed_optimizer:
+            tag = f"{tag}/dp{dp}of{self.groups.layout.dp}"
         return model, {f"{tag}/optimizer/{i}": t for i, t in enumerate(tensors)}
 
     def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
