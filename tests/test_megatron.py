@@ -240,7 +240,7 @@ def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
             assert torch.equal(r["weights"][n], t), n
 
 
-def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str) -> dict:
+def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: list[str] | None = None) -> dict:
     from pathlib import Path
 
     from tests.megatron_shim import megatron_on_cpu
@@ -267,6 +267,22 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str) -> dict
             world.rebuild()
             t.onload()
             lp_after, _ = t.logprobs(mine)
+            synced = None
+            if urls:  # two engines that are EP ranks 0 and 1: each gets the dense weights and its experts
+                from rltrain.config import load_config
+                from rltrain.engine.client import EngineClient
+                from rltrain.sync.weight_sync import WeightSync
+
+                cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=tensor",
+                                         "sync.bucket_mb=1", f"loop.weights_dir={root}/w"])
+                clients = [EngineClient(u, request_timeout_s=120) for u in urls]
+                ws = WeightSync(cfg, world, t, clients, path)
+                ws.push("5")  # raises unless each engine's checksum over what it owns matches
+                synced = {"routed": ws.plan.routed, "bytes_to": [ws.plan.bytes_to(r) for r in range(2)],
+                          "versions": [c.weight_version() for c in clients]}
+                ws.close()
+                for c in clients:
+                    c.close()
             t.train_step(mine)
             after_two = {k: v.clone() for k, v in t.export_weights()}
             t.release()
@@ -275,7 +291,7 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str) -> dict
             t.train_step(mine)
             resumed = dict(t.export_weights())
             return {"lp": lp, "lp_after": lp_after, "stats": stats, "weights": after_two, "resumed": resumed,
-                    "held": held}
+                    "held": held, "synced": synced}
     finally:
         world.close()
 
@@ -284,9 +300,21 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str) -> dict
 def moe_runs(tmp_path_factory):
     from tests.models import make_moe_model
 
+    from tests.conftest import start_engine
+
     root = tmp_path_factory.mktemp("moe")
     path = make_moe_model(root / "moe", seed=2)
-    return path, {ep: values(run_ranks(_moe_rank, 2, str(path), ep, str(root), deadline_s=300)) for ep in (1, 2)}
+    engines = [start_engine("native", path, root / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+               for r in range(2)]
+    try:
+        runs = {1: values(run_ranks(_moe_rank, 2, str(path), 1, str(root), deadline_s=300)),
+                2: values(run_ranks(_moe_rank, 2, str(path), 2, str(root), [e.process.url for e in engines],
+                                    deadline_s=300))}
+    finally:
+        for e in engines:
+            e.client.close()
+            e.process.stop()
+    return path, runs
 
 
 def test_a_qwen3_moe_model_matches_hf_and_trains(moe_runs):
@@ -449,3 +477,14 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp):
         assert r["logp_diff_engine_trainer"] < 1e-3, [(x["step"], x["logp_diff_engine_trainer"]) for x in rows]
     # Steps where every sample of a prompt scored the same have zero advantages: not all of them.
     assert any(r["grad_norm"] > 0 for r in rows), [x["grad_norm"] for x in rows]
+
+
+def test_expert_parallel_training_syncs_each_engine_ep_rank_only_its_experts(moe_runs):
+    """From the EP=2 megatron trainer to two engines that are EP ranks 0 and 1 (the plan routes
+    each expert to its owner; push verified each engine's checksum over what it owns)."""
+    _, runs = moe_runs
+    hf_total = sum(t.numel() * t.element_size() for t in _hf_state(moe_runs[0]).values())
+    for r in runs[2]:
+        s = r["synced"]
+        assert s["routed"] and s["versions"] == ["5", "5"]
+        assert s["bytes_to"][0] == s["bytes_to"][1] < hf_total  # half the experts each
