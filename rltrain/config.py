@@ -159,6 +159,7 @@ class TrainerConfig:
     tensor_parallel_size: int = 1  # megatron only; must divide the world size and the KV heads
     distributed_optimizer: bool = False  # megatron only: shard optimizer state over data parallel
     expert_parallel_size: int = 1  # megatron MoE only: experts split over this many data-parallel ranks
+    pipeline_parallel_size: int = 1  # megatron only; must divide the world size and the layers
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     lr: float = 1e-6
     beta1: float = 0.9
@@ -175,10 +176,11 @@ class TrainerConfig:
     def check(self) -> None:
         if self.lr <= 0 or self.micro_batch_size < 1 or self.grad_clip <= 0:
             raise ConfigError("trainer.lr, trainer.grad_clip must be > 0 and trainer.micro_batch_size >= 1")
-        if self.tensor_parallel_size < 1 or self.expert_parallel_size < 1:
-            raise ConfigError("trainer.tensor_parallel_size and trainer.expert_parallel_size must be >= 1")
-        if self.backend == "native" and self.expert_parallel_size != 1:
-            raise ConfigError("trainer.expert_parallel_size > 1 needs trainer.backend=megatron")
+        if min(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size) < 1:
+            raise ConfigError("trainer.tensor_parallel_size, expert_parallel_size and pipeline_parallel_size must "
+                              "be >= 1")
+        if self.backend == "native" and (self.expert_parallel_size != 1 or self.pipeline_parallel_size != 1):
+            raise ConfigError("trainer.expert_parallel_size and pipeline_parallel_size > 1 need trainer.backend=megatron")
         if self.backend == "native" and self.distributed_optimizer:
             raise ConfigError("trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the native "
                               "trainer shards optimizer state with FSDP2 anyway")

@@ -113,19 +113,19 @@ def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
     return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
 
 
-def _trainer(path: str, world, tp: int, lr: float = 1e-3, dist_opt: bool = False):
+def _trainer(path: str, world, tp: int, lr: float = 1e-3, dist_opt: bool = False, pp: int = 1):
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
     t = MegatronTrainer(TrainerConfig(backend="megatron", tensor_parallel_size=tp, lr=lr, micro_batch_size=2,
-                                      dtype="float32", distributed_optimizer=dist_opt), AlgoConfig(), path,
-                        torch.device("cpu"), world)
+                                      dtype="float32", distributed_optimizer=dist_opt, pipeline_parallel_size=pp),
+                        AlgoConfig(), path, torch.device("cpu"), world)
     t.create()
     return t
 
 
 def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: str | None, weights_dir: str,
-                   dist_opt: bool = False) -> dict:
+                   dist_opt: bool = False, pp: int = 1) -> dict:
     from tests.megatron_shim import megatron_on_cpu
 
     from rltrain.runtime.world import World
@@ -133,7 +133,7 @@ def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: s
     world = World(backend="gloo", timeout=120)
     try:
         with megatron_on_cpu():
-            t = _trainer(path, world, tp, dist_opt=dist_opt)
+            t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
             dp_rank = rank // tp
             full = _batch(0, n=8)
             # Each rank brings its own samples; a TP group pools them.
@@ -163,7 +163,8 @@ def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: s
                 ws.close()
                 client.close()
             return {"lp_before": lp_before, "lp_after": lp_after, "lp_cycled": lp_cycled, "stats": stats,
-                    "stats2": stats2, "weights": exported, "dp_rank": dp_rank, "synced": synced}
+                    "stats2": stats2, "weights": exported, "dp_rank": dp_rank, "synced": synced,
+                    "held": sorted(n for n, _ in t.model.module.named_parameters())}
     finally:
         world.close()
 
@@ -196,9 +197,10 @@ def megatron_runs(tmp_path_factory):
         tp2 = values(run_ranks(_megatron_rank, 2, str(path), 2, proc.url, str(root / "w"), deadline_s=400))
         dp2 = values(run_ranks(_megatron_rank, 2, str(path), 1, None, str(root / "w2"), deadline_s=400))
         dist_opt = values(run_ranks(_megatron_rank, 2, str(path), 1, None, str(root / "w3"), True, deadline_s=400))
+        pp2 = values(run_ranks(_megatron_rank, 2, str(path), 1, proc.url, str(root / "w4"), False, 2, deadline_s=400))
     finally:
         proc.stop()
-    return path, tp2, dp2, dist_opt
+    return path, tp2, dp2, dist_opt, pp2
 
 
 def _parity_rank(rank: int, world_size: int, path: str) -> dict:
@@ -351,10 +353,10 @@ def test_a_moe_checkpoint_resumes_exactly_with_experts_split(moe_runs):
 
 
 def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
-    path, tp2, dp2, _ = megatron_runs
+    path, tp2, dp2, _, pp2 = megatron_runs
     full = _batch(0, n=8)
     ref = _hf_logprobs(path, full)
-    for runs in (tp2, dp2):
+    for runs in (tp2, dp2, pp2):
         for rank, r in enumerate(runs):
             mine = slice(rank * 2, rank * 2 + 2)
             mask = full.attention_mask[mine].bool()
@@ -362,9 +364,9 @@ def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
 
 
 def test_a_grpo_step_changes_the_weights_identically_under_tp_and_dp(megatron_runs):
-    path, tp2, dp2, _ = megatron_runs
+    path, tp2, dp2, _, pp2 = megatron_runs
     hf = _hf_state(path)
-    for runs in (tp2, dp2):
+    for runs in (tp2, dp2, pp2):
         for r in runs:
             assert r["stats"]["grad_norm"] > 0 and torch.isfinite(torch.tensor(r["stats"]["loss"]))
             assert not torch.equal(r["lp_after"], r["lp_before"])
@@ -374,23 +376,36 @@ def test_a_grpo_step_changes_the_weights_identically_under_tp_and_dp(megatron_ru
         for n in hf:
             assert torch.equal(runs[0]["weights"][n], runs[1]["weights"][n]), n
     # TP=2 on the pooled batch and DP=2 with summed gradients take the same step.
+    # ... and PP=2 (two stages of one pipeline, the pooled batch through the 1F1B schedule).
     assert tp2[0]["stats"]["grad_norm"] == pytest.approx(dp2[0]["stats"]["grad_norm"], rel=1e-4)
+    assert pp2[0]["stats"]["grad_norm"] == pytest.approx(dp2[0]["stats"]["grad_norm"], rel=1e-4)
+    for key in ("loss", "entropy", "clip_frac"):  # statistics come back from the last stage to the first
+        assert pp2[0]["stats"][key] == pytest.approx(dp2[0]["stats"][key], rel=1e-4, abs=1e-7), key
     # Two Adam steps at lr 1e-3: a wrong or missing gradient moves a weight by ~1e-3; float
     # summation order alone moved a few by ~1e-5 (Adam normalises near-zero gradients).
     for n in hf:
-        diff = (tp2[0]["weights"][n] - dp2[0]["weights"][n]).abs()
-        assert diff.max() < 1e-4, (n, diff.max())
+        for other in (tp2, pp2):
+            diff = (other[0]["weights"][n] - dp2[0]["weights"][n]).abs()
+            assert diff.max() < 1e-4, (n, diff.max())
+
+
+def test_pipeline_stages_hold_only_their_layers(megatron_runs):
+    _, _, dp2, _, pp2 = megatron_runs
+    first, last = pp2[0]["held"], pp2[1]["held"]
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+    assert "output_layer.weight" in last and "embedding.word_embeddings.weight" not in last
+    assert len(first) + len(last) == len(dp2[0]["held"])  # one layer each, together the whole model
 
 
 def test_groups_keep_working_across_a_world_rebuild(megatron_runs):
-    _, tp2, dp2, _ = megatron_runs
-    for r in tp2 + dp2:
+    _, tp2, dp2, _, pp2 = megatron_runs
+    for r in tp2 + dp2 + pp2:
         assert torch.equal(r["lp_cycled"], r["lp_after"])  # same weights, new groups and modules
         assert torch.isfinite(torch.tensor(r["stats2"]["grad_norm"]))
 
 
 def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_rebuild(megatron_runs):
-    _, _, dp2, dist_opt = megatron_runs
+    _, _, dp2, dist_opt, _ = megatron_runs
     for plain, sharded in zip(dp2, dist_opt):
         assert sharded["stats"]["grad_norm"] == pytest.approx(plain["stats"]["grad_norm"], rel=1e-5)
         # Second step after the rebuild: the optimizer shards (Adam moments, fp32 main params) came along.
@@ -399,7 +414,7 @@ def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_reb
             assert (sharded["weights"][n] - w).abs().max() < 1e-4, n
 
 
-def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool) -> dict:
+def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool, pp: int = 1) -> dict:
     from pathlib import Path
 
     from tests.megatron_shim import megatron_on_cpu
@@ -417,7 +432,7 @@ def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist
                 b.old_logp, _ = t.logprobs(b)
                 return t.train_step(b)
 
-            t = _trainer(path, world, tp, dist_opt=dist_opt)
+            t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
             step(t, mine[0])
             saved = ck.save(1, t, "1", {})
             step(t, mine[1])
@@ -439,22 +454,24 @@ def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist
         world.close()
 
 
-@pytest.mark.parametrize("tp,dist_opt", [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
-def test_release_and_resume_from_checkpoint_and_snapshot_are_exact(tmp_path, tp, dist_opt):
+@pytest.mark.parametrize("tp,dist_opt,pp", [(2, False, 1), (1, True, 1), (1, False, 2)],
+                         ids=["tp2", "dp2-distributed-optimizer", "pp2"])
+def test_release_and_resume_from_checkpoint_and_snapshot_are_exact(tmp_path, tp, dist_opt, pp):
     path = make_model(tmp_path / "m", seed=11, arch="qwen3")
-    for r in values(run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, deadline_s=300)):
+    for r in values(run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, pp, deadline_s=300)):
         assert r["steps"] == 3
         for n, w in r["straight"].items():
             assert torch.equal(r["resumed"][n], w), n
 
 
 def test_a_weight_sync_from_the_megatron_trainer_passes_the_engine_checksum(megatron_runs):
-    _, tp2, _, _ = megatron_runs
+    _, tp2, _, _, pp2 = megatron_runs
     assert [r["synced"] for r in tp2] == ["7", "7"]
+    assert [r["synced"] for r in pp2] == ["7", "7"]  # weights gathered from both pipeline stages
 
 
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "dp2"])
-def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp):
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "pp2"])
+def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
     """Two ranks under torchrun: rollout on the embedded engine, megatron trains, tensor sync
     with the checksum verified every step, world destroy/rebuild between phases."""
     import json
@@ -467,7 +484,8 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp):
         "--config", str(repo / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
         f"model.path={tmp_path / 'base_model'}", "loop.steps=4", "data.prompts_per_step=8",
         "metrics.progress_bar=false", "metrics.plot=false", "trainer.backend=megatron",
-        f"trainer.tensor_parallel_size={tp}", "sync.transport=tensor"], env={"PYTHONPATH": str(repo)})
+        f"trainer.tensor_parallel_size={tp}", f"trainer.pipeline_parallel_size={pp}", "sync.transport=tensor"],
+        env={"PYTHONPATH": str(repo)})
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -315,47 +315,59 @@ class TorchTrainer:
         metrics["train_tokens_per_s"] = tokens_trained / max(time.perf_counter() - t0, 1e-9)
         return metrics
 
-    def _optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
-        algo = self.algo
-        # Global normalisers: the same loss on every rank as if the whole mini-batch were here.
-        # Sharded, FSDP2 sums the ranks' gradients (divide factor 1), giving the full-batch gradient.
+    _STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old")
+
+    def _normalizers(self, mini: TrainBatch) -> tuple[float, float]:
+        """(loss normaliser, total loss tokens) over the whole mini-batch on every rank: the same
+        loss everywhere as if the mini-batch were in one place. Sharded, the gradients are summed
+        over ranks (FSDP2 divide factor 1), giving the full-batch gradient."""
         counts = torch.tensor([float(mini.loss_mask.sum()), float(len(mini))], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(counts, group=self._data_group())
-        normalizer = counts[0].item() if algo.loss_agg == "token-mean" else counts[1].item()
-        total_tokens = max(counts[0].item(), 1.0)
+        normalizer = counts[0].item() if self.algo.loss_agg == "token-mean" else counts[1].item()
+        return normalizer, max(counts[0].item(), 1.0)
+
+    def _micro_loss(self, mb: TrainBatch, logp: torch.Tensor, ent: torch.Tensor, loss_cfg: PolicyLossConfig,
+                    normalizer: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss of one micro-batch and its token-weighted statistics (in `_STATS` order)."""
+        algo = self.algo
+        pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
+        loss = pg
+        kl_sum = torch.zeros((), device=logp.device)
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * aggregate(ent, mb.loss_mask, algo.loss_agg, normalizer)
+        if algo.kl_coef and mb.ref_logp is not None:
+            kl = kl_penalty(logp, mb.ref_logp, algo.kl_estimator)  # computed once: loss term and metric
+            if algo.kl_in == "loss":
+                loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
+            kl_sum = (kl.detach() * mb.loss_mask).sum()
+        w = mb.loss_mask.sum()
+        acc = torch.stack([loss.detach(), pg.detach(), kl_sum, (ent.detach() * mb.loss_mask).sum(),
+                           stats["clip_frac"].detach() * w, stats["approx_kl_old"].detach() * w]).double()
+        return loss, acc
+
+    def _step_stats(self, acc: torch.Tensor, total_tokens: float, grad_norm: float) -> dict[str, float]:
+        """Token-weighted statistics summed over the data-parallel ranks."""
+        acc = acc.to(device=self.device, dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(acc, group=self._data_group())
+        loss_sum, pg_sum, kl, ent, clip, akl = acc.tolist()
+        return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
+                "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+
+    def _optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+        normalizer, total_tokens = self._normalizers(mini)
         self._zero_grad()
-        acc = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0, "approx_kl_old": 0.0}
+        acc = torch.zeros(len(self._STATS), dtype=torch.float64)
         for mb, _ in self._micro_batches(mini):
             mb = mb.to(self.device)
             logp, ent = self._forward_logp(self.model, mb, with_entropy=True)
-            pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
-            loss = pg
-            local_tokens = mb.loss_mask.sum()
-            if algo.entropy_coef:
-                loss = loss - algo.entropy_coef * aggregate(ent, mb.loss_mask, algo.loss_agg, normalizer)
-            if algo.kl_coef and mb.ref_logp is not None:
-                kl = kl_penalty(logp, mb.ref_logp, algo.kl_estimator)  # computed once: loss term and metric
-                if algo.kl_in == "loss":
-                    loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
-                acc["kl"] += float((kl.detach() * mb.loss_mask).sum())
+            loss, stats = self._micro_loss(mb, logp, ent, loss_cfg, normalizer)
             loss.backward()
-            w = float(local_tokens)
-            acc["loss"] += float(loss.detach())
-            acc["pg_loss"] += float(pg.detach())
-            acc["entropy"] += float((ent.detach() * mb.loss_mask).sum())
-            acc["clip_frac"] += float(stats["clip_frac"].detach()) * w
-            acc["approx_kl_old"] += float(stats["approx_kl_old"].detach()) * w
+            acc += stats.cpu()
         grad_norm = self._apply_gradients()
         self._zero_grad()  # no gradients live between steps
-        # Token-weighted statistics, summed over ranks.
-        vec = torch.tensor([acc["loss"], acc["pg_loss"], acc["kl"], acc["entropy"], acc["clip_frac"], acc["approx_kl_old"]],
-                           dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(vec, group=self._data_group())
-        loss_sum, pg_sum, kl, ent, clip, akl = vec.tolist()
-        return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
-                "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+        return self._step_stats(acc, total_tokens, grad_norm)
 
     def _data_group(self) -> Any:
         """The group whose ranks hold different samples (None: the whole world)."""

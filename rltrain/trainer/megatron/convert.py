@@ -83,7 +83,7 @@ class Dims:
     norm_topk: bool = False
 
 
-def dims(hf_config: Any, tp: int) -> Dims:
+def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     model_type = getattr(hf_config, "model_type", "")
     if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
@@ -94,15 +94,17 @@ def dims(hf_config: Any, tp: int) -> Dims:
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
             raise ConversionError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not "
                                   "converted yet: every layer must be sparse")
-        if tp > 1:
-            raise ConversionError(f"MoE models need trainer.tensor_parallel_size=1 for now (got {tp}): expert "
-                                  "weights are not tensor-parallel sharded yet")
+        if tp > 1 or pp > 1:
+            raise ConversionError(f"MoE models need trainer.tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                                  f"now (got {tp} and {pp}): expert weights are not sharded over them yet")
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     if groups % tp or heads % tp:
         raise ConversionError(f"tensor parallel size {tp} must divide the attention heads ({heads}) and key/value "
                               f"heads ({groups})")
+    if pp < 1 or hf_config.num_hidden_layers % pp:
+        raise ConversionError(f"pipeline parallel size {pp} must divide the {hf_config.num_hidden_layers} layers")
     if hf_config.intermediate_size % tp:
         raise ConversionError(f"tensor parallel size {tp} must divide intermediate_size {hf_config.intermediate_size}")
     vocab = hf_config.vocab_size
@@ -308,4 +310,35 @@ def hf_to_mcore_shards(hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int,
     unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
     if unused:
         raise ConversionError(f"HF weights with no megatron counterpart: {unused[:5]}")
+    return out
+
+
+def stage_of(name: str, d: Dims, pp: int) -> int:
+    """The pipeline stage that holds a (global) megatron weight."""
+    if name == "embedding.word_embeddings.weight":
+        return 0
+    if name in ("decoder.final_layernorm.weight", "output_layer.weight"):
+        return pp - 1
+    m = _LAYER.match(name)
+    if not m:
+        raise ConversionError(f"unknown megatron weight {name!r}")
+    return int(m.group(1)) // (d.layers // pp)
+
+
+def stage_name(name: str, d: Dims, pp: int) -> str:
+    """A global megatron weight name as its stage's model names it (layers numbered from 0)."""
+    m = _LAYER.match(name)
+    if pp == 1 or not m:
+        return name
+    return f"decoder.layers.{int(m.group(1)) % (d.layers // pp)}.{m.group(2)}"
+
+
+def to_stage(state: dict[str, torch.Tensor], d: Dims, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
+    """The part of a (TP-sharded) megatron state that pipeline stage `pp_rank` holds, under its
+    local names. With tied embeddings the last stage holds its own copy of the output head."""
+    if pp == 1:
+        return state
+    out = {stage_name(n, d, pp): t for n, t in state.items() if stage_of(n, d, pp) == pp_rank}
+    if d.tied and pp_rank == pp - 1:
+        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
     return out

@@ -7,8 +7,9 @@ rebuilds every group between phases, so the groups are made once through `World.
 `parallel_state`). After a rebuild the trainer builds its modules again from the handles' new
 groups and moves its state into them, as the FSDP2 trainer does (trainer/sharding.py).
 
-Rank layout: tensor parallel fastest, then data parallel — rank = dp_rank * tp + tp_rank, as
-Megatron's default order with pipeline, context and expert parallel of size 1.
+Rank layout: tensor parallel fastest, then data parallel, then pipeline — rank = pp_rank * tp * dp
++ dp_rank * tp + tp_rank, Megatron's default order (context parallel has size 1; expert parallel
+splits the data-parallel ranks).
 """
 
 from __future__ import annotations
@@ -23,50 +24,77 @@ from rltrain.trainer.megatron.convert import ConversionError, dims, transformer_
 
 @dataclass
 class Layout:
+    """rank = pp_rank * (tp * dp) + dp_rank * tp + tp_rank (Megatron's default order)."""
+
     tp: int
     dp: int
+    pp: int = 1
 
     @classmethod
-    def of(cls, world_size: int, tp: int) -> "Layout":
-        if tp < 1 or world_size % tp:
-            raise ValueError(f"trainer.tensor_parallel_size={tp} must divide the world size {world_size}")
-        return cls(tp, world_size // tp)
+    def of(cls, world_size: int, tp: int, pp: int = 1) -> "Layout":
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ValueError(f"trainer.tensor_parallel_size={tp} x trainer.pipeline_parallel_size={pp} must divide "
+                             f"the world size {world_size}")
+        return cls(tp, world_size // (tp * pp), pp)
 
-    def tp_ranks(self, dp_rank: int) -> list[int]:
-        return [dp_rank * self.tp + t for t in range(self.tp)]
+    def rank(self, pp: int, dp: int, tp: int) -> int:
+        return pp * self.tp * self.dp + dp * self.tp + tp
 
-    def dp_ranks(self, tp_rank: int) -> list[int]:
-        return [d * self.tp + tp_rank for d in range(self.dp)]
+    def tp_ranks(self, dp_rank: int, pp_rank: int = 0) -> list[int]:
+        return [self.rank(pp_rank, dp_rank, t) for t in range(self.tp)]
+
+    def dp_ranks(self, tp_rank: int, pp_rank: int = 0) -> list[int]:
+        return [self.rank(pp_rank, d, tp_rank) for d in range(self.dp)]
+
+    def pp_ranks(self, dp_rank: int, tp_rank: int) -> list[int]:
+        return [self.rank(p, dp_rank, tp_rank) for p in range(self.pp)]
+
+    def mp_ranks(self, dp_rank: int) -> list[int]:
+        """One model replica: its tensor- and pipeline-parallel ranks (they see the same samples)."""
+        return sorted(self.rank(p, dp_rank, t) for p in range(self.pp) for t in range(self.tp))
 
 
 class MegatronGroups:
-    """This rank's tensor- and data-parallel groups as World handles (collective to create).
+    """This rank's tensor-, data-, pipeline- and expert-parallel groups as World handles
+    (collective to create).
 
     Only groups that need a communicator of their own get one: a group of every rank is the
-    world's default group, and groups of one rank (pipeline, context and expert parallel here,
-    and TP when its size is 1) are gloo groups. On an H200 every NCCL communicator costs
-    ~0.5 s to tear down at each world destroy (measured: a TP=1 loop step spent 2.3 s waiting
-    for five of them before the engine could take its memory back)."""
+    world's default group, and groups of one rank (context parallel here, and TP/PP/EP when
+    their size is 1) are gloo groups. On an H200 every NCCL communicator costs ~0.5 s to tear
+    down at each world destroy (measured: a TP=1 loop step spent 2.3 s waiting for five of them
+    before the engine could take its memory back)."""
 
-    def __init__(self, world: Any, tp: int, ep: int = 1):
-        self.layout = Layout.of(world.world_size, tp)
+    def __init__(self, world: Any, tp: int, ep: int = 1, pp: int = 1):
+        L = self.layout = Layout.of(world.world_size, tp, pp)
         self.world = world
         rank = world.rank
-        self.tp_rank, self.dp_rank = rank % tp, rank // tp
-        if ep > 1 and (tp != 1 or self.layout.dp % ep):
-            raise ValueError(f"trainer.expert_parallel_size={ep} needs tensor_parallel_size=1 and must divide "
-                             f"the data-parallel size {self.layout.dp}")
+        self.tp_rank, self.dp_rank, self.pp_rank = rank % tp, (rank // tp) % L.dp, rank // (tp * L.dp)
+        if ep > 1 and (tp != 1 or pp != 1 or L.dp % ep):
+            raise ValueError(f"trainer.expert_parallel_size={ep} needs tensor and pipeline parallel size 1 and must "
+                             f"divide the data-parallel size {L.dp}")
         self.ep_size, self.ep_rank = ep, self.dp_rank % ep
         self.own = self._mine(world, [[r] for r in range(world.world_size)], "megatron self", backend="gloo")
-        self.tp = self._parallel(world, [self.layout.tp_ranks(d) for d in range(self.layout.dp)], "megatron tp",
+        stages = range(pp)
+        self.tp = self._parallel(world, [L.tp_ranks(d, p) for p in stages for d in range(L.dp)], "megatron tp",
                                  single_ok=True)
         # DDP reduces gradients over DP with coalesced collectives, which gloo lacks: a DP group
         # of one rank is still a group of the world's backend.
-        self.dp = self._parallel(world, [self.layout.dp_ranks(t) for t in range(tp)], "megatron dp",
+        self.dp = self._parallel(world, [L.dp_ranks(t, p) for p in stages for t in range(tp)], "megatron dp",
                                  single_ok=False)
-        # Expert parallel (TP=1): blocks of `ep` consecutive data-parallel ranks share the experts
-        # out; the ranks at the same place in each block hold the same experts (expert DP).
-        blocks = self.layout.dp // ep
+        self.pp = self._parallel(world, [L.pp_ranks(d, t) for d in range(L.dp) for t in range(tp)], "megatron pp",
+                                 single_ok=True)
+        self.mp = self.tp if pp == 1 else self._parallel(world, [L.mp_ranks(d) for d in range(L.dp)], "megatron mp",
+                                                          single_ok=True)
+        # The first and last stage of each pipeline share the embedding (tied heads); with PP=2
+        # that is the pipeline group itself.
+        self.embd = self.own if pp == 1 else self.pp if pp == 2 else self._parallel(
+            world, [[g[0], g[-1]] for g in (L.pp_ranks(d, t) for d in range(L.dp) for t in range(tp))],
+            "megatron embd", single_ok=True)
+        self.stage = self._parallel(world, [[L.rank(p, d, t) for d in range(L.dp) for t in range(tp)] for p in stages],
+                                    "megatron stage", single_ok=False)
+        # Expert parallel (TP=PP=1): blocks of `ep` consecutive data-parallel ranks share the
+        # experts out; the ranks at the same place in each block hold the same experts (expert DP).
+        blocks = L.dp // ep
         self.ep = self.own if ep == 1 else self._parallel(
             world, [[b * ep + i for i in range(ep)] for b in range(blocks)], "megatron ep", single_ok=True)
         self.expt_dp = self.dp if ep == 1 else self._parallel(
@@ -95,21 +123,28 @@ class MegatronGroups:
 
     def collection(self) -> Any:
         """A ProcessGroupCollection of the groups as they are now (after the latest rebuild)."""
-        import torch.distributed as dist
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        tp, dp, own, every = self._pg(self.tp), self._pg(self.dp), self.own.pg, dist.group.WORLD
+        tp, dp, own = self._pg(self.tp), self._pg(self.dp), self.own.pg
+        pp, mp, embd, stage = self._pg(self.pp), self._pg(self.mp), self._pg(self.embd), self._pg(self.stage)
         ep, expt_dp = self._pg(self.ep), self._pg(self.expt_dp)
-        tp_ep = tp if self.ep_size == 1 else ep  # expert parallel runs with TP=1
+        tp_ep = tp if self.ep_size == 1 else ep  # expert parallel runs with TP=PP=1
         return ProcessGroupCollection(
-            tp=tp, pp=own, mp=tp, embd=own, pos_embd=own, cp=own, tp_cp=tp, ep=ep, expt_tp=tp, tp_ep=tp_ep,
-            tp_ep_pp=tp_ep, tp_dp_cp=every, dp=dp, dp_cp=dp, expt_dp=expt_dp, intra_dp_cp=dp, intra_expt_dp=expt_dp,
+            tp=tp, pp=pp, mp=mp, embd=embd, pos_embd=own, cp=own, tp_cp=tp, ep=ep, expt_tp=tp, tp_ep=tp_ep,
+            tp_ep_pp=mp if self.ep_size == 1 else ep, tp_dp_cp=stage, dp=dp, dp_cp=dp, expt_dp=expt_dp,
+            intra_dp_cp=dp, intra_expt_dp=expt_dp,
             # one distributed-optimizer instance: no inter-instance group, the intra one is DP
             inter_dist_opt=None, intra_dist_opt=dp,
         )
 
     def tp_group(self) -> Any:
         return self._pg(self.tp)
+
+    def pp_group(self) -> Any:
+        return self._pg(self.pp)
+
+    def mp_group(self) -> Any:
+        return self._pg(self.mp)
 
 
 def rotary_base(hf_config: Any) -> float:
@@ -121,7 +156,8 @@ def rotary_base(hf_config: Any) -> float:
     return float(getattr(hf_config, "rope_theta", None) or params.get("rope_theta", 10000.0))
 
 
-def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: torch.device, ep: int = 1) -> Any:
+def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: torch.device, ep: int = 1,
+              pp: int = 1, pp_rank: int = 0) -> Any:
     """An uninitialised GPTModel (weights are loaded after) with the local layer spec."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -133,7 +169,8 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
         _moe_without_transformer_engine()
     arch = transformer_config_kwargs(hf_config)
     config = TransformerConfig(
-        **arch, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        **arch, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype if pp > 1 else None, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16, use_cpu_initialization=device.type == "cpu", perform_initialization=False,
         hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -150,6 +187,7 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
             config, spec, vocab_size=d.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
             position_embedding_type="rope", rotary_base=rotary_base(hf_config),
             share_embeddings_and_output_weights=d.tied, parallel_output=False, pg_collection=pgs,
+            pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
         )
     _mark_tensor_parallel(model)
     return model

@@ -20,12 +20,17 @@ metrics and learning-rate schedule. What is its own:
              `trainer.expert_parallel_size` data-parallel ranks; export broadcasts each expert
              from the rank that holds it
 
-Not yet: pipeline and context parallel, experts sharded over TP, Mixtral, resharding checkpoints
-to another layout (megatron's dist_checkpointing would do it).
+  pipeline   `trainer.pipeline_parallel_size`: megatron's 1F1B schedule with the RL loss on the
+             last stage (log-probs and statistics broadcast back to every stage); each stage
+             loads its layers; export broadcasts each weight from the stage that holds it
+
+Not yet: context parallel, interleaved (virtual) pipeline stages, experts sharded over TP or
+PP, Mixtral, resharding checkpoints to another layout (megatron's dist_checkpointing would).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 from typing import Any, Iterator
@@ -42,6 +47,9 @@ from rltrain.trainer.megatron.convert import (
     is_tp_sharded,
     local_expert_name,
     mcore_names,
+    stage_name,
+    stage_of,
+    to_stage,
     tp_unshard,
 )
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
@@ -87,8 +95,9 @@ class MegatronTrainer(TorchTrainer):
         self.world = world
         self.tp = cfg.tensor_parallel_size
         self.ep = cfg.expert_parallel_size
+        self.pp = cfg.pipeline_parallel_size
         self._hf_config = AutoConfig.from_pretrained(model_path)
-        self.dims = dims(self._hf_config, self.tp)
+        self.dims = dims(self._hf_config, self.tp, self.pp)
         if self.ep > 1 and (not self.dims.experts or self.dims.experts % self.ep):
             raise ValueError(f"trainer.expert_parallel_size={self.ep} needs a MoE model whose expert count it "
                              f"divides (this model has {self.dims.experts} experts)")
@@ -105,7 +114,7 @@ class MegatronTrainer(TorchTrainer):
 
     def create(self, load_weights: bool = True) -> None:
         if self.groups is None:
-            self.groups = MegatronGroups(self.world, self.tp, self.ep)
+            self.groups = MegatronGroups(self.world, self.tp, self.ep, self.pp)
         self._seed()
         hf = self._hf_shards() if load_weights else None
         self._assemble({"model": hf, "optimizer": None, "reference": hf if self.algo.kl_coef > 0 else None})
@@ -127,10 +136,12 @@ class MegatronTrainer(TorchTrainer):
             hf.update(load_file(str(f)))
         if not hf:
             raise FileNotFoundError(f"no *.safetensors in {self.model_path}")
-        return hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp, self.groups.ep_rank, self.ep)
+        state = hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp, self.groups.ep_rank, self.ep)
+        return to_stage(state, self.dims, self.pp, self.groups.pp_rank)
 
     def _gpt(self) -> Any:
-        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep)
+        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep, self.pp,
+                         self.groups.pp_rank)
 
     def _assemble(self, state: dict[str, Any]) -> None:
         """Modules, DDP and optimizer over the world's current groups, filled from `state`
@@ -140,7 +151,7 @@ class MegatronTrainer(TorchTrainer):
 
         self._drop()
         pgs = self._pgs = self.groups.collection()
-        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device, self.ep)
+        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device, self.ep, self.pp, self.groups.pp_rank)
         if state["model"] is not None:
             _fill(gpt, state["model"])
         dist_opt = self.cfg.distributed_optimizer
@@ -226,13 +237,15 @@ class MegatronTrainer(TorchTrainer):
         return self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy)
 
     def _pool(self, batch: TrainBatch) -> tuple[TrainBatch, slice]:
-        """Every sample of this rank's tensor-parallel group (same order on each) and where this
-        rank's own samples are in it."""
-        if self.tp == 1:
+        """Every sample of this rank's model replica — its tensor- and pipeline-parallel ranks —
+        (same order on each) and where this rank's own samples are in it."""
+        size = self.tp * self.pp
+        if size == 1:
             return batch, slice(0, len(batch))
-        parts: list[Any] = [None] * self.tp
-        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=self.groups.tp_group())
-        start = sum(len(p) for p in parts[: self.groups.tp_rank])
+        group = self.groups.mp_group()
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=group)
+        start = sum(len(p) for p in parts[: dist.get_rank(group)])
         width = max(p.tokens.shape[1] for p in parts)
         pooled = TrainBatch(**{k: (torch.cat([_pad(getattr(p, k), width) for p in parts])
                                    if getattr(parts[0], k) is not None else None) for k in batch.__dict__})
@@ -240,9 +253,80 @@ class MegatronTrainer(TorchTrainer):
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         pooled, mine = self._pool(batch)
-        lp, ent = super().logprobs(pooled, reference)
+        if self.pp == 1:
+            lp, ent = super().logprobs(pooled, reference)
+        else:
+            lp, ent = self._pipeline_logprobs(pooled, reference)
         L = batch.tokens.shape[1]
         return lp[mine, :L], ent[mine, :L]
+
+    # ------------------------------------------------------------------ pipeline parallel
+
+    def _pipeline(self, model: Any, batch: TrainBatch, forward_only: bool, loss_fn: Any) -> list[Any]:
+        """megatron's 1F1B schedule over fixed-shape micro-batches of `batch` (the replica's pooled
+        batch: the same on every stage). `loss_fn(mb, logits)` runs on the last stage and returns
+        (loss, token count, record); the records come back there, in order."""
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
+
+        size = self.cfg.micro_batch_size
+        n, L = batch.tokens.shape
+        chunks = [_pad_rows(batch.slice(slice(i, i + size)), size, self.pad_id) for i in range(0, n, size)]
+        if not chunks:
+            return []
+        positions = torch.arange(L, device=self.device).expand(size, L)
+
+        def step(data: Any, m: Any) -> Any:
+            mb = next(data).to(self.device)
+            return m(mb.tokens, positions, attention_mask=None), functools.partial(loss_fn, mb)
+
+        p2p = P2PCommunicator(pp_group=self._pgs.pp, config=_unwrap(model).config)
+        return forward_backward_pipelining_without_interleaving(
+            forward_step_func=step, data_iterator=iter(chunks), model=model, num_microbatches=len(chunks),
+            seq_length=L, micro_batch_size=size, forward_only=forward_only, p2p_communicator=p2p,
+            pg_collection=self._pgs)
+
+    @torch.no_grad()
+    def _pipeline_logprobs(self, batch: TrainBatch, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
+        was_training = model.training
+        model.eval()
+
+        def record(mb: TrainBatch, logits: torch.Tensor) -> Any:
+            lp, ent = self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy=True)
+            return torch.zeros((), device=self.device), torch.tensor(1), torch.stack([lp, ent])
+
+        records = self._pipeline(model, batch, True, record)
+        model.train(was_training)
+        n, L = batch.tokens.shape
+        out = torch.empty(2, n, L, device=self.device)
+        if self.groups.pp_rank == self.pp - 1 and n:
+            out.copy_(torch.cat(records, dim=1)[:, :n])
+        dist.broadcast(out, group=self._pgs.pp, group_src=self.pp - 1)  # every stage returns them
+        return out[0].cpu(), out[1].cpu()
+
+    def _optimizer_step(self, mini: TrainBatch, loss_cfg: Any) -> dict[str, float]:
+        if self.pp == 1:
+            return super()._optimizer_step(mini, loss_cfg)
+        normalizer, total_tokens = self._normalizers(mini)
+        self._zero_grad()
+        self.model.train()
+
+        def loss(mb: TrainBatch, logits: torch.Tensor) -> Any:
+            logp, ent = self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy=True)
+            value, stats = self._micro_loss(mb, logp, ent, loss_cfg, normalizer)
+            return value, torch.tensor(1), stats
+
+        records = self._pipeline(self.model, mini, False, loss)
+        grad_norm = self._apply_gradients()
+        self._zero_grad()
+        acc = torch.zeros(len(self._STATS), dtype=torch.float64, device=self.device)
+        if self.groups.pp_rank == self.pp - 1 and records:
+            acc += torch.stack(records).sum(0).to(self.device)
+        dist.broadcast(acc, group=self._pgs.pp, group_src=self.pp - 1)  # the statistics live on the last stage
+        return self._step_stats(acc, total_tokens, grad_norm)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return super().train_step(self._pool(batch)[0])
@@ -290,6 +374,9 @@ class MegatronTrainer(TorchTrainer):
         sources = list(dict.fromkeys(source_of[n] for n in (names if names is not None else source_of)))
         local = _weights(_unwrap(self.model))
         per_rank = self.dims.experts // self.ep if self.dims.experts else 0
+        if self.pp > 1:
+            yield from self._export_stages(sources, local, wanted)
+            return
         for src in sources:
             e = expert_of(src)
             if e is not None and self.ep > 1:  # the expert-parallel rank that holds it broadcasts it
@@ -314,6 +401,27 @@ class MegatronTrainer(TorchTrainer):
                 if wanted is None or hf_name in wanted:
                     yield hf_name, t
 
+    def _export_stages(self, sources: list[str], local: dict[str, torch.Tensor],
+                       wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pipeline parallel: the stage that holds a weight gathers it over its TP group and
+        broadcasts it to the other stages."""
+        for src in sources:
+            owner = stage_of(src, self.dims, self.pp)
+            if owner == self.groups.pp_rank:
+                part = local[stage_name(src, self.dims, self.pp)]
+                if self.tp > 1 and is_tp_sharded(src):
+                    parts = [torch.empty_like(part) for _ in range(self.tp)]
+                    dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
+                    full = tp_unshard(src, parts).contiguous()
+                else:
+                    full = part.detach().contiguous()
+            else:
+                full = torch.empty(_full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+            dist.broadcast(full, group=self._pgs.pp, group_src=owner)
+            for hf_name, t in from_mcore(src, full, self.dims):
+                if wanted is None or hf_name in wanted:
+                    yield hf_name, t
+
     def save_pretrained(self, path: str) -> None:
         from rltrain.sync.hf_files import write_checkpoint
 
@@ -328,7 +436,7 @@ class MegatronTrainer(TorchTrainer):
         fills the trainer in place. A checkpoint restores at the same TP and DP sizes only (the
         keys name them; another layout fails the load listing the keys it lacks)."""
         tp, dp = self.groups.tp_rank, self.groups.dp_rank
-        layout = f"tp{tp}of{self.tp}"
+        layout = f"pp{self.groups.pp_rank}of{self.pp}/tp{tp}of{self.tp}"
         experts = f"{layout}/ep{self.groups.ep_rank}of{self.ep}"  # expert weights differ per EP rank
         model = {f"{experts if expert_of(n) is not None else layout}/{n}": p
                  for n, p in _weights(_unwrap(self.model)).items()}
@@ -464,6 +572,21 @@ def _map(obj: Any, fn: Any) -> Any:
 def _to(obj: Any, device: Any) -> Any:
     """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
     return _map(obj, lambda t: t.detach().clone() if device is None else t.detach().to(device, copy=True))
+
+
+def _pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
+    """`batch` with idle rows (padding tokens, empty loss mask) up to `rows`: pipeline stages
+    exchange fixed-shape activations."""
+    extra = rows - len(batch)
+    if extra <= 0:
+        return batch
+    fields = {}
+    for k, v in batch.__dict__.items():
+        if isinstance(v, torch.Tensor):
+            fill = pad_id if k == "tokens" else (1 if k == "attention_mask" else 0)
+            v = torch.cat([v, torch.full((extra, *v.shape[1:]), fill, dtype=v.dtype)])
+        fields[k] = v
+    return TrainBatch(**fields)
 
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
