@@ -72,6 +72,59 @@ def test_moe_round_trip_is_exact(tmp_path):
         assert torch.equal(back[name], t), name
 
 
+def _make_mixtral(path):
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False,
+                                     eos_token_id=255, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(5)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _mixtral_rank(rank: int, world_size: int, path: str) -> dict:
+    from tests.megatron_shim import megatron_on_cpu
+
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.world import World
+    from rltrain.trainer.megatron.trainer import MegatronTrainer
+
+    world = World(backend="gloo", timeout=120)
+    try:
+        with megatron_on_cpu():
+            t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=2, lr=1e-3, micro_batch_size=2,
+                                              dtype="float32"), AlgoConfig(), path, torch.device("cpu"), world)
+            t.create()
+            mine = _batch(3, n=4).slice(slice(rank * 2, rank * 2 + 2))
+            lp, _ = t.logprobs(mine)
+            return {"lp": lp, "weights": dict(t.export_weights())}
+    finally:
+        world.close()
+
+
+def test_mixtral_round_trips_and_matches_hf_with_experts_split(tmp_path):
+    import transformers
+
+    from rltrain.trainer.megatron.convert import dims, from_mcore, hf_to_mcore_shards
+
+    path = _make_mixtral(tmp_path / "mix")
+    hf = _hf_state(path)
+    d = dims(transformers.AutoConfig.from_pretrained(path), 1)
+    assert d.experts == 4 and d.norm_topk and not d.qk_norm
+    back = {k: v for name, t in hf_to_mcore_shards(hf, d, 0, 1).items() for k, v in from_mcore(name, t, d)}
+    assert set(back) == set(hf) and all(torch.equal(back[n], t) for n, t in hf.items())
+    ranks = values(run_ranks(_mixtral_rank, 2, str(path), deadline_s=200))
+    full = _batch(3, n=4)
+    ref = _hf_logprobs(path, full)
+    for rank, r in enumerate(ranks):
+        mine = slice(rank * 2, rank * 2 + 2)
+        mask = full.attention_mask[mine].bool()
+        assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), rank
+        assert set(r["weights"]) == set(hf) and all(torch.equal(r["weights"][n], t) for n, t in hf.items())
+
+
 def test_conversion_refuses_what_it_cannot_map(tmp_path):
     import transformers
 
@@ -91,9 +144,12 @@ def test_conversion_refuses_what_it_cannot_map(tmp_path):
     moe.mlp_only_layers = [0]
     with pytest.raises(ConversionError, match="dense layers"):
         dims(moe, 1)
-    mixtral = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(ConversionError, match="Mixtral"):
-        dims(mixtral, 1)
+    with pytest.raises(ConversionError, match="supports"):
+        dims(transformers.GPT2Config(), 1)
+    jitter = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                        num_key_value_heads=1, router_jitter_noise=0.1)
+    with pytest.raises(ConversionError, match="jitter"):
+        dims(jitter, 1)
 
 
 # ---------------------------------------------------------------------- real processes

@@ -28,7 +28,7 @@ the number of query groups must divide by TP. The fused fc1 weight on a TP rank 
 up shard], so it is sharded gate and up apart. The vocabulary is padded to a multiple of TP (the
 padding rows are zero and their logits are masked); export drops the padding.
 
-MoE (Qwen3-MoE, every layer sparse): expert names here use the *global* expert index; a model
+MoE (Qwen3-MoE, every layer sparse; Mixtral, whose experts are w1/w3/w2 under block_sparse_moe): expert names here use the *global* expert index; a model
 holding a block of experts (expert parallel) maps them to its local indices. Experts are not
 tensor-parallel sharded yet (MoE needs TP=1). HF's `norm_topk_prob` (renormalise the top-k
 probabilities) is megatron's top-k before the softmax (`moe_router_pre_softmax=False`).
@@ -42,7 +42,10 @@ from typing import Any
 
 import torch
 
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# HF names of an MoE layer per family: (MLP module, router, gate / up / down projection of an expert)
+_MOE_NAMES = {"qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"))}
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -81,15 +84,22 @@ class Dims:
     topk: int = 0
     moe_ffn: int = 0
     norm_topk: bool = False
+    moe_family: str = ""  # a key of _MOE_NAMES
 
 
 def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     model_type = getattr(hf_config, "model_type", "")
-    if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe"):
+    if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
         raise ConversionError(f"trainer.backend=megatron supports {', '.join(SUPPORTED)}; this model is {arch} "
-                              f"({model_type}). Other MoE families (Mixtral) are not converted yet.")
-    experts = int(getattr(hf_config, "num_experts", 0) or 0) if model_type == "qwen3_moe" else 0
+                              f"({model_type})")
+    experts = 0
+    if model_type == "qwen3_moe":
+        experts = int(getattr(hf_config, "num_experts", 0) or 0)
+    elif model_type == "mixtral":
+        experts = int(hf_config.num_local_experts)
+        if getattr(hf_config, "router_jitter_noise", 0.0):
+            raise ConversionError("Mixtral with router_jitter_noise > 0 is not converted (the router would differ)")
     if experts:
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
             raise ConversionError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not "
@@ -114,8 +124,10 @@ def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
         qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=model_type in ("qwen3", "qwen3_moe"), tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
         experts=experts, topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0,
-        moe_ffn=int(getattr(hf_config, "moe_intermediate_size", 0) or 0) if experts else 0,
-        norm_topk=bool(getattr(hf_config, "norm_topk_prob", False)) if experts else False,
+        moe_ffn=int(getattr(hf_config, "moe_intermediate_size", 0) or hf_config.intermediate_size) if experts else 0,
+        # Mixtral always renormalises its top-k routing weights
+        norm_topk=(model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False))) if experts else False,
+        moe_family=model_type if experts else "",
     )
 
 
@@ -184,13 +196,15 @@ def hf_names_of(name: str, d: Dims) -> list[str]:
         return [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
     if rest == "mlp.linear_fc1.weight":
         return [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
-    if rest == "mlp.router.weight":
-        return [p + "mlp.gate.weight"]
-    e = _EXPERT.match(rest)
-    if e and e.group(2) == "linear_fc1":
-        return [p + f"mlp.experts.{e.group(1)}.gate_proj.weight", p + f"mlp.experts.{e.group(1)}.up_proj.weight"]
-    if e:
-        return [p + f"mlp.experts.{e.group(1)}.down_proj.weight"]
+    if d.experts:
+        mlp, router, (gate, up, down) = _MOE_NAMES[d.moe_family]
+        if rest == "mlp.router.weight":
+            return [p + f"{mlp}.{router}.weight"]
+        e = _EXPERT.match(rest)
+        if e and e.group(2) == "linear_fc1":
+            return [p + f"{mlp}.experts.{e.group(1)}.{gate}.weight", p + f"{mlp}.experts.{e.group(1)}.{up}.weight"]
+        if e:
+            return [p + f"{mlp}.experts.{e.group(1)}.{down}.weight"]
     raise ConversionError(f"unknown megatron weight {name!r}")
 
 

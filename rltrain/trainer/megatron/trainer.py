@@ -16,7 +16,7 @@ metrics and learning-rate schedule. What is its own:
   checkpoint torch.distributed.checkpoint of this rank's live tensors under layout-qualified keys
              (restored in place, at the same TP/DP sizes); release-train by checkpoint or snapshot
 
-  MoE        Qwen3-MoE on megatron's MoE layer (TP=1), experts optionally split over
+  MoE        Qwen3-MoE and Mixtral on megatron's MoE layer (TP=PP=1), experts optionally split over
              `trainer.expert_parallel_size` data-parallel ranks; export broadcasts each expert
              from the rank that holds it
 
@@ -25,7 +25,8 @@ metrics and learning-rate schedule. What is its own:
              loads its layers; export broadcasts each weight from the stage that holds it
 
 Not yet: context parallel, interleaved (virtual) pipeline stages, experts sharded over TP or
-PP, Mixtral, resharding checkpoints to another layout (megatron's dist_checkpointing would).
+PP, MoE models with dense layers, resharding checkpoints to another layout (megatron's
+dist_checkpointing would).
 """
 
 from __future__ import annotations
