@@ -382,25 +382,10 @@ class MegatronTrainer(TorchTrainer):
             e = expert_of(src)
             if e is not None and self.ep > 1:  # the expert-parallel rank that holds it broadcasts it
                 owner = e // per_rank
-                if owner == self.groups.ep_rank:
-                    full = local[local_expert_name(src, e % per_rank)].detach().contiguous()
-                else:
-                    full = torch.empty(_full_shape(src, self.dims), dtype=self.dtype, device=self.device)
-                dist.broadcast(full, group=self._pgs.ep, group_src=owner)
-                for hf_name, t in from_mcore(src, full, self.dims):
-                    if wanted is None or hf_name in wanted:
-                        yield hf_name, t
-                continue
-            part = local[src]
-            if self.tp > 1 and is_tp_sharded(src):
-                parts = [torch.empty_like(part) for _ in range(self.tp)]
-                dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
-                full = tp_unshard(src, parts)
+                mine = local[local_expert_name(src, e % per_rank)] if owner == self.groups.ep_rank else None
+                yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.ep, owner), wanted)
             else:
-                full = part
-            for hf_name, t in from_mcore(src, full, self.dims):
-                if wanted is None or hf_name in wanted:
-                    yield hf_name, t
+                yield from self._pieces(src, self._tp_full(src, local[src]), wanted)
 
     def _export_stages(self, sources: list[str], local: dict[str, torch.Tensor],
                        wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -408,20 +393,28 @@ class MegatronTrainer(TorchTrainer):
         broadcasts it to the other stages."""
         for src in sources:
             owner = stage_of(src, self.dims, self.pp)
-            if owner == self.groups.pp_rank:
-                part = local[stage_name(src, self.dims, self.pp)]
-                if self.tp > 1 and is_tp_sharded(src):
-                    parts = [torch.empty_like(part) for _ in range(self.tp)]
-                    dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
-                    full = tp_unshard(src, parts).contiguous()
-                else:
-                    full = part.detach().contiguous()
-            else:
-                full = torch.empty(_full_shape(src, self.dims), dtype=self.dtype, device=self.device)
-            dist.broadcast(full, group=self._pgs.pp, group_src=owner)
-            for hf_name, t in from_mcore(src, full, self.dims):
-                if wanted is None or hf_name in wanted:
-                    yield hf_name, t
+            mine = self._tp_full(src, local[stage_name(src, self.dims, self.pp)]) if owner == self.groups.pp_rank else None
+            yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.pp, owner), wanted)
+
+    def _tp_full(self, src: str, part: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of this rank's part: gathered over its TP group if TP-sharded."""
+        if self.tp == 1 or not is_tp_sharded(src):
+            return part.detach()
+        parts = [torch.empty_like(part) for _ in range(self.tp)]
+        dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
+        return tp_unshard(src, parts)
+
+    def _broadcast_full(self, src: str, mine: torch.Tensor | None, group: Any, owner: int) -> torch.Tensor:
+        """`mine` on the owner (its index in `group`), received by everyone else in the group."""
+        full = mine.contiguous() if mine is not None else torch.empty(
+            _full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+        dist.broadcast(full, group=group, group_src=owner)
+        return full
+
+    def _pieces(self, src: str, full: torch.Tensor, wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+        for hf_name, t in from_mcore(src, full, self.dims):
+            if wanted is None or hf_name in wanted:
+                yield hf_name, t
 
     def save_pretrained(self, path: str) -> None:
         from rltrain.sync.hf_files import write_checkpoint
