@@ -14,7 +14,7 @@ metrics and learning-rate schedule. What is its own:
              built again over the new groups and the state is moved in (offloaded or not)
   export     each weight gathered over tensor parallel and converted to HF names (convert.py)
   checkpoint torch.distributed.checkpoint of this rank's live tensors under layout-qualified keys
-             (restored in place, at the same TP/DP sizes); release-train by checkpoint or snapshot
+             (restored in place, at the same TP/PP/DP/EP sizes); release-train by checkpoint or snapshot
 
   MoE        Qwen3-MoE and Mixtral on megatron's MoE layer (TP=PP=1), experts optionally split over
              `trainer.expert_parallel_size` data-parallel ranks; export broadcasts each expert
