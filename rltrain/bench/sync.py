@@ -172,6 +172,8 @@ def _engine_breakdown(log_path: Path) -> None:
         if "update_weights_from_tensor:" in line:
             for key, value in re.findall(r"([a-z]+) ([0-9.]+)(?: ms)?", line.split("update_weights_from_tensor:", 1)[1]):
                 rows.setdefault(key, []).append(float(value))
+        elif "POST /update_weights_from_tensor handled in" in line:
+            rows.setdefault("handled", []).append(float(line.rsplit("handled in", 1)[1].split()[0]))
     print("engine per bucket, ms (median / max): " + ", ".join(
         f"{k} {statistics.median(v):.2f} / {max(v):.2f}" for k, v in rows.items()))
 

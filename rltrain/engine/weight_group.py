@@ -11,6 +11,7 @@ pinned by the contract tests against a live SGLang server.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -85,8 +86,6 @@ class UnregisteredGroup:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, give_up: Any = None) -> None:
         """`give_up()`: polled while waiting; truthy when the peers will not join (their request
         failed), which raises instead of waiting out the timeout."""
-        import time
-
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.timeout = self.timeout

@@ -190,7 +190,15 @@ class TorchTrainer:
         self._parked = self._capture(to_host=True, with_reference=True)
         self._free()
         self._drop()
+        self._reclaim()
+
+    def _reclaim(self) -> None:
+        """Hand the memory of the dropped modules back to the device."""
         free_cuda_caches()
+
+    def _stale(self) -> bool:
+        """Whether the modules were built on groups the world has destroyed since."""
+        return self.sharded and self.model is not None and self._group is not current_group()
 
     def onload(self) -> None:
         """Back on the device, sharded over the current default group. A sharded trainer whose
@@ -198,7 +206,7 @@ class TorchTrainer:
         if self._parked is not None:
             parked, self._parked = self._parked, None
             self._rebuild(parked)
-        elif self.sharded and self.model is not None and self._group is not current_group():
+        elif self._stale():
             old = (self.model, self.ref_model)
             self._rebuild(self._capture(to_host=False, with_reference=True))
             for module in old:  # copied into the new modules (the optimizer state was re-wrapped, not copied)

@@ -263,8 +263,7 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
                 status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(err),
                                                                      "error": {"message": str(err)}}
             self._send(int(status), payload)
-            if path == "/update_weights_from_tensor" and log.isEnabledFor(logging.DEBUG):
-                log.debug("update_weights_from_tensor: handled in %.2f ms", (time.perf_counter() - t0) * 1e3)
+            log.debug("%s %s handled in %.2f ms", method, path, (time.perf_counter() - t0) * 1e3)
 
         def do_GET(self) -> None:  # noqa: N802
             self._dispatch("GET")

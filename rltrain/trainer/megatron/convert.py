@@ -244,6 +244,27 @@ def from_mcore(name: str, full: torch.Tensor, d: Dims) -> list[tuple[str, torch.
     return [(hf[0], full)]
 
 
+def full_shape(name: str, d: Dims) -> tuple[int, ...]:
+    """The shape of a (global, unsharded) megatron weight."""
+    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    qkv_rows = (d.heads + 2 * d.groups) * d.head_dim
+    return {
+        "embedding.word_embeddings.weight": (d.padded_vocab, d.hidden),
+        "output_layer.weight": (d.padded_vocab, d.hidden),
+        "decoder.final_layernorm.weight": (d.hidden,),
+        "input_layernorm.weight": (d.hidden,),
+        "pre_mlp_layernorm.weight": (d.hidden,),
+        "self_attention.linear_qkv.weight": (qkv_rows, d.hidden),
+        "self_attention.linear_qkv.bias": (qkv_rows,),
+        "self_attention.q_layernorm.weight": (d.head_dim,),
+        "self_attention.k_layernorm.weight": (d.head_dim,),
+        "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
+        "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
+        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
+        "mlp.router.weight": (d.experts, d.hidden),
+    }.get(rest) or {"linear_fc1": (2 * d.moe_ffn, d.hidden), "linear_fc2": (d.hidden, d.moe_ffn)}[rest.split(".")[-2]]
+
+
 # ---------------------------------------------------------------------- TP sharding
 
 def tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ from rltrain.trainer.megatron.convert import (
     dims,
     expert_of,
     from_mcore,
+    full_shape,
     hf_to_mcore_shards,
     is_tp_sharded,
     local_expert_name,
@@ -152,7 +153,7 @@ class MegatronTrainer(TorchTrainer):
 
         self._drop()
         pgs = self._pgs = self.groups.collection()
-        gpt = build_gpt(self._hf_config, pgs, self.tp, self.dtype, self.device, self.ep, self.pp, self.groups.pp_rank)
+        gpt = self._gpt()
         if state["model"] is not None:
             _fill(gpt, state["model"])
         dist_opt = self.cfg.distributed_optimizer
@@ -202,21 +203,10 @@ class MegatronTrainer(TorchTrainer):
             self.ref_model.requires_grad_(False)
             _fill(self.ref_model, self._hf_shards())
 
-    def _free(self) -> None:
-        pass  # plain modules: dropping the references frees them
+    def _stale(self) -> bool:
+        return self.model is not None and self._generation != self.world.generation
 
-    def onload(self) -> None:
-        if self._parked is not None:
-            parked, self._parked = self._parked, None
-            self._rebuild(parked)
-        elif self.model is not None and self._generation != self.world.generation:
-            self._rebuild(self._capture(to_host=False, with_reference=True))
-
-    def offload(self) -> None:
-        if self.device.type == "cpu" or self.offloaded or self.released:
-            return
-        self._parked = self._capture(to_host=True, with_reference=True)
-        self._drop()
+    def _reclaim(self) -> None:
         # megatron's DDP keeps its parameter and gradient buffers in reference cycles: without a
         # collection pass they stayed allocated (38 GiB of a 2B model, measured on the H200).
         gc.collect()
@@ -354,7 +344,7 @@ class MegatronTrainer(TorchTrainer):
         if self._specs is None:
             specs = []
             for name in mcore_names(self.dims):
-                full = _full_shape(name, self.dims)
+                full = full_shape(name, self.dims)
                 meta = torch.empty(full, dtype=self.dtype, device="meta")
                 for hf_name, t in from_mcore(name, meta, self.dims):
                     specs.append((hf_name, name, t.shape, self.dtype))
@@ -407,7 +397,7 @@ class MegatronTrainer(TorchTrainer):
     def _broadcast_full(self, src: str, mine: torch.Tensor | None, group: Any, owner: int) -> torch.Tensor:
         """`mine` on the owner (its index in `group`), received by everyone else in the group."""
         full = mine.contiguous() if mine is not None else torch.empty(
-            _full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+            full_shape(src, self.dims), dtype=self.dtype, device=self.device)
         dist.broadcast(full, group=group, group_src=owner)
         return full
 
@@ -585,26 +575,6 @@ def _pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
 
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 and t.shape[1] < width else t
-
-
-def _full_shape(name: str, d: Any) -> tuple[int, ...]:
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    qkv_rows = (d.heads + 2 * d.groups) * d.head_dim
-    return {
-        "embedding.word_embeddings.weight": (d.padded_vocab, d.hidden),
-        "output_layer.weight": (d.padded_vocab, d.hidden),
-        "decoder.final_layernorm.weight": (d.hidden,),
-        "input_layernorm.weight": (d.hidden,),
-        "pre_mlp_layernorm.weight": (d.hidden,),
-        "self_attention.linear_qkv.weight": (qkv_rows, d.hidden),
-        "self_attention.linear_qkv.bias": (qkv_rows,),
-        "self_attention.q_layernorm.weight": (d.head_dim,),
-        "self_attention.k_layernorm.weight": (d.head_dim,),
-        "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
-        "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
-        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
-        "mlp.router.weight": (d.experts, d.hidden),
-    }.get(rest) or {"linear_fc1": (2 * d.moe_ffn, d.hidden), "linear_fc2": (d.hidden, d.moe_ffn)}[rest.split(".")[-2]]
 
 
 __all__ = ["MegatronTrainer"]
