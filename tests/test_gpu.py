@@ -72,6 +72,30 @@ def test_cuda_ipc_flattened_bucket_update(cuda_native, model_a, model_b):
         cuda_native.client.update_weights_from_disk(str(model_a), weight_version="default")
 
 
+def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, model_a, model_b):
+    """The tensor sync's two refilled buffers: the engine keeps their mappings for the session and
+    copies what each holds now (the CUDA twin of the shared-memory test in test_native_engine)."""
+    state = sorted(load_file(str(model_b / "model.safetensors"), device="cuda").items())
+    half = len(state) // 2
+    parts = [state[:half], state[half:], state[:half]]
+    size = max(tensor_payload.bucket_layout(p)[1] for p in parts)
+    ring = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    mapped = []
+    try:
+        cuda_native.client.begin_weight_update()
+        for i, part in enumerate(parts):
+            if i == 0:  # garbage first, overwritten through the same buffer by the third bucket
+                part = [(n, torch.randn_like(t)) for n, t in part]
+            bucket = tensor_payload.flatten_bucket(part, out=ring[i % 2])
+            rep = cuda_native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="ipc-r")
+            mapped.append(rep["mapped"])
+        cuda_native.client.end_weight_update()
+        assert mapped == [True, True, False]
+        assert greedy(cuda_native.client) == hf_greedy(model_b, PROMPTS, 6)
+    finally:
+        cuda_native.client.update_weights_from_disk(str(model_a), weight_version="default")
+
+
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig

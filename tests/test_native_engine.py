@@ -7,6 +7,7 @@ Release/resume is covered here rather than in the contract suite: SGLang's relea
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import start_engine
 from models import engine_greedy, hf_greedy, make_model
@@ -112,3 +113,33 @@ def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(native, big_mo
     assert greedy(native.client) == before  # nothing was half-loaded
     native.client.update_weights_from_disk(str(big_model), weight_version="default")
     assert greedy(native.client) == hf_greedy(big_model, PROMPTS, 5)
+
+
+def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_model):
+    """The sync's buffer reuse against this engine: inside a session a refilled buffer is served
+    from the kept mapping, and the engine copies what the buffer holds now, not what it held."""
+    from safetensors.torch import load_file
+
+    from rltrain.engine import tensor_payload
+    from rltrain.sync.integrity import combine, entry
+
+    state = {}
+    for f in sorted(big_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    name_a, name_b = "model.norm.weight", "model.layers.0.input_layernorm.weight"
+    ring = [torch.empty(1 << 16, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    mapped = []
+    try:
+        native.client.begin_weight_update()
+        for slot, (name, value) in enumerate([(name_a, 1.0), (name_b, 3.0), (name_a, 2.0)]):
+            bucket = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=ring[slot % 2])
+            rep = native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
+            mapped.append(rep["mapped"])
+    finally:
+        native.client.end_weight_update()
+    assert mapped == [True, True, False]
+    expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
+    rep = native.client.weights_checksum()
+    assert rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})

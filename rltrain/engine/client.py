@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
+import json
 import logging
 import threading
 import time
@@ -64,6 +66,9 @@ class EngineClient:
         )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._timeouts = (connect_timeout_s, request_timeout_s)
+        self._lean: list[http.client.HTTPConnection] = []  # idle keep-alive connections, per-bucket calls
+        self._lean_lock = threading.Lock()
 
     # ------------------------------------------------------------------ transport
 
@@ -88,6 +93,55 @@ class EngineClient:
             if resp.status_code >= 400:
                 raise EngineError(endpoint, _error_text(resp), resp.status_code)
             return resp
+        raise AssertionError("unreachable")
+
+    def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
+        """POST on a plain keep-alive `http.client` connection: for calls made once per weight
+        bucket, where httpx's own overhead (0.76 ms against 0.26 ms per loopback request,
+        measured) was a third of a bucket's time. Concurrent callers each get a connection. A
+        request on a reused connection that the server had closed (idle keep-alive timeout:
+        nothing was read) is sent once more on a fresh one; nothing else is retried."""
+        data = json.dumps(body).encode()
+        for attempt in range(2):
+            with self._lean_lock:
+                conn = self._lean.pop() if self._lean else None
+            reused = conn is not None
+            if conn is None:
+                url = httpx.URL(self.url)
+                conn = http.client.HTTPConnection(url.host, url.port, timeout=self._timeouts[0])
+            try:
+                if conn.sock is None:
+                    conn.connect()
+                conn.sock.settimeout(self._timeouts[1])
+                conn.request("POST", endpoint, body=data, headers={"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                status, raw = resp.status, resp.read()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                conn.close()
+                if reused and attempt == 0:
+                    continue
+                raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
+            except TimeoutError as e:
+                conn.close()
+                raise EngineError(endpoint, f"no answer in time: {e}") from e
+            except OSError as e:
+                conn.close()
+                raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
+            with self._lean_lock:
+                self._lean.append(conn)
+            try:
+                payload = json.loads(raw) if raw else None
+            except ValueError:
+                payload = raw.decode(errors="replace")
+            if status >= 400:
+                msg = payload
+                if isinstance(payload, dict):
+                    msg = next((payload[k] for k in ("message", "error", "detail") if k in payload), payload)
+                    msg = msg.get("message", msg) if isinstance(msg, dict) else msg
+                raise EngineError(endpoint, str(msg)[:2000], status)
+            if isinstance(payload, dict) and payload.get("success") is False:
+                raise EngineError(endpoint, payload.get("message", "success=false"))
+            return payload if isinstance(payload, dict) else {"message": payload}
         raise AssertionError("unreachable")
 
     def _post(self, endpoint: str, body: Any = None, **kw: Any) -> Any:
@@ -211,7 +265,7 @@ class EngineClient:
         flush_cache: bool = True,
     ) -> dict:
         """One serialized payload per engine TP rank (see `rltrain.engine.tensor_payload`)."""
-        return self._checked(
+        return self._lean_post(
             "/update_weights_from_tensor",
             {
                 "serialized_named_tensors": serialized_named_tensors,
@@ -258,6 +312,10 @@ class EngineClient:
         """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""
         return _json_or_text(self._request("GET", "/memory"))
 
+    def server_info(self) -> dict:
+        data = _json_or_text(self._request("GET", "/get_server_info"))
+        return data if isinstance(data, dict) else {}
+
     def model_info(self) -> dict:
         return _json_or_text(self._request("GET", "/model_info"))
 
@@ -277,6 +335,9 @@ class EngineClient:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
+        with self._lean_lock:
+            while self._lean:
+                self._lean.pop().close()
 
 
 def _json_or_text(resp: httpx.Response) -> Any:

@@ -49,7 +49,9 @@ def file_digest(path: Path) -> str:
     h = xxhash.xxh3_64()
     with open(path, "rb") as fh:
         if os.fstat(fh.fileno()).st_size:
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            # Pages mapped in one call rather than one fault each (faults are dear in a VM).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            with mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as m:
                 h.update(m)
     return h.hexdigest()
 
@@ -79,12 +81,15 @@ def publish(target: Path, keep: int | None, write: Callable[[Path], dict[str, An
     return target
 
 
-def prune(newest: Path, keep: int) -> None:
+def prune(newest: Path, keep: int | None, newer: bool = True) -> None:
+    """Delete versions numbered above `newest` (left by an earlier run that went further;
+    unless `newer` is False) and all but the `keep` newest up to it (none if `keep` is None).
+    A prune that runs while the next version is published must pass newer=False."""
     number = lambda p: int(p.name.removeprefix("weight_v"))  # noqa: E731
     versions = sorted((p for p in newest.parent.glob("weight_v*") if p.is_dir()), key=number)
-    stale = [p for p in versions if number(p) > number(newest)]
+    stale = [p for p in versions if number(p) > number(newest)] if newer else []
     older = [p for p in versions if number(p) <= number(newest)]
-    for old in stale + (older[:-keep] if keep > 0 else []):
+    for old in stale + (older[:-keep] if keep else []):
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ version is verified (and said so once in the log).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -75,10 +76,12 @@ class WeightSync:
         self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
         self.engine_dtype: torch.dtype | None = None
         self.engine_checksums = False
+        self.reuse_buffers = False  # tensor: refill two buffers instead of a fresh one per bucket
         if self.leader:
             probes = [_probe(c) for c in self.receivers]
             self.engine_dtype = probes[0][0]
-            self.engine_checksums = all(ok for _, ok in probes)
+            self.engine_checksums = all(ok for _, ok, _ in probes)
+            self.reuse_buffers = all(sync for _, _, sync in probes)
             if cfg.sync.verify and not self.engine_checksums:
                 log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
         self.publisher = DeltaPublisher(cfg.sync.delta_full_every) if world.rank == 0 else None
@@ -87,7 +90,9 @@ class WeightSync:
         self._groups: list[Any] = []
         self._pruner: threading.Thread | None = None
         self._staging: HostStaging | None = None
+        self._ring: list[torch.Tensor | None] = []  # tensor: the buffers refilled in turn
         self.timings: dict[str, float] = {}  # seconds per part of the last bucketed push (benchmarks)
+        self._timing_lock = threading.Lock()
         self._group_name = f"rltrain_weights_node{world.env.node_rank}"
 
     # ------------------------------------------------------------------ entry
@@ -132,14 +137,16 @@ class WeightSync:
         try:
             if self.world.rank == 0:
                 t0 = clock()
-                self._wait_pruned()
-                t1 = clock()
                 publish(target, None, lambda tmp: self._write(tmp, version, tensors))
-                timings["prune_wait"], timings["publish"] = t1 - t0, clock() - t1
+                t1 = clock()
                 if self.publisher is not None and self.transport == "delta":
                     self.publisher.commit()
-                # Deleting old versions (unlinking GBs of cached pages) is off the critical path.
-                self._pruner = threading.Thread(target=prune, args=(target, self.cfg.loop.keep_weight_versions),
+                prune(target, None)  # versions above this one, from an earlier run (rarely any)
+                self._wait_pruned()
+                timings["publish"], timings["prune_wait"] = t1 - t0, clock() - t1
+                # Deleting old versions (unlinking GBs of cached pages, 0.7 s for 8.8 GB on the
+                # H200's disk) runs while the engine loads and the next step trains.
+                self._pruner = threading.Thread(target=prune, args=(target, self.cfg.loop.keep_weight_versions, False),
                                                 name="rltrain-prune", daemon=True)
                 self._pruner.start()
         except (OSError, ValueError) as e:
@@ -200,10 +207,16 @@ class WeightSync:
         if session:
             for client in self.receivers:
                 client.begin_weight_update()
-        # tensor: the request for bucket k runs on a sender thread while this thread gathers and
-        # flattens bucket k+1, so at most two flat buckets (plus one gathered) are alive.
-        sender = ThreadPoolExecutor(1, thread_name_prefix="rltrain-sync") if self.transport == "tensor" else None
-        in_flight = None
+        # tensor: requests run on sender threads while this thread gathers and flattens the next
+        # bucket. Against SGLang one request is in flight and each bucket has a fresh buffer (it
+        # answers before its copies out of the buffer are done). The embedded engine answers after
+        # them, so `depth` requests are in flight (one's copy overlaps the next one's handling)
+        # and `depth` + 1 buffers are refilled in turn: bucket k's buffer was last used by bucket
+        # k - depth - 1, whose request has returned before bucket k - 1 was sent.
+        depth = (2 if self.reuse_buffers else 1) if self.transport == "tensor" else 0
+        sender = ThreadPoolExecutor(depth, thread_name_prefix="rltrain-sync") if depth else None
+        self._ring = [None] * (depth + 1 if self.reuse_buffers else 0)
+        in_flight: collections.deque[Any] = collections.deque()
         clock = time.perf_counter
         self.timings = timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
         try:
@@ -218,46 +231,68 @@ class WeightSync:
                 try:
                     tags = {r: version if i == last[r] else None for r in bucket.targets}
                     if sender is not None:
-                        # A fresh buffer per bucket: the engine may still be copying from the previous one.
                         t0 = clock()
-                        flat = tensor_payload.flatten_bucket(named)
+                        out = self._buffer(i % len(self._ring), named) if self._ring else None
+                        flat = tensor_payload.flatten_bucket(named, out=out)
                         del named
+                        # An engine that finds a reused buffer already mapped does not wait for the
+                        # producer's event (torch's IPC cache): the sender waits for the fill instead.
+                        filled = _record(flat["flattened_tensor"]) if out is not None else None
                         payload = tensor_payload.serialize(flat)
                         t1 = clock()
-                        if in_flight is not None:
-                            in_flight, _ = None, in_flight.result()
+                        # The bucket that sets the version goes only after every other has loaded.
+                        while len(in_flight) >= (1 if any(tags.values()) else depth):
+                            in_flight.popleft().result()
                         timings["flatten"] += t1 - t0
                         timings["wait"] += clock() - t1
-                        in_flight = sender.submit(self._send_handles, flat, payload, tags)
+                        in_flight.append(sender.submit(self._send_handles, flat, payload, tags, filled))
                     else:
                         for r, tag in tags.items():  # routed: only the EP ranks that own these weights
                             self._broadcast(r, named, tag)
                     sent += bucket.nbytes * len(bucket.targets)
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e
-            if in_flight is not None and failure is None:
-                in_flight.result()
+            while in_flight and failure is None:
+                in_flight.popleft().result()
         except (EngineError, OSError, RuntimeError, ValueError) as e:
             failure = e
         finally:
             if sender is not None:
                 sender.shutdown(wait=True)
-            if session:
-                for client in self.receivers:
-                    client.end_weight_update()
+            try:
+                if session:
+                    for client in self.receivers:
+                        client.end_weight_update()  # the embedded engine unmaps the reused buffers here
+            finally:
+                self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent
 
-    def _send_handles(self, flat: dict[str, Any], payload: str, tags: dict[int, str | None]) -> None:
+    def _buffer(self, slot: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """Reused buffer `slot`, grown to hold this bucket."""
+        size = tensor_payload.bucket_layout(named)[1]
+        buf = self._ring[slot]
+        if buf is None or buf.numel() < size or buf.device != named[0][1].device:
+            buf = self._ring[slot] = None  # drop the old one before allocating its successor
+            buf = torch.empty(size, dtype=torch.uint8, device=named[0][1].device)
+            if buf.device.type == "cpu":
+                buf.share_memory_()
+            self._ring[slot] = buf
+        return buf
+
+    def _send_handles(self, flat: dict[str, Any], payload: str, tags: dict[int, str | None], filled: Any) -> None:
         """One bucket to each receiver that owns it (sender thread). `flat` stays referenced
         until every engine has answered, i.e. finished copying out of it."""
         t0 = time.perf_counter()
+        if filled is not None:
+            filled.synchronize()
         for r, tag in tags.items():
             self.receivers[r].update_weights_from_tensor([payload] * self.cfg.engine.tp_size,
                                                          load_format="flattened_bucket",
                                                          weight_version=tag, flush_cache=tag is not None)
-        self.timings["request"] += time.perf_counter() - t0
+        with self._timing_lock:
+            self.timings["request"] += time.perf_counter() - t0
         del flat
 
     def _open_group(self, client: Any, receiver: int) -> Any:
@@ -329,18 +364,33 @@ class WeightSync:
             raise kind(next(e for e in errors if e))
 
 
+def _record(t: torch.Tensor) -> Any:
+    """A CUDA event after the work queued so far on `t`'s device (None on CPU: already done)."""
+    if t.device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
 class SyncError(RuntimeError):
     """A rank could not send or load a weight version; the engine keeps its previous weights."""
 
 
-def _probe(client: Any) -> tuple[torch.dtype | None, bool]:
+def _probe(client: Any) -> tuple[torch.dtype | None, bool, bool]:
+    """(engine dtype, whether it reports weight checksums, whether its update requests answer
+    only after the copies out of the sender's buffers are done)."""
+    try:
+        synchronous = client.server_info().get("weight_updates") == "synchronous"
+    except (EngineError, ValueError, TypeError):
+        synchronous = False
     try:
         rep = client.weights_checksum()
     except (EngineError, ValueError, TypeError):
-        return None, False
+        return None, False, synchronous
     if not isinstance(rep, dict) or "dtype" not in rep:
-        return None, False
-    return getattr(torch, rep["dtype"]), True
+        return None, False, synchronous
+    return getattr(torch, rep["dtype"]), True, synchronous
 
 
 def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:

@@ -92,7 +92,7 @@ class NativeEngine:
         # up once, not per update (walking the module tree cost ~0.5 ms per bucket on a 4B model).
         self._tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         self._targets: dict[str, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
-        self.last_update_ms: dict[str, float] = {}
+        self._local = threading.local()  # per request thread: its last update's copies and times
         # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
         # takes updates only for its contiguous block of experts, and checksums what it owns. The
         # native engine has no expert-parallel forward: its weights of other experts stay as
@@ -405,11 +405,14 @@ class NativeEngine:
         with self._model_lock:
             if "weights" in self.released:
                 raise EngineStateError("weights are released; resume weights before updating them")
-            n = self._copy_into(named)
+            n = self._copy_into(named, wait=False)
             self.weights_valid = True
             if weight_version is not None:
                 self.weight_version = str(weight_version)
-            return n
+        # Outside the lock: one request's copy runs while the next one is checked and queued
+        # (generation queues behind the copies on the same stream).
+        self._wait_copies()
+        return n
 
     def load_from_disk(self, model_path: str, weight_version: str | None) -> int:
         from safetensors.torch import load_file
@@ -458,10 +461,11 @@ class NativeEngine:
         hit = self._targets[name] = (target, index, tuple(shape if shape is not None else target.shape))
         return hit
 
-    def _copy_into(self, named: Any) -> int:
-        """Check every name and shape first, then copy: a bad update changes nothing."""
+    def _copy_into(self, named: Any, wait: bool = True) -> int:
+        """Check every name and shape first, then copy: a bad update changes nothing. Returns
+        once the copies are done, or with `wait=False` once queued (`_wait_copies`)."""
         t0 = time.perf_counter()
-        plan = []
+        plan, nbytes = [], 0
         for name, t in named:
             target, index, expected = self._target(name)
             if not self.owns(name):
@@ -469,17 +473,36 @@ class NativeEngine:
                                  f"{self.ep_rank} of {self.ep_size})")
             if tuple(t.shape) != expected:
                 raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {expected}")
-            plan.append((target, index, t))
+            plan.append((target, index, t, index is None and (t.dtype, t.device) == (target.dtype, target.device)))
+            nbytes += t.numel() * t.element_size()
         t1 = time.perf_counter()
-        for target, index, t in plan:
-            write(target.data, index, t.to(device=target.device, dtype=target.dtype, non_blocking=True))
-            self.bytes_loaded += t.numel() * t.element_size()
-        t2 = time.perf_counter()
+        direct = [(target.data, t) for target, _, t, plain in plan if plain]
+        if direct:  # one fused launch per group of tensors on CUDA instead of one copy each
+            torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct], non_blocking=True)
+        for target, index, t, plain in plan:
+            if not plain:
+                write(target.data, index, t.to(device=target.device, dtype=target.dtype, non_blocking=True))
+        self.bytes_loaded += nbytes
+        self._local.copied = None
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.last_update_ms = {"check": (t1 - t0) * 1e3, "copy": (t2 - t1) * 1e3,
-                               "wait": (time.perf_counter() - t2) * 1e3}
+            self._local.copied = torch.cuda.Event()
+            self._local.copied.record()
+        self._local.update_ms = {"check": (t1 - t0) * 1e3, "copy": (time.perf_counter() - t1) * 1e3}
+        if wait:
+            self._wait_copies()
         return len(plan)
+
+    def _wait_copies(self) -> None:
+        """Wait for this thread's last `_copy_into` (the sender may reuse its buffers after)."""
+        t0 = time.perf_counter()
+        if self._local.copied is not None:
+            self._local.copied.synchronize()
+        self._local.update_ms["wait"] = (time.perf_counter() - t0) * 1e3
+
+    @property
+    def last_update_ms(self) -> dict[str, float]:
+        """This thread's last weight update: check, copy (launch) and wait, ms."""
+        return getattr(self._local, "update_ms", {})
 
     def owns(self, name: str) -> bool:
         """Whether this engine holds `name` under expert parallelism (always, without it)."""

@@ -9,6 +9,7 @@ scheduler, so concurrent clients are batched together and each gets exactly its 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -31,6 +32,9 @@ from rltrain.engine.weight_group import close_weight_update_group, open_weight_u
 log = logging.getLogger("rltrain.engine.native")
 
 
+KEEP_MAPPED = 4  # tensor payload buffers kept mapped during a weight-update session (the sender uses 3)
+
+
 class BadRequest(ValueError):
     pass
 
@@ -44,6 +48,13 @@ class NativeServer:
         self.groups: dict[str, Any] = {}
         self.group_ranks: dict[str, int] = {}
         self.started = time.time()
+        # Inside a weight-update session the last few tensor payloads stay mapped: a sender that
+        # refills a few buffers in turn (it may: this engine answers only after its copies are
+        # done) is then served from torch's handle cache instead of mapping and unmapping each
+        # bucket. At most KEEP_MAPPED of the sender's buffers are held, until the session ends.
+        self.in_update = False
+        self.mapped: collections.deque[Any] = collections.deque(maxlen=KEEP_MAPPED)
+        self.mapped_lock = threading.Lock()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -64,7 +75,9 @@ class NativeServer:
             }
         if path in ("/server_info", "/get_server_info"):
             return 200, {"engine": "rltrain.native", "device": str(self.engine.device), "dtype": str(self.engine.dtype),
-                         "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version}
+                         "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version,
+                         # Update requests answer after every copy out of the sender's buffers is done.
+                         "weight_updates": "synchronous"}
         if path == "/memory":
             return 200, self.engine.memory_report()
         if path == "/weights_checksum":
@@ -110,6 +123,9 @@ class NativeServer:
             return 200, {"success": True, "message": f"Weight version updated to {e.weight_version}",
                          "new_version": e.weight_version}
         if path in ("/begin_weight_update", "/end_weight_update"):
+            self.in_update = path == "/begin_weight_update"
+            with self.mapped_lock:
+                self.mapped.clear()  # unmaps the sender's buffers
             return 200, {"success": True, "message": "no quantized weights to repack"}
         return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
 
@@ -142,6 +158,7 @@ class NativeServer:
             data = tensor_payload.deserialize(payloads[self.tp_rank])
         except Exception as err:
             raise BadRequest(f"cannot deserialize the tensor payload: {err}") from None
+        t_open = time.perf_counter()
         fmt = body.get("load_format")
         if fmt == "flattened_bucket":
             named = tensor_payload.unflatten_bucket(data)
@@ -152,12 +169,19 @@ class NativeServer:
         t1 = time.perf_counter()
         n = self.engine.load_named_tensors(named, body.get("weight_version"))
         t2 = time.perf_counter()
-        del named, data  # unmaps the sender's buffer (CUDA IPC) or shared-memory file
+        fresh = True
+        if self.in_update and fmt == "flattened_bucket":
+            ptr = data["flattened_tensor"].untyped_storage().data_ptr()
+            with self.mapped_lock:
+                fresh = all(ptr != d["flattened_tensor"].untyped_storage().data_ptr() for d in self.mapped)
+                self.mapped.append(data)
+        del named, data  # unmaps the sender's buffer (CUDA IPC) or shared-memory file, unless kept above
         if log.isEnabledFor(logging.DEBUG):
             parts = " ".join(f"{k} {v:.2f}" for k, v in self.engine.last_update_ms.items())
-            log.debug("update_weights_from_tensor: %d tensors, unpack %.2f ms, load %.2f ms (%s), free %.2f ms", n,
-                      (t1 - t0) * 1e3, (t2 - t1) * 1e3, parts, (time.perf_counter() - t2) * 1e3)
-        return {"success": True, "message": f"loaded {n} tensors"}
+            log.debug("update_weights_from_tensor: %d tensors, open %.2f ms, unpack %.2f ms, load %.2f ms (%s), "
+                      "free %.2f ms", n, (t_open - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, parts, (time.perf_counter() - t2) * 1e3)
+        # mapped: whether the sender's buffer had to be mapped (False: a kept mapping was reused).
+        return {"success": True, "message": f"loaded {n} tensors", "mapped": fresh}
 
     def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name", "weight_update_group")
