@@ -13,6 +13,17 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+# Without a GPU the Triton kernels run in Triton's interpreter (test_kernels.py). It must be on
+# before triton is first imported (transformers and torch may import it): triton's own library
+# functions are made interpreted or compiled at import.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 from models import make_model  # noqa: E402
 
 from rltrain.config import EngineConfig  # noqa: E402

@@ -240,22 +240,41 @@ class TorchTrainer:
     # ------------------------------------------------------------------ forward
 
     def _forward_logp(self, model: torch.nn.Module, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
-        return self._logp_from_logits(out.logits, mb.tokens, with_entropy)
+        head = model.get_output_embeddings()
+        if not _fusable(head, model.config):
+            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
+            return self._logp_from_logits(out.logits, mb.tokens, with_entropy)
+        from rltrain.kernels import linear_logprobs_entropy
 
-    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor,
-                          with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, L] log-probs of `tokens` under next-token `logits` [B, L, V] (0 at position 0)."""
-        logits = logits[:, :-1].float()
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        logsm = torch.log_softmax(logits, dim=-1)
-        logp = logsm.gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        logp = torch.nn.functional.pad(logp, (1, 0))
-        ent = None
-        if with_entropy:
-            ent = torch.nn.functional.pad(-(logsm.exp() * logsm).sum(-1), (1, 0))
-        return logp, ent
+        # The LM head computes (log-prob, entropy) of the next tokens from the hidden states
+        # directly, in chunks of tokens: no logits of the whole micro-batch, and under FSDP2 the
+        # head's weight is the gathered one, inside the model's forward, as for the plain head.
+        targets = torch.nn.functional.pad(mb.tokens[:, 1:], (0, 1))  # the last position's is a dummy
+
+        def fused(hidden: torch.Tensor) -> torch.Tensor:
+            return torch.stack(linear_logprobs_entropy(hidden, head.weight, targets, self.temperature), dim=-1)
+
+        head.forward = fused
+        try:
+            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
+        finally:
+            del head.forward
+        logp, ent = (torch.nn.functional.pad(x[:, :-1], (1, 0)) for x in out.logits.unbind(-1))
+        return logp, ent if with_entropy else None
+
+    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
+                          **vocab: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, L] log-probs of `tokens` under next-token `logits` [B, L, V] (0 at position 0), by
+        rltrain.kernels (fused on CUDA: no float32 copy or log-softmax of the logits). `vocab`:
+        the vocabulary-parallel arguments of `logprobs_entropy` (megatron, TP-sharded logits)."""
+        from rltrain.kernels import logprobs_entropy
+
+        # Every position, the last with a dummy target, so the logits stay one contiguous view
+        # (slicing off the last position would copy them); that position is dropped after.
+        targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+        logp, ent = logprobs_entropy(logits, targets, self.temperature, **vocab)
+        logp = torch.nn.functional.pad(logp[:, :-1], (1, 0))
+        return logp, torch.nn.functional.pad(ent[:, :-1], (1, 0)) if with_entropy else None
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -470,6 +489,13 @@ class TorchTrainer:
     def restore_snapshot(self, snap: dict[str, Any]) -> None:
         """Re-create a released trainer from `snapshot()`, sharded over the current group."""
         self._rebuild(snap)
+
+
+def _fusable(head: Any, config: Any) -> bool:
+    """Whether the model's output is a plain bias-free linear LM head (then the fused kernel
+    replaces it); models that post-process logits (soft-capping) keep theirs."""
+    return (type(head) is torch.nn.Linear and head.bias is None
+            and not getattr(config, "final_logit_softcapping", None))
 
 
 def _idle_batch(like: TrainBatch, pad_id: int) -> TrainBatch:

@@ -186,7 +186,7 @@ def build_gpt(hf_config: Any, pgs: Any, tp: int, dtype: torch.dtype, device: tor
         model = GPTModel(
             config, spec, vocab_size=d.padded_vocab, max_sequence_length=hf_config.max_position_embeddings,
             position_embedding_type="rope", rotary_base=rotary_base(hf_config),
-            share_embeddings_and_output_weights=d.tied, parallel_output=False, pg_collection=pgs,
+            share_embeddings_and_output_weights=d.tied, parallel_output=True, pg_collection=pgs,
             pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
         )
     _mark_tensor_parallel(model)

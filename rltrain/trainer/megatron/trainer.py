@@ -225,7 +225,17 @@ class MegatronTrainer(TorchTrainer):
         B, L = mb.tokens.shape
         positions = torch.arange(L, device=mb.tokens.device).expand(B, L)
         logits = model(mb.tokens, positions, attention_mask=None)  # causal; the batch is right-padded
-        return self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy)
+        return self._logp_from_logits(logits, mb.tokens, with_entropy)
+
+    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
+                          **vocab: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The output layer's logits are this TP rank's vocabulary shard (parallel_output): the
+        kernels combine the shards' softmax statistics over the TP group; the padding columns
+        (vocabulary padded to a multiple of TP) are left out."""
+        shard = logits.shape[-1]
+        start = self.groups.tp_rank * shard
+        return super()._logp_from_logits(logits, tokens, with_entropy, group=self._pgs.tp if self.tp > 1 else None,
+                                         vocab_start=start, valid=max(0, min(shard, self.dims.vocab - start)))
 
     def _pool(self, batch: TrainBatch) -> tuple[TrainBatch, slice]:
         """Every sample of this rank's model replica — its tensor- and pipeline-parallel ranks —
@@ -286,7 +296,7 @@ class MegatronTrainer(TorchTrainer):
         model.eval()
 
         def record(mb: TrainBatch, logits: torch.Tensor) -> Any:
-            lp, ent = self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy=True)
+            lp, ent = self._logp_from_logits(logits, mb.tokens, with_entropy=True)
             return torch.zeros((), device=self.device), torch.tensor(1), torch.stack([lp, ent])
 
         records = self._pipeline(model, batch, True, record)
@@ -306,7 +316,7 @@ class MegatronTrainer(TorchTrainer):
         self.model.train()
 
         def loss(mb: TrainBatch, logits: torch.Tensor) -> Any:
-            logp, ent = self._logp_from_logits(logits[..., : self.dims.vocab], mb.tokens, with_entropy=True)
+            logp, ent = self._logp_from_logits(logits, mb.tokens, with_entropy=True)
             value, stats = self._micro_loss(mb, logp, ent, loss_cfg, normalizer)
             return value, torch.tensor(1), stats
 
