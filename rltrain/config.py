@@ -274,6 +274,10 @@ class EngineConfig:
     # across requests), SGLang gets --enable-deterministic-inference. With per-step sampling
     # seeds this makes runs, and resumed runs, repeat exactly.
     deterministic: bool = False
+    # Every endpoint of the engine then needs `Authorization: Bearer <api_key>` (servers bind to
+    # loopback anyway). The embedded engine gets the key through its environment, SGLang through
+    # its --api-key flag (visible in the process list: SGLang takes it no other way).
+    api_key: str = ""
 
     def check(self) -> None:
         for key in ("tp_size", "max_batch_size", "max_inflight", "prompts_per_request"):

@@ -143,3 +143,53 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_
     assert rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
     native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
     assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
+
+
+def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_model, tmp_path):
+    """Security defaults: the server listens on loopback only; with engine.api_key every endpoint
+    refuses requests without it (the key travels in the environment, not on the command line);
+    weight versions load only from the configured weights directory, `..` and symlinks resolved."""
+    import shutil
+
+    import psutil
+
+    from conftest import engine_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.engine.launcher import EngineProcess, free_port, secret_environment, server_command
+
+    cfg = engine_config("native", api_key="s3cret-key")
+    root = tmp_path / "weights"
+    (root / "weight_v000001").mkdir(parents=True)
+    for f in big_model.iterdir():
+        shutil.copy(f, root / "weight_v000001" / f.name)
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(big_model, outside)
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    port = free_port()
+    cmd = server_command(cfg, str(big_model), port, weights_roots=[str(root)])
+    assert "s3cret-key" not in " ".join(cmd)
+    proc = EngineProcess.start(cmd, f"http://127.0.0.1:{port}", tmp_path / "engine.log", env=secret_environment(cfg))
+    good, bad = EngineClient(proc.url, retries=0, api_key="s3cret-key"), EngineClient(proc.url, retries=0)
+    try:
+        good.wait_healthy(120, alive=lambda: proc.alive)
+        listening = [c.laddr for c in psutil.Process(proc.proc.pid).net_connections("tcp") if c.status == "LISTEN"]
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
+        assert not bad.health()
+        with pytest.raises(EngineError, match="HTTP 401.*API key"):
+            bad.weight_version()
+        with pytest.raises(EngineError, match="HTTP 401"):
+            bad.update_weights_from_disk(str(root / "weight_v000001"))
+        failed = bad.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+        assert all(not c.ok and "401" in c.error for c in failed)
+        assert all(c.ok for c in good.generate(PROMPTS, SamplingParams(max_new_tokens=2)))
+
+        for path in (outside, root / ".." / "elsewhere", root / "link"):
+            with pytest.raises(EngineError, match="outside the directories"):
+                good.update_weights_from_disk(str(path), weight_version="x")
+        assert good.weight_version() != "x"
+        good.update_weights_from_disk(str(root / "weight_v000001"), weight_version="1")
+        assert good.weight_version() == "1"
+    finally:
+        good.close()
+        bad.close()
+        proc.stop()

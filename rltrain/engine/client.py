@@ -49,6 +49,7 @@ class EngineClient:
         retries: int = 3,
         backoff_s: float = 0.5,
         vocab_size: int | None = None,
+        api_key: str = "",
     ):
         self.url = url.rstrip("/")
         # Token ids are checked here before they are sent: an id outside the vocabulary
@@ -59,10 +60,12 @@ class EngineClient:
         self.retries = retries
         self.backoff_s = backoff_s
         limits = httpx.Limits(max_connections=max_inflight + 4, max_keepalive_connections=max_inflight + 4)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(
             base_url=self.url,
             timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
             limits=limits,
+            headers=self._headers,
         )
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -113,7 +116,7 @@ class EngineClient:
                 if conn.sock is None:
                     conn.connect()
                 conn.sock.settimeout(self._timeouts[1])
-                conn.request("POST", endpoint, body=data, headers={"Content-Type": "application/json"})
+                conn.request("POST", endpoint, body=data, headers={"Content-Type": "application/json", **self._headers})
                 resp = conn.getresponse()
                 status, raw = resp.status, resp.read()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:

@@ -54,8 +54,14 @@ def resolve_backend(backend: str) -> str:
     return "native"
 
 
-def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The command line that starts the configured engine server (config: `EngineConfig`)."""
+API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
+
+
+def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1",
+                   weights_roots: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The command line that starts the configured engine server (config: `EngineConfig`).
+    `weights_roots`: the only directories the embedded engine loads weight versions from (besides
+    its own model); SGLang loads any path it is given."""
     backend = resolve_backend(cfg.backend)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "native":
@@ -64,6 +70,8 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
                "--max-batch-size", str(cfg.max_batch_size), "--parent-pid", str(os.getpid())]
         if cfg.deterministic:
             cmd.append("--deterministic")
+        for root in weights_roots:
+            cmd += ["--weights-root", str(root)]
     elif backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
@@ -75,6 +83,8 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         if cfg.deterministic:
             cmd.append("--enable-deterministic-inference")
+        if getattr(cfg, "api_key", ""):
+            cmd += ["--api-key", cfg.api_key]
     else:
         raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, native or sglang")
     return cmd + list(cfg.extra_args)
@@ -82,6 +92,11 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def secret_environment(cfg: Any) -> dict[str, str]:
+    """What the engine server gets through its environment rather than its command line."""
+    return {API_KEY_VARIABLE: cfg.api_key} if getattr(cfg, "api_key", "") else {}
 
 
 def engine_environment() -> dict[str, str]:
@@ -170,13 +185,15 @@ class NodeEngine:
         self.process = process
 
     @classmethod
-    def launch(cls, cfg: Any, model_path: str, world: Any, run_dir: Path) -> "NodeEngine":
+    def launch(cls, cfg: Any, model_path: str, world: Any, run_dir: Path,
+               weights_roots: list[str] | tuple[str, ...] = ()) -> "NodeEngine":
         """Collective over the bridge: local rank 0 starts and health-checks, every rank connects."""
         env = world.env
         process, url, error = None, None, None
         if env.is_node_leader:
             try:
-                process = cls._start_healthy(cfg, model_path, run_dir / "engine" / f"node{env.node_rank}.log")
+                process = cls._start_healthy(cfg, model_path, run_dir / "engine" / f"node{env.node_rank}.log",
+                                             weights_roots)
                 url = process.url
             except (EngineCrashed, EngineError, OSError) as e:
                 error = str(e)
@@ -188,16 +205,18 @@ class NodeEngine:
                 process.stop()
             raise EngineCrashed("; ".join(f"node {n}: {err}" for n, _, _, err in failed))
         client = EngineClient(mine[2], request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
-                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries)
+                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries, api_key=cfg.api_key)
         return cls(client, mine[2], process)
 
     @staticmethod
-    def _start_healthy(cfg: Any, model_path: str, log_path: Path, attempts: int = 2) -> EngineProcess:
+    def _start_healthy(cfg: Any, model_path: str, log_path: Path, weights_roots: list[str] | tuple[str, ...] = (),
+                       attempts: int = 2) -> EngineProcess:
         for attempt in range(attempts):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            proc = EngineProcess.start(server_command(cfg, model_path, port), url, log_path)
-            probe = EngineClient(url, retries=0)
+            proc = EngineProcess.start(server_command(cfg, model_path, port, weights_roots=weights_roots), url, log_path,
+                                       env=secret_environment(cfg))
+            probe = EngineClient(url, retries=0, api_key=cfg.api_key)
             try:
                 waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
                 log.info("engine healthy at %s after %.1fs", url, waited)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hmac
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import time
 import traceback
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,9 +44,16 @@ class BadRequest(ValueError):
 class NativeServer:
     """Routes SGLang endpoints to a `NativeEngine`."""
 
-    def __init__(self, engine: NativeEngine, tp_rank: int = 0):
+    def __init__(self, engine: NativeEngine, tp_rank: int = 0, weights_roots: list[str] | tuple[str, ...] = (),
+                 api_key: str = ""):
         self.engine = engine
         self.tp_rank = tp_rank
+        # Weight versions load only from these directories (and the engine's own model); none
+        # given: from anywhere (a standalone server).
+        self.weights_roots = [Path(r).resolve() for r in weights_roots]
+        if self.weights_roots:
+            self.weights_roots.append(Path(engine.model_path).resolve())
+        self.api_key = api_key
         self.groups: dict[str, Any] = {}
         self.group_ranks: dict[str, int] = {}
         self.started = time.time()
@@ -95,7 +104,7 @@ class NativeServer:
         if path == "/resume_memory_occupation":
             return 200, e.resume(body.get("tags"))
         if path == "/update_weights_from_disk":
-            n = e.load_from_disk(_need(body, "model_path", str), body.get("weight_version"))
+            n = e.load_from_disk(self._allowed(_need(body, "model_path", str)), body.get("weight_version"))
             return 200, {"success": True, "message": f"loaded {n} tensors", "num_paused_requests": 0}
         if path == "/update_weights_from_tensor":
             return 200, self._update_from_tensor(body)
@@ -128,6 +137,19 @@ class NativeServer:
                 self.mapped.clear()  # unmaps the sender's buffers
             return 200, {"success": True, "message": "no quantized weights to repack"}
         return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
+
+    def _allowed(self, model_path: str) -> str:
+        """`model_path` if it lies inside a weights root once symlinks and `..` are resolved."""
+        if not self.weights_roots:
+            return model_path
+        real = Path(model_path).resolve()
+        if not any(real == root or root in real.parents for root in self.weights_roots):
+            raise BadRequest(f"model_path {model_path!r} is outside the directories this engine loads weights from "
+                             f"({', '.join(str(r) for r in self.weights_roots)})")
+        return str(real)
+
+    def authorized(self, header: str | None) -> bool:
+        return not self.api_key or hmac.compare_digest(header or "", f"Bearer {self.api_key}")
 
     def _generate(self, body: dict[str, Any]) -> Any:
         ids = body.get("input_ids")
@@ -265,6 +287,13 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
         def _dispatch(self, method: str) -> None:
             t0 = time.perf_counter()
             path = self.path.split("?", 1)[0]
+            if not server.authorized(self.headers.get("Authorization")):
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)  # keep the connection usable
+                msg = "missing or wrong API key: send Authorization: Bearer <engine.api_key>"
+                self._send(int(HTTPStatus.UNAUTHORIZED), {"success": False, "message": msg, "error": {"message": msg}})
+                return
             try:
                 if method == "GET":
                     status, payload = server.get(path)
@@ -327,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ep-rank", type=int, default=0)
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument("--weights-root", action="append", default=[],
+                    help="load weight versions only from inside this directory (repeatable; none: anywhere)")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s native-engine %(levelname)s: %(message)s",
@@ -341,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           seed=args.seed, backup_dir=args.backup_dir, deterministic=args.deterministic,
                           ep_size=args.ep_size, ep_rank=args.ep_rank)
-    httpd = ThreadingHTTPServer((args.host, args.port), make_handler(NativeServer(engine)))
+    api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
+    httpd = ThreadingHTTPServer((args.host, args.port),
+                                make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key)))
     httpd.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
     log.info("serving %s on http://%s:%d (%s, %s) after %.1fs", args.model_path, args.host, httpd.server_address[1],
