@@ -116,14 +116,20 @@ def candidates(root: Path) -> list[Path]:
     return found
 
 
-def find_resumable(root: Path) -> Path | None:
-    """The newest checkpoint that verifies; corrupt or partial ones are skipped with a warning."""
+def find_resumable(root: Path, max_step: int | None = None) -> Path | None:
+    """The newest checkpoint that verifies (corrupt or partial ones are skipped with a warning),
+    of a step <= `max_step` if given."""
     for path in candidates(root):
         try:
-            verify(path)
-            return path
+            step = verify(path)["step"]
         except CheckpointError as e:
             log.warning("skipping checkpoint: %s", e)
+            continue
+        if max_step is not None and step > max_step:
+            log.warning("skipping checkpoint %s: the job ended before step %d was recorded in the metrics "
+                        "(after the save); that step runs again", path, step)
+            continue
+        return path
     return None
 
 
@@ -155,6 +161,10 @@ class Checkpointer:
         self.root = Path(root)
         self.world = world
         self.keep_last = keep_last
+        if world.rank == 0:  # saves cut short by a job that died (never loaded: they have no manifest)
+            for stale in self.root.glob(".step_*.tmp"):
+                log.warning("removing %s, left by an interrupted save", stale)
+                shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, step: int, trainer: Any, version: str | None, extra: dict[str, Any]) -> Path:
         """Write, verify and publish checkpoint `step`; raise CheckpointError (on every rank) if any part failed."""

@@ -33,7 +33,7 @@ log = logging.getLogger("rltrain.loop")
 def run(cfg: Any, world: Any) -> dict[str, float]:
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, sampler = parts.engine, parts.trainer, parts.sampler
-    clock = PhaseClock(world.device)
+    clock = PhaseClock(world.device, world.rank)
     writer = MetricsWriter(cfg, world, parts.start_step)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
@@ -45,7 +45,7 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
     try:
         end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
         for step in range(parts.start_step, end):
-            clock.start_step()
+            clock.start_step(step + 1)
             with clock.phase("rollout"):
                 step_params = params
                 if cfg.rollout.seeded:

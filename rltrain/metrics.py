@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from typing import Any, Iterator
@@ -16,17 +17,22 @@ from typing import Any, Iterator
 import psutil
 import torch
 
+log = logging.getLogger("rltrain.loop")
+
 
 class PhaseClock:
-    """Times each phase of a step and reads memory right after it."""
+    """Times each phase of a step and reads memory right after it; a phase that raises is logged
+    with the rank, the phase and the step before the error goes on."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, rank: int = 0):
+        self.device, self.rank = device, rank
+        self.step = 0
         self.times: dict[str, float] = {}
         self.memory: dict[str, dict[str, float]] = {}
         self._step_start = time.perf_counter()
 
-    def start_step(self) -> None:
+    def start_step(self, step: int = 0) -> None:
+        self.step = step
         self.times, self.memory = {}, {}
         self._step_start = time.perf_counter()
 
@@ -35,6 +41,9 @@ class PhaseClock:
         t0 = time.perf_counter()
         try:
             yield
+        except BaseException as e:
+            log.error("rank %d failed in phase %s of step %d: %s: %s", self.rank, name, self.step, type(e).__name__, e)
+            raise
         finally:
             self.times[name] = time.perf_counter() - t0
             self.memory[name] = self.read_memory()

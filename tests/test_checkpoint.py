@@ -160,3 +160,56 @@ def test_release_returns_memory_to_the_pre_trainer_baseline(tmp_path):
     assert m["released1"] - m["baseline"] < 0.25 * m["state"], m
     # ... and a second create / train / release cycle adds less than 5% of it: nothing accumulates.
     assert m["released2"] - m["released1"] < 0.05 * m["state"], m
+
+
+# ------------------------------------------------------------------ faults (tests/faults/sitecustomize.py)
+
+def _faulty(tmp_path: Path, fault: str, *overrides: str, restarts: int = 0):
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
+           "RLTRAIN_TEST_FAULT": fault}
+    return run_quickstart(tmp_path, "checkpoint.interval=1", "world.timeout_s=60", *overrides,
+                          torchrun_args=(f"--max-restarts={restarts}",), env=env)
+
+
+def _nothing_half_written(run_dir: Path, temporary_allowed: bool = False) -> None:
+    """Every weight version and checkpoint that exists is complete. A job killed mid-write leaves
+    its hidden temporary directory (never loaded); the next job removes it."""
+    if not temporary_allowed:
+        for root in (run_dir / "weights", run_dir / "checkpoints"):
+            assert not [p.name for p in root.glob("**/.*tmp*")], list(root.iterdir())
+    for v in (run_dir / "weights").glob("weight_v*"):
+        assert (v / "rltrain_version.json").is_file(), v
+    for c in (run_dir / "checkpoints").glob("step_*"):
+        verify(c)  # raises on a partial or corrupt checkpoint
+
+
+@pytest.mark.parametrize("phase,action", [("rollout", "raise"), ("train", "kill"), ("save", "raise"),
+                                          ("world_rebuild", "raise")])
+def test_a_rank_failing_in_a_phase_ends_every_rank_with_the_phase_named(tmp_path, phase, action):
+    """Rank 1 raises (or is SIGKILLed) at step 2: the job ends non-zero, nothing hangs (the
+    test's own deadline is far below a hang), the failing phase is named, and every checkpoint and
+    weight version on disk is whole."""
+    r = _faulty(tmp_path, f"1:{phase}:2:{action}")
+    assert r.returncode != 0
+    if action == "raise":
+        assert f"rank 1 failed in phase {phase} of step 2" in r.stderr, r.stderr[-3000:]
+    else:
+        assert "Signals.SIGKILL" in r.stderr or "exitcode  : -9" in r.stderr, r.stderr[-3000:]
+    _nothing_half_written(tmp_path / "quickstart", temporary_allowed=True)
+
+
+def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_uninterrupted_run(tmp_path, straight):
+    """torchrun --max-restarts=1: rank 1 is SIGKILLed in the weight sync of step 3, after that
+    step's checkpoint but before its metrics row; the surviving rank names the phase; the
+    restarted job skips the unrecorded step-3 checkpoint, resumes from step 2 and ends bitwise
+    equal to a run that never failed — every step recorded once, no half-published version."""
+    r = _faulty(tmp_path, "1:sync:3:kill", *DET, restarts=1)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 0 failed in phase sync of step 3" in r.stderr, r.stderr[-3000:]
+    assert "before step 3 was recorded" in r.stderr, r.stderr[-3000:]
+    assert "resumed from" in r.stderr and "step 2, weight version 2" in r.stderr, r.stderr[-3000:]
+    run_dir = tmp_path / "quickstart"
+    assert [x["step"] for x in rows(run_dir)] == [1, 2, 3, 4]
+    assert rows(run_dir) == rows(straight)
+    assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
+    _nothing_half_written(run_dir)

@@ -15,11 +15,12 @@ from rltrain.sync.disk import StaleWeightsError
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run_torchrun(tmp_path, ["-m", "rltrain"], [
+def run_quickstart(tmp_path: Path, *overrides: str, torchrun_args: tuple[str, ...] = (),
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_torchrun(tmp_path, [*torchrun_args, "-m", "rltrain"], [
         "--config", str(REPO / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
         f"model.path={tmp_path / 'base_model'}", "loop.steps=3", "data.prompts_per_step=8",
-        "metrics.progress_bar=false", *overrides])
+        "metrics.progress_bar=false", *overrides], env=env)
 
 
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])

@@ -72,7 +72,7 @@ def _cycles_rank(rank: int, world_size: int, async_destroy: bool) -> dict:
         # Keys written through the default group's store land under this generation's prefix.
         dist.distributed_c10d._get_default_store().set(f"probe{rank}", str(cycle))
         keys = [k for k in world._base_store.list_keys() if k.endswith(f"/probe{rank}")]
-        # One probe per generation so far, each under its own "rltrain/world/<g>/" prefix.
+        # One probe per generation so far, each under its own "rltrain/world/<attempt>/<g>/" prefix.
         probes.append(sorted(int(k.split("/")[2]) for k in keys) == list(range(1, cycle + 2)))
         prefixes.append(world.store_prefix())
     world.close()
@@ -85,7 +85,7 @@ def test_megatron_groups_survive_destroy_rebuild_cycles(async_destroy):
     for r in results:
         assert r["groups"] == 52
         assert r["probes"] == [True] * CYCLES
-        assert r["prefixes"] == [f"rltrain/world/{g}" for g in range(1, CYCLES + 1)]
+        assert r["prefixes"] == [f"rltrain/world/0/{g}" for g in range(1, CYCLES + 1)]  # attempt 0
     # Every membership of every group was checked on its rank.
     plan = megatron_group_plan(ParallelDims(4, tp=2, pp=2, ep=2, etp=1))
     assert sum(r["member_groups"] for r in results) == sum(len(e.ranks) for e in plan)

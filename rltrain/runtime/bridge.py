@@ -10,6 +10,7 @@ default (NCCL) group is down. Every wait has a timeout and fails with the phase 
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from datetime import timedelta
@@ -26,6 +27,11 @@ from torch._C._distributed_c10d import (
 )
 
 
+def restart_attempt() -> int:
+    """torchrun's restart attempt of this job (0 for the first run)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 class BridgeError(RuntimeError):
     """A bridge operation failed or timed out; names the phase and the rank."""
 
@@ -39,7 +45,10 @@ class Bridge:
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self._store = dist.PrefixStore(self.STORE_PREFIX, base_store)
+        # Per torchrun attempt: a restarted job shares the agent's store with the attempt that
+        # died, whose peer addresses would otherwise be read back (seen: a restarted rank
+        # connected to the dead rank 0's port).
+        self._store = dist.PrefixStore(f"{self.STORE_PREFIX}/{restart_attempt()}", base_store)
         try:
             self._pg: ProcessGroupGloo | None = ProcessGroupGloo(self._store, rank, world_size, timeout)
         except RuntimeError as e:

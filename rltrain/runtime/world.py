@@ -5,9 +5,10 @@ memory (~0.65 GiB per communicator set on an H200), so between phases rltrain de
 default group and every subgroup made through `World.new_group`, and rebuilds them when the
 trainer needs them again. Ranks keep coordinating over the persistent Gloo `Bridge`.
 
-Store prefixes. torchrun's TCPStore (reached through the `env://` rendezvous, which already
-namespaces it per restart attempt) is the base store and stays up for the whole job. Each
-generation initialises the default group on `PrefixStore(f"rltrain/world/{generation}", base)`.
+Store prefixes. torchrun's TCPStore (reached through the `env://` rendezvous) is the base store
+and stays up for the whole job, across torchrun's restarts of it: the attempt
+(TORCHELASTIC_RESTART_COUNT) is part of every prefix. Each generation initialises the default
+group on `PrefixStore(f"rltrain/world/{attempt}/{generation}", base)`.
 Gloo and NCCL publish peer addresses / unique ids under fixed keys and torch restarts its group
 counter at 0 after a destroy, so reusing a prefix would make a rank read the previous
 generation's keys and connect to dead peers; a fresh prefix per generation makes that impossible.
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rltrain.runtime.bridge import Bridge, BridgeError
+from rltrain.runtime.bridge import Bridge, BridgeError, restart_attempt
 from rltrain.runtime.env import DistEnv
 
 log = logging.getLogger("rltrain.world")
@@ -197,7 +198,7 @@ class World:
 
     def store_prefix(self, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
-        return f"rltrain/world/{g}"
+        return f"rltrain/world/{restart_attempt()}/{g}"
 
     # ------------------------------------------------------------------ groups
 

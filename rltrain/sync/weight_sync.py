@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,10 @@ class WeightSync:
             if cfg.sync.verify and not self.engine_checksums:
                 log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
         self.publisher = DeltaPublisher(cfg.sync.delta_full_every) if world.rank == 0 else None
+        if world.rank == 0:  # versions whose publication a dead job cut short (never loaded: not renamed)
+            for stale in self.root.glob("**/.weight_v*.tmp*"):
+                log.warning("removing %s, left by an interrupted publication", stale)
+                shutil.rmtree(stale, ignore_errors=True)
         self.node_dir = self.root / f"node{world.env.node_rank}"  # delta: full versions rebuilt for this node
         self.node_base: Path | None = None
         self._groups: list[Any] = []
