@@ -122,6 +122,26 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                     return out
 
                 weight_sync.publish = corrupting
+            if fault == "full" and world.rank == 0:  # the disk fills up while version 2 is written
+                import resource
+                import signal
+
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+                soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+                try:
+                    sync.push("2")
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out["v2_error"] = f"{type(e).__name__}: {e}"
+                finally:
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+                return out
+            if fault == "full":
+                try:
+                    sync.push("2")
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out["v2_error"] = f"{type(e).__name__}: {e}"
+                return out
             if fault == "tamper":  # the engine ends up with other weights than the trainer sent
                 from rltrain.engine import tensor_payload
                 from rltrain.sync.integrity import entry
@@ -220,6 +240,24 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
         for r in (r0, r1):
             assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
         assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
+        assert eng.client.weight_version() == "1"
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+@pytest.mark.parametrize("transport", ["disk", "delta"])
+def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a, transport):
+    """Rank 0's writes fail past 4 KiB (EFBIG) while version 2 is published: every rank raises a
+    SyncError naming the failure, no part of version 2 is left, and version 1 stays served."""
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
+                                  str(tmp_path / "w"), "full", deadline_s=120))
+        for r in (r0, r1):
+            assert "SyncError" in r.get("v2_error", "") and "File too large" in r["v2_error"], r.get("v2_error")
+        assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) \
+            == ["weight_v000001"]
         assert eng.client.weight_version() == "1"
     finally:
         eng.client.close()
