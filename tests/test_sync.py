@@ -246,13 +246,12 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
         eng.process.stop()
 
 
-@pytest.mark.parametrize("transport", ["disk", "delta"])
-def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a, transport):
+def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a):
     """Rank 0's writes fail past 4 KiB (EFBIG) while version 2 is published: every rank raises a
     SyncError naming the failure, no part of version 2 is left, and version 1 stays served."""
     eng = start_engine("native", big_a, tmp_path)
     try:
-        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
+        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "disk",
                                   str(tmp_path / "w"), "full", deadline_s=120))
         for r in (r0, r1):
             assert "SyncError" in r.get("v2_error", "") and "File too large" in r["v2_error"], r.get("v2_error")

@@ -73,7 +73,7 @@ def _cycles_rank(rank: int, world_size: int, async_destroy: bool) -> dict:
         dist.distributed_c10d._get_default_store().set(f"probe{rank}", str(cycle))
         keys = [k for k in world._base_store.list_keys() if k.endswith(f"/probe{rank}")]
         # One probe per generation so far, each under its own "rltrain/world/<attempt>/<g>/" prefix.
-        probes.append(sorted(int(k.split("/")[2]) for k in keys) == list(range(1, cycle + 2)))
+        probes.append(sorted(int(k.split("/")[3]) for k in keys) == list(range(1, cycle + 2)))
         prefixes.append(world.store_prefix())
     world.close()
     return {"prefixes": prefixes, "probes": probes, "groups": len(handles), "member_groups": len(first)}
