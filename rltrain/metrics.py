@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import psutil
@@ -62,6 +63,24 @@ class PhaseClock:
         return time.perf_counter() - self._step_start
 
 
+def recorded(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every row in a metrics file; a torn last line (a job that died while
+    appending) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append((int(json.loads(line).get("step", 0)), line))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return rows
+
+
+def last_recorded_step(path: Path) -> int | None:
+    """The last step with a metrics row (None without a metrics file). A step is done when its
+    row is written, at its very end."""
+    return max((step for step, _ in recorded(path)), default=0) if path.is_file() else None
+
+
 class MetricsWriter:
     def __init__(self, cfg: Any, world: Any, start_step: int = 0):
         self.cfg, self.world = cfg, world
@@ -88,8 +107,7 @@ class MetricsWriter:
         drops any written after it (they are run again), so no step is ever counted twice."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        kept = [line for step, line in recorded(self.path) if step <= start_step]
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,25 +118,10 @@ def checkpoint_dir(cfg: Any) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
 
 
-def _recorded_steps(metrics: Path) -> int | None:
-    """The last step with a metrics row (None without a metrics file). A step is done when its
-    row is written, at its very end; a checkpoint is saved mid-step, so a job that dies between
-    the two leaves a checkpoint of a step that was never recorded: resuming from it would leave
-    that step out of the metrics for good."""
-    if not metrics.is_file():
-        return None
-    last = 0
-    for line in metrics.read_text().splitlines():
-        try:
-            last = max(last, int(json.loads(line).get("step", 0)))
-        except (ValueError, TypeError, AttributeError):
-            continue  # a torn last line of a job that died while appending
-    return last
-
-
 def _resume(cfg: Any, checkpointer: Any, trainer: Any, sampler: Any) -> Any:
     """checkpoint.resume: auto (newest complete, corrupt ones skipped), none, or a directory."""
     from rltrain.checkpoint import CheckpointError, find_resumable
+    from rltrain.metrics import last_recorded_step
 
     mode = cfg.checkpoint.resume
     if mode == "none":
@@ -146,7 +130,9 @@ def _resume(cfg: Any, checkpointer: Any, trainer: Any, sampler: Any) -> Any:
         # Rank 0 chooses and every rank takes its choice: all must load the same checkpoint.
         found = None
         if checkpointer.world.rank == 0 and checkpointer.root.is_dir():
-            found = find_resumable(checkpointer.root, _recorded_steps(cfg.run_dir / "metrics.jsonl"))
+            # A checkpoint is saved mid-step, its metrics row written at the step's end: a job that
+            # died in between left a checkpoint of an unrecorded step, which runs again.
+            found = find_resumable(checkpointer.root, last_recorded_step(cfg.run_dir / "metrics.jsonl"))
         path = checkpointer.world.bridge.broadcast_object(found, src=0, phase="resume choice")
         if path is None:
             return None

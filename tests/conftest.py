@@ -16,13 +16,10 @@ sys.path.insert(0, str(HERE))
 # Without a GPU the Triton kernels run in Triton's interpreter (test_kernels.py). It must be on
 # before triton is first imported (transformers and torch may import it): triton's own library
 # functions are made interpreted or compiled at import.
-try:
-    import torch
+import torch  # noqa: E402
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-except ImportError:
-    pass
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models import make_model  # noqa: E402
 

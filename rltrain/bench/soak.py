@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -33,12 +32,6 @@ import torch
 # group holds ~1.5 sockets and ~1 thread until it is freed, which the trainer forces with a full
 # garbage collection every GC_EVERY (8) onloads: up to 8 cycles' worth, plus slack.
 BOUNDS = {"rss_mib": 64.0, "engine_rss_mib": 64.0, "fds": 16, "threads": 12, "children": 0, "cuda_used_mib": 64.0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build(path: Path) -> None:
@@ -56,7 +49,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.engine.launcher import EngineProcess, free_port, server_command
     from rltrain.runtime.world import World
     from rltrain.trainer.native import TorchTrainer
 
@@ -66,7 +59,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=120)
     engine = client = None
     if rank == 0:
-        eport = _free_port()
+        eport = free_port()
         ecfg = EngineConfig(backend="native", device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16")
         engine = EngineProcess.start(server_command(ecfg, args["model"], eport), f"http://127.0.0.1:{eport}",
                                      Path(out) / "engine.log")
@@ -114,11 +107,13 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
 def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,trainer") -> tuple[list[str], bool]:
     import torch.multiprocessing as mp
 
+    from rltrain.engine.launcher import free_port
+
     with tempfile.TemporaryDirectory(prefix="rltrain-soak-") as tmp:
         model = Path(tmp) / "model"
         _build(model)
         args = {"cycles": cycles, "device": device, "model": str(model), "parts": parts.split(",")}
-        mp.start_processes(_worker, args=(ranks, _free_port(), args, tmp), nprocs=ranks, start_method="spawn")
+        mp.start_processes(_worker, args=(ranks, free_port(), args, tmp), nprocs=ranks, start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
     lines = [f"# rltrain.bench.soak  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {ranks} ranks on {device}, "
              f"{cycles} cycles (destroy, release, rebuild, onload, offload, resume), warm-up {warmup}",

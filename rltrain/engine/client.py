@@ -137,11 +137,7 @@ class EngineClient:
             except ValueError:
                 payload = raw.decode(errors="replace")
             if status >= 400:
-                msg = payload
-                if isinstance(payload, dict):
-                    msg = next((payload[k] for k in ("message", "error", "detail") if k in payload), payload)
-                    msg = msg.get("message", msg) if isinstance(msg, dict) else msg
-                raise EngineError(endpoint, str(msg)[:2000], status)
+                raise EngineError(endpoint, _message(payload), status)
             if isinstance(payload, dict) and payload.get("success") is False:
                 raise EngineError(endpoint, payload.get("message", "success=false"))
             return payload if isinstance(payload, dict) else {"message": payload}
@@ -353,7 +349,11 @@ def _json_or_text(resp: httpx.Response) -> Any:
 
 
 def _error_text(resp: httpx.Response) -> str:
-    data = _json_or_text(resp)
+    return _message(_json_or_text(resp))
+
+
+def _message(data: Any) -> str:
+    """The server's reason from an error body (SGLang's and ours: message, error or detail)."""
     if isinstance(data, dict):
         for key in ("message", "error", "detail"):
             if key in data:

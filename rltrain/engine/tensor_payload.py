@@ -44,13 +44,15 @@ def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[t
     return metadata, offset
 
 
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None) -> dict[str, Any]:
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
+                   layout: tuple[list[types.SimpleNamespace], int] | None = None) -> dict[str, Any]:
     """Copy tensors into one uint8 buffer; returns {"flattened_tensor", "metadata"}.
 
     The buffer is fresh (on the tensors' device), or the front of `out` (uint8, on the tensors' device, large enough;
     on CPU in shared memory) for a sender that reuses buffers: only against an engine that
-    answers after its copies are done (the embedded engine; SGLang does not)."""
-    metadata, size = bucket_layout(named_tensors)
+    answers after its copies are done (the embedded engine; SGLang does not). `layout`: the
+    tensors' `bucket_layout`, when the caller has it already."""
+    metadata, size = layout or bucket_layout(named_tensors)
     if out is None:
         flat = torch.empty(size, dtype=torch.uint8, device=named_tensors[0][1].device)
         if flat.device.type == "cpu":

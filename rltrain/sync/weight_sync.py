@@ -237,8 +237,9 @@ class WeightSync:
                     tags = {r: version if i == last[r] else None for r in bucket.targets}
                     if sender is not None:
                         t0 = clock()
-                        out = self._buffer(i % len(self._ring), named) if self._ring else None
-                        flat = tensor_payload.flatten_bucket(named, out=out)
+                        layout = tensor_payload.bucket_layout(named)
+                        out = self._buffer(i % len(self._ring), layout[1], named[0][1].device) if self._ring else None
+                        flat = tensor_payload.flatten_bucket(named, out=out, layout=layout)
                         del named
                         # An engine that finds a reused buffer already mapped does not wait for the
                         # producer's event (torch's IPC cache): the sender waits for the fill instead.
@@ -274,13 +275,12 @@ class WeightSync:
             raise RuntimeError(str(failure)) from failure
         return sent
 
-    def _buffer(self, slot: int, named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        """Reused buffer `slot`, grown to hold this bucket."""
-        size = tensor_payload.bucket_layout(named)[1]
+    def _buffer(self, slot: int, size: int, device: torch.device) -> torch.Tensor:
+        """Reused buffer `slot`, grown to hold `size` bytes."""
         buf = self._ring[slot]
-        if buf is None or buf.numel() < size or buf.device != named[0][1].device:
+        if buf is None or buf.numel() < size or buf.device != device:
             buf = self._ring[slot] = None  # drop the old one before allocating its successor
-            buf = torch.empty(size, dtype=torch.uint8, device=named[0][1].device)
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
             if buf.device.type == "cpu":
                 buf.share_memory_()
             self._ring[slot] = buf

@@ -70,6 +70,7 @@ class TorchTrainer:
         self.total_steps = total_steps
         # Log-probs are taken at the sampling temperature, as the engine reports them.
         self.temperature = temperature
+        self._reshards = 0  # onloads of a sharded trainer (a full gc every GC_EVERY; see onload)
         self.model_path = model_path
         self.device = device
         self.dtype = _dtype(cfg.dtype, device)
@@ -171,8 +172,6 @@ class TorchTrainer:
             free_cuda_caches()
         else:
             trim_host_heap()
-
-    _reshards = 0
 
     def _drop(self) -> None:
         self.model = self.ref_model = self.optimizer = self.scheduler = None
