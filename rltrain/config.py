@@ -269,6 +269,10 @@ class EngineConfig:
     max_inflight: int = 32  # concurrent HTTP requests per rank
     prompts_per_request: int = 16
     retries: int = 3  # transport errors only
+    # An engine process that dies during rollout is started again this many times per job (its
+    # weights re-sent, the generations it lost retried); one more death stops the job with the
+    # engine's log tail.
+    max_restarts: int = 1
     extra_args: list[str] = field(default_factory=list)  # appended to the server command line
     # Batch-invariant rollouts: the embedded engine runs each request on its own (no batching
     # across requests), SGLang gets --enable-deterministic-inference. With per-step sampling
@@ -283,8 +287,9 @@ class EngineConfig:
         for key in ("tp_size", "max_batch_size", "max_inflight", "prompts_per_request"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 1")
-        if self.retries < 0:
-            raise ConfigError(f"engine.retries={self.retries}: expected >= 0")
+        for key in ("retries", "max_restarts"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 0")
         if not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"engine.mem_fraction_static={self.mem_fraction_static}: expected a fraction in (0, 1)")
         for key in ("startup_timeout_s", "request_timeout_s"):

@@ -23,7 +23,7 @@ from rltrain.algo.advantages import compute_advantages
 from rltrain.algo.losses import kl_penalty
 from rltrain.engine.protocol import SamplingParams
 from rltrain.metrics import MetricsWriter, PhaseClock
-from rltrain.rollout.collect import build_batch, collect
+from rltrain.rollout.collect import build_batch, collect, retry_failed
 from rltrain.setup import RunParts, setup_run
 from rltrain.sync.disk import StaleWeightsError
 
@@ -50,9 +50,16 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 step_params = params
                 if cfg.rollout.seeded:
                     step_params = dataclasses.replace(params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank))
-                rollout = collect(engine.client, sampler.next_batch(world.rank, world.world_size), step_params,
-                                  parts.tokenizer, parts.rewards)
-                engine.check_alive()  # a dead engine stops the job with its log tail, not a step of failures
+                prompts = sampler.next_batch(world.rank, world.world_size)
+                rollout = collect(engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
+            if engine.recover(world):  # an engine died: restarted (or the job stops, with its log tail)
+                with clock.phase("engine_restart"):
+                    parts.sync.engine_restarted()
+                    _send_weights_again(cfg, parts, world, version, saved, snapshot)
+                    rollout = retry_failed(rollout, engine.client, prompts, step_params, parts.tokenizer,
+                                           parts.rewards)
+                    rollout.stats["engine_restarts"] = 1.0
+            with clock.phase("rollout"):
                 _check_versions(rollout, version, world.rank)
             with clock.phase("engine_release"):
                 # Every rank of the node must be done generating before its engine lets go of
@@ -123,6 +130,37 @@ def recreate(cfg: Any, trainer: Any, checkpointer: Any, saved: Any, snapshot: An
     else:
         trainer.create(load_weights=False)
         checkpointer.load(saved, trainer, restore_rank_state=False)
+
+
+def _send_weights_again(cfg: Any, parts: RunParts, world: Any, version: str | None, saved: Any, snapshot: Any) -> None:
+    """A restarted engine serves model.path's weights. If any engine is not at `version`, the
+    step's own sequence (release, world up, trainer onload, sync, world down, offload, resume)
+    without the training sends `version` to every engine again."""
+    stale = version is not None and parts.engine.client.weight_version() != version
+    if not any(world.bridge.all_gather_object(stale, phase="engine restart version")):
+        return
+    colocated = cfg.loop.colocate and world.env.is_node_leader
+    client, trainer = parts.engine.client, parts.trainer
+    if colocated:
+        client.release(["kv_cache", "weights"])
+    world.rebuild()
+    if trainer.released:
+        recreate(cfg, trainer, parts.checkpointer, saved, snapshot)
+    trainer.onload()
+    if colocated:
+        client.resume(["weights"])
+    world.bridge.barrier(phase="engine restart resume weights")
+    parts.sync.push(version)
+    world.destroy()
+    if cfg.release.train:
+        trainer.release()
+    elif cfg.loop.offload_trainer:
+        trainer.offload()
+    world.wait_destroyed()
+    if colocated:
+        client.resume(["kv_cache"])
+    world.bridge.barrier(phase="engine restart resume kv")
+    log.info("engine restarted: weight version %s sent again", version)
 
 
 def _check_versions(rollout: Any, expected: str | None, rank: int) -> None:

@@ -46,7 +46,7 @@ class PhaseClock:
             log.error("rank %d failed in phase %s of step %d: %s: %s", self.rank, name, self.step, type(e).__name__, e)
             raise
         finally:
-            self.times[name] = time.perf_counter() - t0
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0  # a phase entered twice adds up
             self.memory[name] = self.read_memory()
 
     def read_memory(self) -> dict[str, float]:
@@ -139,6 +139,9 @@ class MetricsWriter:
             "samples": tot("samples"), "samples_trained": tot("n"),
             "generation_failed": tot("generation_failed"), "reward_failed": tot("reward_failed"),
             "groups_dropped": tot("groups_dropped"),
+            # Generations lost to an engine that died, sampled again after its restart.
+            "generation_retried": sum(g.get("generation_retried", 0.0) for g in gathered),
+            "engine_restarts": max(g.get("engine_restarts", 0.0) for g in gathered),
             "logp_diff_engine_trainer": tot("logp_diff_sum") / n,
             **{k: v for k, v in train.items()},
         }

@@ -213,3 +213,36 @@ def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_unin
     assert rows(run_dir) == rows(straight)
     assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
     _nothing_half_written(run_dir)
+
+
+def _engine_dies(tmp_path: Path, versions: str, *overrides: str):
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
+           "RLTRAIN_TEST_ENGINE_DIE": f"{versions}:{tmp_path}"}
+    return run_quickstart(tmp_path, "world.timeout_s=60", "engine.retries=1", *overrides, env=env)
+
+
+def test_an_engine_dying_mid_rollout_is_restarted_and_its_lost_generations_are_retried(tmp_path, straight):
+    """The engine SIGKILLs itself while serving step 2's rollout (weight version 1). It is started
+    again, gets version 1 back, the generations it lost are sampled again with their own seeds,
+    and the run ends bitwise equal to one where nothing died; no sample was scored zero."""
+    r = _engine_dies(tmp_path, "1", *DET)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "engine_died_at_v1").exists()  # it did die
+    assert "died during rollout; starting it again (restart 1 of 1)" in r.stderr, r.stderr[-3000:]
+    run_dir = tmp_path / "quickstart"
+    got = rows(run_dir)
+    assert [x["step"] for x in got] == [1, 2, 3, 4]
+    assert got[1]["engine_restarts"] == 1 and got[1]["generation_retried"] > 0, got[1]
+    assert got[1]["generation_failed"] == 0 and got[1]["samples_trained"] == 64
+    retry_only = {"engine_restarts", "generation_retried"}
+    assert [{k: v for k, v in x.items() if k not in retry_only} for x in got] == \
+        [{k: v for k, v in x.items() if k not in retry_only} for x in rows(straight)]
+    assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
+
+
+def test_a_second_engine_death_stops_the_job_with_the_engines_log(tmp_path):
+    r = _engine_dies(tmp_path, "1,2", "loop.steps=4", "rollout.max_new_tokens=2")
+    assert r.returncode != 0
+    assert "the engine died again after 1 restart(s)" in r.stderr, r.stderr[-3000:]
+    assert "last lines of" in r.stderr and "rltrain.engine.native" in r.stderr, r.stderr[-3000:]
+    assert [x["step"] for x in rows(tmp_path / "quickstart")] == [1, 2]  # steps done before it stay recorded

@@ -193,3 +193,20 @@ def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_mode
         good.close()
         bad.close()
         proc.stop()
+
+
+def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
+    """What an engine restart retries (`positions`): the same samples as in the full call."""
+    from rltrain.engine.client import EngineClient
+
+    prompts = [[1, 2, 3], [5, 6, 7], [9, 10, 11], [4, 4, 4]]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, sampling_seed=1234, ignore_eos=True)
+    client = EngineClient(native.process.url, prompts_per_request=1, max_inflight=1)
+    try:
+        full = client.generate(prompts, params)
+        part = client.generate([prompts[1], prompts[3]], params, positions=[1, 3])
+    finally:
+        client.close()
+    assert [(c.prompt_index, c.sample_index) for c in part] == [(1, 0), (1, 1), (3, 0), (3, 1)]
+    assert [c.output_ids for c in part] == [c.output_ids for c in full if c.prompt_index in (1, 3)]
+    assert len({tuple(c.output_ids) for c in full}) > 1  # sampled, not greedy: the seeds matter

@@ -61,17 +61,27 @@ class EngineClient:
         self.backoff_s = backoff_s
         limits = httpx.Limits(max_connections=max_inflight + 4, max_keepalive_connections=max_inflight + 4)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(
-            base_url=self.url,
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-            limits=limits,
-            headers=self._headers,
-        )
+        self._limits = limits
+        self._http = self._new_http(request_timeout_s, connect_timeout_s)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._timeouts = (connect_timeout_s, request_timeout_s)
         self._lean: list[http.client.HTTPConnection] = []  # idle keep-alive connections, per-bucket calls
         self._lean_lock = threading.Lock()
+
+    def _new_http(self, request_timeout_s: float, connect_timeout_s: float) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+                            limits=self._limits, headers=self._headers)
+
+    def repoint(self, url: str) -> None:
+        """Talk to a restarted server at `url` from now on (the same object: what holds this
+        client keeps it). Idle connections to the old server are closed."""
+        self._http.close()
+        with self._lean_lock:
+            while self._lean:
+                self._lean.pop().close()
+        self.url = url.rstrip("/")
+        self._http = self._new_http(self._timeouts[1], self._timeouts[0])
 
     # ------------------------------------------------------------------ transport
 
@@ -183,15 +193,27 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True) -> list[Completion]:
+    def generate(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True,
+                 positions: list[int] | None = None) -> list[Completion]:
         """Sample `params.n` continuations of every prompt; result in prompt-major order.
 
         Prompts go out in requests of `prompts_per_request`, at most `max_inflight` requests at once.
         A request that fails after retries yields failed completions (`ok` False, `error` set).
+        `positions`: the prompts' places in an earlier call that is being retried in part; their
+        completions carry those indices and, with a sampling seed, the seeds they had there.
         """
         params.validate()
         self._check_prompts(input_ids)
-        chunks = [(i, input_ids[i : i + self.prompts_per_request]) for i in range(0, len(input_ids), self.prompts_per_request)]
+        positions = list(range(len(input_ids))) if positions is None else list(positions)
+        if len(positions) != len(input_ids):
+            raise ValueError(f"{len(positions)} positions for {len(input_ids)} prompts")
+        # A request holds consecutive positions: the engine seeds prompt i of a request with the
+        # request's seed + i * n.
+        chunks, start = [], 0
+        for i in range(1, len(positions) + 1):
+            if i == len(positions) or i - start == self.prompts_per_request or positions[i] != positions[i - 1] + 1:
+                chunks.append((positions[start], input_ids[start:i]))
+                start = i
 
         def one(chunk: tuple[int, list[list[int]]]) -> list[Completion]:
             first, ids = chunk

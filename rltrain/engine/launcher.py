@@ -179,34 +179,56 @@ class EngineProcess:
 class NodeEngine:
     """This rank's view of its node's engine: a client, and on local rank 0 the process too."""
 
-    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None):
+    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None, start: Any = None,
+                 max_restarts: int = 0):
         self.client = client
         self.url = url
         self.process = process
+        self._start = start  # () -> a new healthy EngineProcess (local rank 0)
+        self.max_restarts, self.restarts = max_restarts, 0
 
     @classmethod
     def launch(cls, cfg: Any, model_path: str, world: Any, run_dir: Path,
                weights_roots: list[str] | tuple[str, ...] = ()) -> "NodeEngine":
         """Collective over the bridge: local rank 0 starts and health-checks, every rank connects."""
         env = world.env
-        process, url, error = None, None, None
-        if env.is_node_leader:
-            try:
-                process = cls._start_healthy(cfg, model_path, run_dir / "engine" / f"node{env.node_rank}.log",
-                                             weights_roots)
-                url = process.url
-            except (EngineCrashed, EngineError, OSError) as e:
-                error = str(e)
-        entries = world.bridge.all_gather_object((env.node_rank, env.local_rank, url, error), phase="engine launch")
-        mine = next(e for e in entries if e[0] == env.node_rank and e[1] == 0)
-        failed = [e for e in entries if e[3] is not None]
-        if failed:
-            if process is not None:
-                process.stop()
-            raise EngineCrashed("; ".join(f"node {n}: {err}" for n, _, _, err in failed))
-        client = EngineClient(mine[2], request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
+        log_path = run_dir / "engine" / f"node{env.node_rank}.log"
+
+        def start() -> EngineProcess:
+            return cls._start_healthy(cfg, model_path, log_path, weights_roots)
+
+        process, url = _started_everywhere(world, start if env.is_node_leader else None, "engine launch")
+        client = EngineClient(url, request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
                               prompts_per_request=cfg.prompts_per_request, retries=cfg.retries, api_key=cfg.api_key)
-        return cls(client, mine[2], process)
+        return cls(client, url, process, start, cfg.max_restarts)
+
+    def recover(self, world: Any) -> bool:
+        """Collective over the bridge, after a rollout: has any node's engine process died? Those
+        nodes start theirs again and their ranks talk to the new one; True then (the caller sends
+        the weights again and retries what failed). A death beyond `max_restarts` raises
+        EngineCrashed on every rank, with the dead engine's log tail."""
+        env = world.env
+        died = self.process is not None and not self.process.alive
+        report = str(self.process.crashed_error("died during rollout")) if died else None
+        deaths = [(n, r) for n, r in world.bridge.all_gather_object((env.node_rank, report), phase="engine check") if r]
+        if not deaths:
+            return False
+        if self.restarts >= self.max_restarts:
+            raise EngineCrashed(f"the engine died again after {self.restarts} restart(s) "
+                                f"(engine.max_restarts={self.max_restarts}); stopping.\n"
+                                + "\n".join(f"node {n}: {r}" for n, r in deaths))
+        self.restarts += 1
+        log.warning("engine of node(s) %s died during rollout; starting it again (restart %d of %d). %s",
+                    [n for n, _ in deaths], self.restarts, self.max_restarts, deaths[0][1])
+        mine = env.node_rank in {n for n, _ in deaths}
+        process, url = _started_everywhere(world, self._start if died else None, "engine restart",
+                                           nodes={n for n, _ in deaths})
+        if mine:
+            if died:
+                self.process = process
+            self.url = url
+            self.client.repoint(url)
+        return True
 
     @staticmethod
     def _start_healthy(cfg: Any, model_path: str, log_path: Path, weights_roots: list[str] | tuple[str, ...] = (),
@@ -242,3 +264,27 @@ class NodeEngine:
         self.client.close()
         if self.process is not None:
             self.process.stop()
+
+
+def _started_everywhere(world: Any, start: Any, phase: str, nodes: set[int] | None = None
+                        ) -> tuple[EngineProcess | None, str | None]:
+    """Collective over the bridge: ranks given `start` (node leaders) start their engine; every
+    rank learns its node's URL. A failure anywhere raises on every rank; engines that did start
+    are stopped."""
+    env = world.env
+    process, url, error = None, None, None
+    if start is not None:
+        try:
+            process = start()
+            url = process.url
+        except (EngineCrashed, EngineError, OSError) as e:
+            error = str(e)
+    entries = world.bridge.all_gather_object((env.node_rank, env.local_rank, url, error), phase=phase)
+    failed = [e for e in entries if e[3] is not None]
+    if failed:
+        if process is not None:
+            process.stop()
+        raise EngineCrashed("; ".join(f"node {n}: {err}" for n, _, _, err in failed))
+    if nodes is not None and env.node_rank not in nodes:
+        return None, None
+    return process, next(e[2] for e in entries if e[0] == env.node_rank and e[1] == 0)

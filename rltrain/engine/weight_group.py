@@ -109,6 +109,12 @@ class UnregisteredGroup:
             self.backend.shutdown()
         self.backend = None
 
+    def abort(self) -> None:
+        """Drop this end when the other one is gone (its engine died): nothing waits for a peer."""
+        if self.backend is not None:
+            getattr(self.backend, "abort", getattr(self.backend, "shutdown", lambda: None))()
+        self.backend = None
+
 
 def broadcast_tensors(pg: Any, tensors: list[torch.Tensor], src: int = 0) -> None:
     """Broadcast each tensor in order (the default, non-bucketed `update_weights_from_distributed`)."""

@@ -32,26 +32,59 @@ class Sample:
 
 @dataclass
 class Rollout:
-    groups: list[list[Sample]]
+    groups: list[list[Sample]]  # the kept groups, in prompt order
     stats: dict[str, float] = field(default_factory=dict)
+    every_group: list[list[Sample]] = field(default_factory=list)  # kept or not, one per prompt
+
+    @property
+    def generation_failed_prompts(self) -> list[int]:
+        """Prompts with a failed generation in their group: what an engine restart retries."""
+        return [i for i, g in enumerate(self.every_group) if any(not s.completion.ok for s in g)]
 
 
 def collect(client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner) -> Rollout:
-    completions = client.generate([p.input_ids for p in prompts], params)
-    samples = [Sample(prompts[c.prompt_index], c) for c in completions]
-    gen_failed = 0
+    return _summarize(_generate(client, prompts, list(range(len(prompts))), params, tokenizer, rewards), retried=0)
+
+
+def retry_failed(rollout: Rollout, client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any,
+                 rewards: RewardRunner) -> Rollout:
+    """Generate the groups whose generation failed once more (the engine was restarted), with the
+    sampling seeds they had; what fails again stays failed and is dropped."""
+    again = rollout.generation_failed_prompts
+    groups = list(rollout.every_group)
+    if again:
+        fresh = _generate(client, [prompts[i] for i in again], again, params, tokenizer, rewards)
+        for i in again:
+            groups[i] = fresh[i]
+    return _summarize(groups, retried=len(again) * params.n)
+
+
+def _generate(client: Any, prompts: list[Prompt], positions: list[int], params: SamplingParams, tokenizer: Any,
+              rewards: RewardRunner) -> dict[int, list[Sample]]:
+    """Sample and score; the groups by prompt position. A failed generation is not scored."""
+    completions = client.generate([p.input_ids for p in prompts], params, positions=positions)
+    by_position = dict(zip(positions, prompts))
+    samples = [Sample(by_position[c.prompt_index], c) for c in completions]
     to_score = []
     for s in samples:
         if not s.completion.ok:
             s.error = s.completion.error or f"finish reason {s.completion.finish_reason!r}"
-            gen_failed += 1
             continue
         s.text = tokenizer.decode(s.completion.output_ids, skip_special_tokens=True)
         to_score.append(s)
     for s, scored in zip(to_score, rewards.score([(s.text, s.prompt.record) for s in to_score])):
         s.reward, s.error = scored.reward, scored.error
-    reward_failed = sum(1 for s in to_score if s.error is not None)
-    groups = [samples[i : i + params.n] for i in range(0, len(samples), params.n)]
+    groups: dict[int, list[Sample]] = {i: [] for i in positions}
+    for s in samples:
+        groups[s.completion.prompt_index].append(s)
+    return groups
+
+
+def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retried: int) -> Rollout:
+    groups = list(by_position.values()) if isinstance(by_position, dict) else by_position
+    samples = [s for g in groups for s in g]
+    gen_failed = sum(1 for s in samples if not s.completion.ok)
+    reward_failed = sum(1 for s in samples if s.completion.ok and s.error is not None)
     kept = [g for g in groups if all(s.error is None for s in g)]
     ok = [s for g in kept for s in g]
     if gen_failed or reward_failed:
@@ -61,11 +94,12 @@ def collect(client: Any, prompts: list[Prompt], params: SamplingParams, tokenize
     stats = {
         "samples": float(len(samples)),
         "generation_failed": float(gen_failed),
+        "generation_retried": float(retried),
         "reward_failed": float(reward_failed),
         "groups_dropped": float(len(groups) - len(kept)),
         "response_tokens": float(sum(len(s.completion.output_ids) for s in ok)),
     }
-    return Rollout(kept, stats)
+    return Rollout(kept, stats, groups)
 
 
 def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[TrainBatch, torch.Tensor]:

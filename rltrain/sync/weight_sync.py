@@ -344,6 +344,16 @@ class WeightSync:
                     log.warning("engine did not leave the weight-update group: %s", e)
         self._groups = []
 
+    def engine_restarted(self) -> None:
+        """This node's engine was started again: its ends of the weight-update groups died with
+        it, so ours are dropped (the next push opens new ones)."""
+        for pg in self._groups:
+            try:
+                pg.abort()
+            except (RuntimeError, OSError) as e:
+                log.warning("dropping the weight-update group of a dead engine: %s", e)
+        self._groups = []
+
     # ------------------------------------------------------------------ verify
 
     def _verify(self, version: str, sums: dict[str, Any]) -> None:

@@ -26,3 +26,27 @@ if _FAULT and os.environ.get("RANK") is not None and os.environ.get("TORCHELASTI
             yield
 
     _metrics.PhaseClock.phase = _phase
+
+# RLTRAIN_TEST_ENGINE_DIE="<version>[,<version>...]:<marker dir>" makes the embedded engine
+# SIGKILL itself on the first /generate request it serves at each of those weight versions — a
+# crash in the middle of a rollout. A marker file per version makes it die once per job (the
+# restarted engine serves that version again).
+_DIE = os.environ.get("RLTRAIN_TEST_ENGINE_DIE")
+if _DIE and os.environ.get("RANK") is None:
+    import signal
+    from pathlib import Path
+
+    import rltrain.engine.native.server as _server
+
+    _versions, _marks = _DIE.split(":", 1)
+    _generate = _server.NativeServer._generate
+
+    def _dying_generate(self, body):
+        version = str(self.engine.weight_version)
+        mark = Path(_marks) / f"engine_died_at_v{version}"
+        if version in _versions.split(",") and not mark.exists():
+            mark.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _generate(self, body)
+
+    _server.NativeServer._generate = _dying_generate
