@@ -23,6 +23,7 @@ from rltrain.algo.advantages import compute_advantages
 from rltrain.algo.losses import kl_penalty
 from rltrain.engine.protocol import SamplingParams
 from rltrain.metrics import MetricsWriter, PhaseClock
+from rltrain.runtime.ledger import MemoryLedger
 from rltrain.rollout.collect import build_batch, collect, retry_failed
 from rltrain.setup import RunParts, setup_run
 from rltrain.sync.disk import StaleWeightsError
@@ -33,7 +34,8 @@ log = logging.getLogger("rltrain.loop")
 def run(cfg: Any, world: Any) -> dict[str, float]:
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, sampler = parts.engine, parts.trainer, parts.sampler
-    clock = PhaseClock(world.device, world.rank)
+    clock = PhaseClock(world.device, world.rank,
+                       MemoryLedger(world.device, trainer, engine, world, world.cuda_context))
     writer = MetricsWriter(cfg, world, parts.start_step)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
@@ -42,6 +44,13 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
     last: dict[str, float] = {}
     saved, snapshot = None, None
     world.destroy()  # rollout runs with the NCCL world down
+    if cfg.loop.colocate:
+        # The trainer was just created (or resumed) on the device: out of the engine's way before
+        # the first rollout too (the memory ledger showed it holding its weights there).
+        # (Offloaded, not released: there is no checkpoint or snapshot to re-create it from yet.)
+        world.wait_destroyed()
+        if cfg.loop.offload_trainer or cfg.release.train:
+            trainer.offload()
     try:
         end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
         for step in range(parts.start_step, end):

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import psutil
 import torch
 
 log = logging.getLogger("rltrain.loop")
@@ -25,8 +24,11 @@ class PhaseClock:
     """Times each phase of a step and reads memory right after it; a phase that raises is logged
     with the rank, the phase and the step before the error goes on."""
 
-    def __init__(self, device: torch.device, rank: int = 0):
+    def __init__(self, device: torch.device, rank: int = 0, ledger: Any = None):
+        from rltrain.runtime.ledger import MemoryLedger
+
         self.device, self.rank = device, rank
+        self.ledger = ledger if ledger is not None else MemoryLedger(device)
         self.step = 0
         self.times: dict[str, float] = {}
         self.memory: dict[str, dict[str, float]] = {}
@@ -50,13 +52,8 @@ class PhaseClock:
             self.memory[name] = self.read_memory()
 
     def read_memory(self) -> dict[str, float]:
-        mem = {"rss_gib": psutil.Process().memory_info().rss / 2**30}
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            mem.update(cuda_used_gib=(total - free) / 2**30,
-                       cuda_allocated_gib=torch.cuda.memory_allocated(self.device) / 2**30,
-                       cuda_reserved_gib=torch.cuda.memory_reserved(self.device) / 2**30)
-        return mem
+        """This rank's memory ledger (rltrain.runtime.ledger), GiB."""
+        return {k: round(v, 4) for k, v in self.ledger.read().items()}
 
     @property
     def step_seconds(self) -> float:

@@ -1,4 +1,5 @@
-"""`python -m rltrain.plot RUN_DIR`: reward curve, phase time breakdown and memory per phase as PNGs."""
+"""`python -m rltrain.plot RUN_DIR`: reward curve, phase time breakdown and the memory ledger per phase as
+PNGs. `--ledger [STEP]` prints a step's memory ledger as a table instead."""
 
 from __future__ import annotations
 
@@ -47,18 +48,39 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.set_title("time per phase")
     out.append(_save(fig, run_dir / "phase_time.png"))
 
-    last = rows[-1]["memory"]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for rank, mem in last.items():
-        keys = [k for k in next(iter(mem.values()))]
-        for key in keys:
-            ax.plot(list(mem), [mem[p][key] for p in mem], marker="o", label=f"{rank} {key}")
-    ax.set_ylabel("GiB")
-    ax.tick_params(axis="x", rotation=45)
-    ax.legend(fontsize=7)
-    ax.set_title(f"memory after each phase (step {rows[-1]['step']})")
-    out.append(_save(fig, run_dir / "memory.png"))
+    out.append(plot_ledger(rows[-1], run_dir / "memory.png"))
     return out
+
+
+DEVICE_STACK = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
+                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "unexplained")
+HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
+
+
+def plot_ledger(row: dict, path: Path) -> Path:
+    """One panel per rank: the ledger after each phase of the row's step, stacked — the device's
+    parts where there is a GPU (the stack's top is `device_used`), the host's otherwise."""
+    import matplotlib.pyplot as plt
+
+    memory = row["memory"]
+    fig, axes = plt.subplots(len(memory), 1, figsize=(9, 3.2 * len(memory)), squeeze=False)
+    for ax, (rank, phases) in zip(axes[:, 0], memory.items()):
+        names = list(phases)
+        first = next(iter(phases.values()))
+        stack = DEVICE_STACK if "device_used" in first else HOST_STACK
+        bottom = [0.0] * len(names)
+        for part in stack:
+            vals = [max(phases[p].get(part, 0.0), 0.0) for p in names]
+            if any(vals):
+                ax.bar(names, vals, bottom=bottom, label=part)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        if "device_used" in first:
+            ax.plot(names, [phases[p]["device_used"] for p in names], "k_", markersize=18, label="device_used")
+        ax.set_ylabel("GiB")
+        ax.set_title(f"{rank}: memory after each phase (step {row['step']})", fontsize=9)
+        ax.tick_params(axis="x", rotation=30, labelsize=7)
+        ax.legend(fontsize=6, ncol=3)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
@@ -71,11 +93,24 @@ def _save(fig, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m rltrain.plot RUN_DIR", file=sys.stderr)
-        return 2
-    for p in write_plots(args[0]):
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m rltrain.plot", description=__doc__)
+    ap.add_argument("run_dir")
+    ap.add_argument("--ledger", nargs="?", const=-1, type=int, metavar="STEP",
+                    help="print the memory ledger of STEP (default: the last step) instead of plotting")
+    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.ledger is not None:
+        from rltrain.runtime.ledger import format_ledger
+
+        rows = read_metrics(Path(a.run_dir))
+        row = rows[-1] if a.ledger < 0 else next((r for r in rows if r["step"] == a.ledger), None)
+        if row is None:
+            print(f"no step {a.ledger} in {a.run_dir}/metrics.jsonl", file=sys.stderr)
+            return 2
+        print(format_ledger(row["memory"], row["step"]))
+        return 0
+    for p in write_plots(a.run_dir):
         print(p)
     return 0
 

@@ -175,3 +175,73 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     finally:
         torch.use_deterministic_algorithms(False)
         world.close()
+
+
+def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[dict]:
+    """A fresh process (its CUDA context measured at first touch): a trainer, an embedded engine
+    on the same GPU, a one-rank NCCL world; the ledger after each transition."""
+    from pathlib import Path
+
+    from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
+    from rltrain.engine.client import EngineClient
+    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.engine.protocol import SamplingParams
+    from rltrain.runtime.ledger import MemoryLedger
+    from rltrain.runtime.world import World
+    from rltrain.trainer.native import TorchTrainer, TrainBatch
+
+    world = World(backend="nccl", timeout=60)
+    device = world.device
+    port = free_port()
+    engine = EngineProcess.start(server_command(EngineConfig(backend="native", device="cuda", dtype="bfloat16"), model,
+                                                port), f"http://127.0.0.1:{port}", Path(log_dir) / "engine.log")
+    client = EngineClient(engine.url, retries=0)
+    client.wait_healthy(300, alive=lambda: engine.alive)
+    node = type("Node", (), {"process": engine, "client": client})()
+    trainer = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="bfloat16"), AlgoConfig(), model, device)
+    trainer.create()
+    ledger = MemoryLedger(device, trainer, node, world, world.cuda_context)
+    B, L = 8, 64
+    batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
+                       advantages=torch.randn(B, L))
+    out = []
+    try:
+        batch.old_logp, _ = trainer.logprobs(batch)
+        trainer.train_step(batch)
+        torch.cuda.synchronize()
+        params = sum(p.to_local().untyped_storage().nbytes() for p in trainer.model.parameters())
+        out.append({"when": "trained", "params": params, **ledger.read()})
+        trainer.offload()
+        world.destroy()
+        world.wait_destroyed()
+        client.generate([[1, 2, 3]] * 8, SamplingParams(max_new_tokens=16))
+        out.append({"when": "generating", **ledger.read()})
+        client.release(["kv_cache", "weights"])
+        world.rebuild()
+        trainer.onload()
+        out.append({"when": "engine released", **ledger.read()})
+    finally:
+        client.close()
+        engine.stop()
+        world.close()
+    return out
+
+
+def test_memory_ledger_accounts_for_the_gpu(tmp_path):
+    """Every part of the ledger is measured; what they do not explain stays small (and shown)."""
+    from models import make_model
+    from multiproc import run_ranks, values
+
+    model = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
+    trained, generating, released = values(run_ranks(_ledger_rank, 1, str(model), str(tmp_path), deadline_s=300))[0]
+    gib = 2**30
+    assert abs(trained["trainer_weights"] * gib - trained["params"]) < 2**20  # + buffers (rotary)
+    assert trained["trainer_optimizer"] * gib >= 2 * trained["params"] * 0.99  # Adam moments
+    assert trained["nccl"] > 0 and trained["cuda_context"] > 0.1 and trained["engine_context"] > 0.1
+    assert trained["engine_weights"] > 0
+    # Offloaded, world down: the trainer holds nothing on the device, its state is on the host.
+    assert generating["trainer_weights"] == generating["trainer_optimizer"] == generating["nccl"] == 0
+    assert generating["trainer_host"] * gib >= 3 * trained["params"] * 0.99
+    assert released["engine_weights"] == 0 and released["engine_kv_cache"] < 0.01
+    for row in (trained, generating, released):
+        assert abs(row["unexplained"]) < 0.25, row  # GiB

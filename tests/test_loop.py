@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,13 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
                     "response_length", "logp_diff_engine_trainer"):
             assert key in row, key
         assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
-        assert set(row["memory"]) == {"rank0", "rank1"} and row["memory"]["rank1"]["train"]["rss_gib"] > 0
+        # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and on the
+        # rank that owns the engine its RSS from the engine's own report.
+        assert set(row["memory"]) == {"rank0", "rank1"} and row["memory"]["rank1"]["train"]["rss"] > 0
+        for rank in ("rank0", "rank1"):
+            assert set(row["memory"][rank]) >= {"rollout", "train", "sync", "trainer_offload"}
+            assert row["memory"][rank]["train"]["trainer_host"] > 0
+        assert row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and "engine_rss" not in row["memory"]["rank1"]["rollout"]
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
         assert row["logp_diff_engine_trainer"] < 1e-3
     # Versions 2 and 3 kept (keep_weight_versions=2), published atomically: no temp dirs left.
@@ -47,6 +54,10 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     for png in ("reward.png", "phase_time.png", "memory.png"):
         assert (run_dir / png).stat().st_size > 1000
     assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0.log").is_file()
+    ledger = subprocess.run([sys.executable, "-m", "rltrain.plot", str(run_dir), "--ledger", "2"], capture_output=True,
+                            text=True)
+    assert ledger.returncode == 0 and "memory ledger (GiB) of step 2" in ledger.stdout, ledger.stderr
+    assert "trainer_host" in ledger.stdout and "engine_rss" in ledger.stdout
     if mode == "colocated":
         # Run again in the same directory without checkpoints: a fresh run, not appended to the old one.
         r = run_quickstart(tmp_path, "loop.steps=2")

@@ -210,3 +210,19 @@ def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
     assert [(c.prompt_index, c.sample_index) for c in part] == [(1, 0), (1, 1), (3, 0), (3, 1)]
     assert [c.output_ids for c in part] == [c.output_ids for c in full if c.prompt_index in (1, 3)]
     assert len({tuple(c.output_ids) for c in full}) > 1  # sampled, not greedy: the seeds matter
+
+
+def test_seeded_sampling_noise_is_uniform_and_samples_the_softmax():
+    """The counter-based noise behind seeded sampling: uniform, different per step and seed, and
+    its Gumbel-max draws follow the softmax."""
+    from rltrain.engine.native.engine import seeded_uniform
+
+    seeds = torch.arange(40000) * 1_000_003 + 12345
+    u = seeded_uniform(seeds, step=3, vocab=8)
+    assert 0 < float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.005
+    assert float((seeded_uniform(seeds, step=4, vocab=8) != u).double().mean()) > 0.999
+    assert torch.equal(seeded_uniform(seeds[7:9], step=3, vocab=8), u[7:9])  # no dependence on the batch
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, 0.5, -2.0, 1.5])
+    drawn = torch.argmax(logits - torch.log(-torch.log(u)).float(), dim=-1)
+    freq = torch.bincount(drawn, minlength=8).double() / len(seeds)
+    assert torch.allclose(freq, torch.softmax(logits.double(), -1), atol=0.01), freq

@@ -10,7 +10,9 @@ Each cycle does what the colocated loop does between phases, without the work it
 There is one engine: the embedded engine, started by rank 0 as the loop starts it. The trainer
 is the torch-native one, FSDP2 over the world, on a small Qwen2 built locally. After each cycle
 every rank samples its RSS, open file descriptors, threads and child processes, plus the
-engine's RSS; on CUDA also the device memory in use. After `--warmup` cycles, growth beyond the
+engine's RSS; on CUDA also the device memory in use, at the end of the cycle and at its low point
+(engine released, trainer offloaded, world down: what is left must be back at the baseline of
+the warm-up every time, `cuda_low_mib`). After `--warmup` cycles, growth beyond the
 bounds below fails the run (exit 1): allocator caches and lazily started threads settle during
 the warm-up.
 """
@@ -31,7 +33,8 @@ import torch
 # Growth allowed from the end of the warm-up, at any cycle. fds and threads: a destroyed Gloo
 # group holds ~1.5 sockets and ~1 thread until it is freed, which the trainer forces with a full
 # garbage collection every GC_EVERY (8) onloads: up to 8 cycles' worth, plus slack.
-BOUNDS = {"rss_mib": 64.0, "engine_rss_mib": 64.0, "fds": 16, "threads": 12, "children": 0, "cuda_used_mib": 64.0}
+BOUNDS = {"rss_mib": 64.0, "engine_rss_mib": 64.0, "fds": 16, "threads": 12, "children": 0, "cuda_used_mib": 64.0,
+          "cuda_low_mib": 16.0}
 
 
 def _build(path: Path) -> None:
@@ -83,6 +86,13 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
                 trainer.onload()
                 trainer.offload()
             world.bridge.barrier(phase="soak offload")
+            low = None
+            if device.type == "cuda":  # the cycle's low point: engine released, trainer offloaded, world down
+                world.destroy()
+                world.wait_destroyed()
+                free, total = torch.cuda.mem_get_info(device)
+                low = (total - free) / 2**20
+                world.rebuild()
             if client is not None and "engine" in parts:
                 client.resume(["weights", "kv_cache"])
             world.bridge.barrier(phase="soak resume")
@@ -93,6 +103,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
             if device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(device)
                 row["cuda_used_mib"] = (total - free) / 2**20
+                row["cuda_low_mib"] = low
             samples.append(row)
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(samples))

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from rltrain.runtime.bridge import Bridge, BridgeError, restart_attempt
 from rltrain.runtime.env import DistEnv
+from rltrain.runtime.ledger import measure_cuda_context
 
 log = logging.getLogger("rltrain.world")
 
@@ -147,8 +148,11 @@ class World:
             log.info("%s=%s: destroy/rebuild are no-ops, groups stay up", RELOAD_ENV, env_reload)
         self.async_destroy = async_destroy
         self.device = torch.device("cpu")
+        self.cuda_context: int | None = None  # bytes this process's CUDA context took (memory ledger)
+        self.nccl_bytes = 0  # bytes the current generation's communicators took (memory ledger)
         if backend == "nccl":
             self.device = torch.device("cuda", self.env.local_rank)
+            self.cuda_context = measure_cuda_context(self.device)  # first touch of the GPU: measured
             torch.cuda.set_device(self.device)
 
         self.generation = -1
@@ -344,6 +348,7 @@ class World:
     def _start_generation(self, generation: int, kind: str) -> None:
         tr = Transition(kind, generation, len(self._groups))
         self.generation = generation
+        outside = self._outside_allocator()
         t0 = time.perf_counter()
         store = dist.PrefixStore(self.store_prefix(generation), self._base_store)
         try:
@@ -368,8 +373,19 @@ class World:
         except BridgeError as e:
             raise self._error(kind, "waiting for every rank at the bridge barrier", e) from e
         t4 = time.perf_counter()
+        if outside is not None:
+            # What the communicators took: device memory outside the allocator, before vs. after
+            # (the memory ledger's "nccl"; the engine is idle while the world is built).
+            self.nccl_bytes = max(self._outside_allocator() - outside, 0)
         tr.seconds.update(init=t1 - t0, groups=t2 - t1, prime=t3 - t2, barrier=t4 - t3, critical_path=t4 - t0)
         self._record(tr, f"{self.backend}, store prefix {self.store_prefix()}")
+
+    def _outside_allocator(self) -> int | None:
+        """Bytes in use on this rank's GPU that its caching allocator does not hold (None off GPU)."""
+        if self.backend != "nccl" or self.device.type != "cuda":
+            return None
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free - torch.cuda.memory_reserved(self.device)
 
     def close(self) -> None:
         """End of job: barrier, tear everything down (bridge last), collect garbage.

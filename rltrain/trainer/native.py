@@ -183,6 +183,37 @@ class TorchTrainer:
             if module is not None:
                 free_storage(module)
 
+    # ------------------------------------------------------------------ memory ledger
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor this trainer holds, by kind, wherever it is (the memory ledger sizes them;
+        each storage counts once, in the first kind it appears in)."""
+        weights: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        optim: list[torch.Tensor] = []
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                weights += [*module.parameters(), *module.buffers()]
+                for p in module.parameters():
+                    grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
+        for opt in _optimizers(self.optimizer):
+            optim += [p for group in opt.param_groups for p in group["params"]]  # fp32 main params (megatron)
+            _tensors(list(opt.state.values()), optim)
+        parked = self._parked or {}
+        model_state = parked.get("model")
+        if isinstance(model_state, dict) and "params" in model_state:  # this trainer's capture
+            _tensors([model_state["params"], model_state["buffers"]], weights)
+            _tensors(model_state.get("optim"), optim)
+        else:  # megatron's capture
+            _tensors(model_state, weights)
+            _tensors(parked.get("optimizer"), optim)
+        _tensors(parked.get("reference"), weights)
+        return {"weights": weights, "grads": grads, "optimizer": optim, "spare": self._spare_host_buffers()}
+
+    def _spare_host_buffers(self) -> list[torch.Tensor]:
+        """Host buffers kept between offloads for reuse (none here)."""
+        return []
+
     # ------------------------------------------------------------------ offload
 
     def offload(self) -> None:
@@ -534,3 +565,26 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers inside a (possibly megatron-wrapped or chained) optimizer."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for c in optimizer.chained_optimizers for o in _optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append every tensor in a nested dict/list/tuple to `out`."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+

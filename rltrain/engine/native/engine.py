@@ -31,6 +31,7 @@ from rltrain.engine.protocol import SamplingParams
 from rltrain.models.hf_names import checkpoint_index, write
 from rltrain.sync.integrity import combine, entry
 from rltrain.sync.plan import EXPERT, num_experts
+from rltrain.runtime.ledger import measure_cuda_context
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 log = logging.getLogger("rltrain.engine.native")
@@ -54,7 +55,7 @@ class _Row:
     prompt: list[int]
     prompt_index: int
     sample_index: int
-    generator: torch.Generator | None
+    seed: int | None  # this sample's sampling seed (None: the engine's shared generator)
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -70,6 +71,10 @@ class NativeEngine:
 
         self.model_path = model_path
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", 0)  # the first visible device (asking torch would touch the GPU)
+        # Measured before anything else touches the GPU (the memory ledger shows it).
+        self.context_bytes = measure_cuda_context(self.device)
         torch_dtype = _dtype(dtype, self.device)
         self.config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
@@ -81,6 +86,9 @@ class NativeEngine:
         # transformers 5.2x renamed `past_key_values` to `cache` (in and out); accept both.
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        # The prefill computes logits for the last position only, where the model can.
+        params = inspect.signature(self.model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._backup_dir = Path(backup_dir or tempfile.mkdtemp(prefix="rltrain-native-backup-"))
         # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
         # are grouped so a checkpoint may carry either name.
@@ -213,12 +221,11 @@ class NativeEngine:
         for req in reqs:
             for i, prompt in enumerate(req.input_ids):
                 for j in range(req.params.n):
-                    gen = None
+                    seed = None
                     if req.params.sampling_seed is not None:
                         # One stream per sample: seed + its index in the request (prompt-major).
                         seed = req.params.sampling_seed + i * req.params.n + j
-                        gen = torch.Generator(device=self.device).manual_seed(seed)
-                    rows.append(_Row(req, prompt, i, j, gen))
+                    rows.append(_Row(req, prompt, i, j, seed))
         B = len(rows)
         lengths = [len(r.prompt) for r in rows]
         L = max(lengths)
@@ -236,7 +243,7 @@ class NativeEngine:
             if max_new[b] == 0:
                 r.finish = {"type": "length", "length": 0}
 
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_logits_only)
         past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
         step = 0
         while any(r.finish is None for r in rows):
@@ -247,7 +254,7 @@ class NativeEngine:
                             r.finish = {"type": "abort", "message": "generation paused with mode=abort"}
                     break
                 self._running.wait()
-            tokens, logps = self._sample(logits, rows, temps)
+            tokens, logps = self._sample(logits, rows, temps, step)
             tok_list, lp_list = tokens.tolist(), logps.tolist()
             for b, r in enumerate(rows):
                 if r.finish is not None:
@@ -282,14 +289,23 @@ class NativeEngine:
             results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        greedy = temps == 0
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, without a device sync per row: greedy rows take the argmax; seeded
+        rows the Gumbel-max of their filtered logits with noise that is a function of (seed,
+        step, token) alone (`seeded_uniform`), so a sample does not depend on its batch; the
+        rest draw from the shared generator. top-k / top-p / min-p filter only the rows that ask."""
+        greedy = [r.req.params.temperature == 0 for r in rows]
+        scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
         logprobs_all = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled.clone()
-        for b, r in enumerate(rows):
-            p = r.req.params
-            if p.top_k > 0 and p.top_k < filtered.shape[-1]:
+        filtered = scaled
+        asks = [b for b, r in enumerate(rows) if not greedy[b] and (
+            0 < r.req.params.top_k < scaled.shape[-1] or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)]
+        if asks:
+            filtered = scaled.clone()
+        for b in asks:
+            p = rows[b].req.params
+            if 0 < p.top_k < filtered.shape[-1]:
                 kth = torch.topk(filtered[b], p.top_k).values[-1]
                 filtered[b][filtered[b] < kth] = float("-inf")
             if p.top_p < 1.0:
@@ -300,16 +316,19 @@ class NativeEngine:
             if p.min_p > 0:
                 probs = torch.softmax(filtered[b], -1)
                 filtered[b][probs < p.min_p * probs.max()] = float("-inf")
-        probs = torch.softmax(filtered, dim=-1)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        shared = [b for b, r in enumerate(rows) if r.generator is None and not greedy[b]]
+        tokens = torch.argmax(logits, dim=-1)  # the greedy rows' answer; the others are overwritten
+        seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
+        if seeded:
+            idx = torch.tensor(seeded, device=logits.device)
+            u = seeded_uniform(torch.tensor([rows[b].seed for b in seeded], device=logits.device), step,
+                               logits.shape[-1])
+            gumbel = -torch.log(-torch.log(u)).float()
+            tokens[idx] = torch.argmax(filtered[idx] + gumbel, dim=-1)
+        shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
         if shared:
-            tokens[shared] = torch.multinomial(probs[shared], 1, generator=self._generator).squeeze(1)
-        for b, r in enumerate(rows):
-            if greedy[b]:
-                tokens[b] = torch.argmax(logits[b])
-            elif r.generator is not None:
-                tokens[b] = torch.multinomial(probs[b], 1, generator=r.generator).squeeze(0)
+            idx = torch.tensor(shared, device=logits.device)
+            probs = torch.softmax(filtered[idx], dim=-1)
+            tokens[idx] = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
         return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
 
     # ------------------------------------------------------------------ memory
@@ -386,17 +405,24 @@ class NativeEngine:
                 named[other].data = head.data
 
     def memory_report(self) -> dict[str, Any]:
+        """What this engine holds (bytes): its weights, the allocator blocks kept after the last
+        batch (its KV cache: the embedded engine allocates the cache per batch), the rest of its
+        allocations, its CUDA context as measured at start, and its RSS."""
         import psutil
 
+        weights = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in self.model.parameters()}.values())
         rep: dict[str, Any] = {
             "released": sorted(self.released),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters()),
+            "device": str(self.device),
+            "weight_bytes": weights,
             "rss_bytes": psutil.Process().memory_info().rss,
         }
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            rep.update(cuda_allocated=torch.cuda.memory_allocated(self.device),
-                       cuda_reserved=torch.cuda.memory_reserved(self.device), cuda_used=total - free)
+            allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            rep.update(cuda_allocated=allocated, cuda_reserved=reserved, cuda_used=total - free,
+                       kv_cache_bytes=reserved - allocated, other_bytes=allocated - weights,
+                       context_bytes=self.context_bytes)
         return rep
 
     # ------------------------------------------------------------------ weights
@@ -565,4 +591,29 @@ def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_ptr.setdefault(p.data_ptr(), []).append(n)
     return [names for names in by_ptr.values() if len(names) > 1]
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap in
+    int64; their low 32 bits, all that is kept, are exact)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """[len(seeds), vocab] float64 uniforms in (0, 1), each a hash of (seed, step, token): the
+    counter-based noise of seeded sampling. Vectorised over rows, and independent of which
+    other rows are in the batch."""
+    seeds = seeds.to(torch.int64)
+    s = _fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) & _M32))
+    s = _fmix32(s ^ ((step * 0x9E3779B1 + 0x7F4A7C15) & _M32))
+    tok = _fmix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F & _M32)
+    h = _fmix32(s[:, None] ^ tok[None, :])
+    return (h.double() + 0.5) / 2.0**32
 

@@ -216,6 +216,9 @@ class MegatronTrainer(TorchTrainer):
         super().release()
         self._host = None
 
+    def _spare_host_buffers(self) -> list[torch.Tensor]:
+        return list(self._host._buffers) if self._host is not None else []
+
     # ------------------------------------------------------------------ compute
 
     def _data_group(self) -> Any:

@@ -1,0 +1,183 @@
+"""Benchmark: the colocated loop end to end on one GPU, with its limits measured in the same run.
+
+    python -m rltrain.bench.e2e                        # Qwen3-1.7B shape, 4 steps (the first warms up)
+    python -m rltrain.bench.e2e --shape 0.6b --steps 3 --max-new-tokens 256
+
+A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
+task's tokenizer. The real loop runs under torchrun on one rank: the embedded engine on the GPU,
+the torch-native trainer (bf16), weight sync by `tensor` (CUDA IPC), colocated. Then, in this
+process (so that its own CUDA context is not on the GPU during the loop), the limits: the bf16
+matmul rate and the pinned host<->device copy rates.
+
+Reported, averaged over the steps after the first: rollout and train tokens/s with MFU (6 x
+parameters x tokens per train step, 2 x for the log-prob passes), each phase switch as a share
+of the step, offload/onload bandwidth against the pinned copy, and from the memory ledger the GPU
+memory the trainer holds while the engine generates and the engine holds while the trainer trains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SWITCHES = ("engine_release", "world_rebuild", "trainer_onload", "engine_resume_weights", "sync", "world_destroy",
+            "trainer_offload", "engine_resume_kv")
+TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
+ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other")
+GOALS = "phase switches <= 10% of the step; offload/onload >= 80% of pinned copy; trainer while generating and " \
+        "engine while training <= 1 GiB beyond their CUDA contexts"
+
+
+def _build(path: str, shape: str) -> None:
+    """In a child process: the model (on the GPU, then saved) and the task's tokenizer."""
+    from rltrain.bench.trainers import build
+    from rltrain.rollout import synthetic
+
+    build(Path(path), shape, torch.device("cuda", 0))
+    synthetic.build_tokenizer(synthetic.addition_words()).save_pretrained(path)
+
+
+def _parameters(path: Path) -> int:
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _copy_rates(nbytes: int) -> tuple[float, float]:
+    """Pinned host->device and device->host GB/s (best of 3)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        rates.append(nbytes / best / 1e9)
+    return rates[0], rates[1]
+
+
+def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
+    repo = Path(__file__).resolve().parents[2]
+    config = repo / "configs" / "quickstart.yaml"
+    overrides = [f"run.dir={root}", "run.name=e2e", f"model.path={model}", "model.build=none",
+                 "world.backend=nccl", "engine.device=cuda", "engine.dtype=bfloat16",
+                 f"engine.max_batch_size={a.prompts * a.n}", "trainer.dtype=bfloat16", "trainer.lr=1e-6",
+                 f"trainer.micro_batch_size={a.micro}", f"data.prompts_per_step={a.prompts}", f"rollout.n={a.n}",
+                 f"rollout.max_new_tokens={a.max_new_tokens}", f"loop.steps={a.steps}", "checkpoint.interval=0",
+                 f"sync.transport={a.transport}", "metrics.progress_bar=false", "metrics.plot=true"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           "-m", "rltrain", "--config", str(config), *overrides]
+    log = root / "loop.log"
+    with open(log, "w") as out:
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    if r.returncode != 0:
+        raise SystemExit(f"the loop failed (exit {r.returncode}); last lines of {log}:\n"
+                         + "\n".join(log.read_text().splitlines()[-40:]))
+    return root / "e2e"
+
+
+def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a: argparse.Namespace) -> list[str]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] if len(rows) > 1 else rows
+    mean = lambda f: sum(f(r) for r in steady) / len(steady)  # noqa: E731
+    step_s = mean(lambda r: r["time"]["step"])
+    lines = [f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
+             f"# {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} prompts x "
+             f"{a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
+             f"steps 2..{len(rows)} averaged",
+             f"# limits (same run): bf16 matmul {tflops:.0f} TFLOP/s; pinned copy h->d {h2d:.1f} GB/s, "
+             f"d->h {d2h:.1f} GB/s",
+             f"# goals: {GOALS}", ""]
+    rollout_s, train_s, lp_s = (mean(lambda r, p=p: r["time"].get(p, 0.0)) for p in ("rollout", "train", "logprobs"))
+    response = mean(lambda r: r["response_length"] * r["samples_trained"])
+    train_tps = mean(lambda r: r["train_tokens_per_s"])
+    train_tokens = train_tps * train_s
+    lines += [f"{'what':>28s} {'value':>14s}  note",
+              f"{'step':>28s} {step_s:13.2f}s",
+              f"{'rollout':>28s} {rollout_s:13.2f}s  {response / rollout_s:,.0f} response tok/s",
+              f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s, "
+              f"MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
+              f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s, "
+              f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}"]
+    total = 0.0
+    for p in SWITCHES:
+        s = mean(lambda r, p=p: r["time"].get(p, 0.0))
+        total += s
+        lines.append(f"{p:>28s} {s:13.3f}s  {s / step_s:6.1%} of the step")
+    lines.append(f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
+                 f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)")
+    mem = [r["memory"]["rank0"] for r in steady]
+    moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
+    for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
+        s = mean(lambda r, p=p: r["time"].get(p, 0.0))
+        rate = moved / s / 1e9 if s > 0 else 0.0
+        lines.append(f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
+                     f"({moved / 2**30:.2f} GiB of trainer state)")
+    held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
+    engine = max(sum(m["train"].get(k, 0.0) for k in ENGINE_DEVICE) for m in mem)
+    ctx = mem[-1]["rollout"].get("cuda_context", 0.0)
+    ectx = mem[-1]["rollout"].get("engine_context", 0.0)
+    lines += [f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
+              f"{'meets' if held <= 1 else 'misses'} <= 1 GiB",
+              f"{'engine GPU while training':>28s} {engine:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB), "
+              f"{'meets' if engine <= 1 else 'misses'} <= 1 GiB", ""]
+    from rltrain.runtime.ledger import format_ledger
+
+    lines.append(format_ledger({"rank0": mem[-1]}, rows[-1]["step"]))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="1.7b", choices=["tiny", "0.6b", "1.7b"])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
+    ap.add_argument("--keep", default="", help="keep the run directory here (metrics, ledger plots, logs)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark runs the loop on a GPU")
+    root = Path(a.keep or tempfile.mkdtemp(prefix="rltrain-bench-e2e-"))
+    root.mkdir(parents=True, exist_ok=True)
+    model = root / "model"
+    import torch.multiprocessing as mp
+
+    if not (model / "config.json").is_file():
+        p = mp.get_context("spawn").Process(target=_build, args=(str(model), a.shape))
+        p.start()
+        p.join()
+        if p.exitcode != 0:
+            raise SystemExit(f"building the model failed (exit {p.exitcode})")
+    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        os.environ.pop(k, None)
+    run_dir = run_loop(root, model, a)
+    from rltrain.bench.trainers import matmul_tflops
+
+    params = _parameters(model)
+    tflops = matmul_tflops(torch.device("cuda", 0))
+    h2d, d2h = _copy_rates(2 << 30)
+    print("\n".join(report(run_dir, params, tflops, h2d, d2h, a)))
+    print(f"\nrun directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

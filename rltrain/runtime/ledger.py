@@ -1,0 +1,177 @@
+"""The memory ledger: where each rank's device and host memory is, after every phase.
+
+Every figure is measured, none is assumed:
+
+    device_used        the whole GPU in use (cudaMemGetInfo)
+    trainer_weights    the trainer's parameters and buffers on the device   \\  its tensors,
+    trainer_grads      its gradients (megatron's main_grad buffers too)      } each storage
+    trainer_optimizer  its optimizer state (megatron's fp32 main params too) /  counted once
+    trainer_other      the rest of what this process's allocator hands out (activations, staging)
+    allocator_cached   blocks this process's allocator holds free (reserved - allocated)
+    nccl               what building the NCCL communicators took, measured by the world at its
+                       rebuild (device memory outside the allocator, before vs. after); 0 when down
+    cuda_context       this process's CUDA context, measured when the process first touched the GPU
+    engine_*           the engine's own report (weights, KV cache, other, its context), on the rank
+                       whose GPU the engine uses
+    unexplained        device_used minus all of the above: shown, never hidden
+    rss, host_pinned   this process's resident memory and its page-locked host allocations
+    trainer_host       the trainer's tensors in host memory (offloaded weights and optimizer state)
+    engine_rss         the engine process's resident memory
+
+Figures are GiB. A CPU run has the host part only (and the trainer's tensors under trainer_host).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import psutil
+import torch
+
+log = logging.getLogger("rltrain.ledger")
+
+GIB = 2**30
+DEVICE_PARTS = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
+                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context")
+
+
+def device_used(device: torch.device) -> int:
+    """Bytes in use on the whole device (every process)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def _nvml_used(index: int) -> int | None:
+    """Device memory in use read through NVML, which needs no CUDA context (None without it)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            visible = [v.strip() for v in __import__("os").environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            physical = visible[index] if visible else str(index)
+            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(physical)) if physical.isdigit()
+                      else pynvml.nvmlDeviceGetHandleByUUID(physical))
+            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001 - no NVML, no driver, an index NVML does not know: not measured
+        return None
+
+
+def measure_cuda_context(device: torch.device) -> int | None:
+    """Create this process's CUDA context on `device` and return what it took: NVML's reading
+    of the device before and after (call it before the process touches the GPU otherwise).
+    None when NVML cannot read the device or the context already existed."""
+    if device.type != "cuda" or torch.cuda.is_initialized():
+        return None
+    before = _nvml_used(device.index or 0)
+    torch.cuda.set_device(device)
+    torch.cuda.init()
+    torch.zeros(1, device=device)  # the context is created lazily, by the first real use
+    torch.cuda.synchronize(device)
+    after = _nvml_used(device.index or 0)
+    if before is None or after is None:
+        return None
+    return max(after - before - torch.cuda.memory_reserved(device), 0)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> dict[str, int]:
+    """Bytes of the distinct storages behind `tensors`, by where they live (device / pinned /
+    host); storages in `seen` are skipped and added to it (a view or a tied weight counts once)."""
+    out = {"device": 0, "pinned": 0, "host": 0}
+    for t in tensors:
+        if t is None or t.device.type == "meta":
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        s = t.untyped_storage()
+        key = (str(t.device), s.data_ptr())
+        if s.data_ptr() == 0 or key in seen:
+            continue
+        seen.add(key)
+        where = "device" if t.device.type != "cpu" else ("pinned" if t.is_pinned() else "host")
+        out[where] += s.nbytes()
+    return out
+
+
+class MemoryLedger:
+    """Reads the ledger of this rank. `engine` (a NodeEngine) and `world` may be None."""
+
+    def __init__(self, device: torch.device, trainer: Any = None, engine: Any = None, world: Any = None,
+                 cuda_context: int | None = None):
+        self.device, self.trainer, self.engine, self.world = device, trainer, engine, world
+        self.cuda_context = cuda_context
+        self.process = psutil.Process()
+        self._engine_process: psutil.Process | None = None
+
+    def read(self) -> dict[str, float]:
+        parts: dict[str, float] = {}
+        held = self.trainer.held_tensors() if self.trainer is not None else {}
+        seen: set[tuple[str, int]] = set()
+        sizes = {kind: storage_bytes(held.get(kind, ()), seen) for kind in ("weights", "grads", "optimizer")}
+        cuda = self.device.type == "cuda"
+        if cuda:
+            allocated = torch.cuda.memory_allocated(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+            for kind, size in sizes.items():
+                parts[f"trainer_{kind}"] = size["device"]
+            parts["trainer_other"] = allocated - sum(s["device"] for s in sizes.values())
+            parts["allocator_cached"] = reserved - allocated
+            parts["nccl"] = getattr(self.world, "nccl_bytes", 0) if self.world is not None and self.world.is_up else 0
+            parts["cuda_context"] = self.cuda_context or 0
+        spare = storage_bytes(held.get("spare", ()), seen)  # host buffers kept for the next offload
+        parts["trainer_host"] = sum(s["host"] + s["pinned"] for s in (*sizes.values(), spare))
+        engine = self._engine_report()
+        if cuda and engine.get("device") == str(self.device):
+            parts["engine_weights"] = engine.get("weight_bytes", 0)
+            parts["engine_kv_cache"] = engine.get("kv_cache_bytes", 0)
+            parts["engine_other"] = engine.get("other_bytes", 0)
+            parts["engine_context"] = engine.get("context_bytes") or 0
+        out = {k: v / GIB for k, v in parts.items()}
+        if cuda:
+            used = device_used(self.device)
+            out["device_used"] = used / GIB
+            out["unexplained"] = (used - sum(parts.get(k, 0) for k in DEVICE_PARTS)) / GIB
+        out["rss"] = self.process.memory_info().rss / GIB
+        if cuda:
+            stats = torch.cuda.host_memory_stats()
+            out["host_pinned"] = stats.get("allocated_bytes.current", stats.get("allocation.current", 0)) / GIB
+        if "rss_bytes" in engine:
+            out["engine_rss"] = engine["rss_bytes"] / GIB
+        return out
+
+    def _engine_report(self) -> dict[str, Any]:
+        """The engine's own figures (local rank 0, which owns the process), {} elsewhere or when
+        the engine cannot say (SGLang reports sizes, not what is allocated now)."""
+        if self.engine is None or self.engine.process is None or not self.engine.process.alive:
+            return {}
+        try:
+            rep = self.engine.client.memory_report()
+        except Exception as e:  # noqa: BLE001 - SGLang has no /memory; a ledger never fails a step
+            rep = {}
+            log.debug("engine memory report unavailable: %s", e)
+        if not isinstance(rep, dict):
+            rep = {}
+        if "rss_bytes" not in rep:
+            try:
+                rep["rss_bytes"] = psutil.Process(self.engine.process.proc.pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return rep
+
+
+def format_ledger(memory: dict[str, dict[str, dict[str, float]]], step: int | None = None) -> str:
+    """The table of one metrics row's "memory": a row per (rank, phase), a column per part."""
+    columns: list[str] = []
+    for phases in memory.values():
+        for parts in phases.values():
+            columns += [k for k in parts if k not in columns]
+    head = f"{'rank':>6s} {'after phase':>22s} " + " ".join(f"{c[:17]:>17s}" for c in columns)
+    lines = [f"memory ledger (GiB){f' of step {step}' if step is not None else ''}", head]
+    for rank, phases in memory.items():
+        for phase, parts in phases.items():
+            lines.append(f"{rank:>6s} {phase:>22s} " + " ".join(
+                f"{parts[c]:17.3f}" if c in parts else f"{'':>17s}" for c in columns))
+    return "\n".join(lines)
