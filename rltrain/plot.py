@@ -53,7 +53,8 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 
 DEVICE_STACK = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
-                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "unexplained")
+                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "device_baseline",
+                "unexplained")
 HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
 
 

@@ -2,7 +2,7 @@
 
 Every figure is measured, none is assumed:
 
-    device_used        the whole GPU in use (cudaMemGetInfo)
+    device_used        the whole GPU in use (NVML, as the contexts below; else cudaMemGetInfo)
     trainer_weights    the trainer's parameters and buffers on the device   \\  its tensors,
     trainer_grads      its gradients (megatron's main_grad buffers too)      } each storage
     trainer_optimizer  its optimizer state (megatron's fp32 main params too) /  counted once
@@ -11,6 +11,8 @@ Every figure is measured, none is assumed:
     nccl               what building the NCCL communicators took, measured by the world at its
                        rebuild (device memory outside the allocator, before vs. after); 0 when down
     cuda_context       this process's CUDA context, measured when the process first touched the GPU
+    device_baseline    what the device had in use before that (the driver's own reservation, and
+                       any other process that was there)
     engine_*           the engine's own report (weights, KV cache, other, its context), on the rank
                        whose GPU the engine uses
     unexplained        device_used minus all of the above: shown, never hidden
@@ -24,6 +26,7 @@ Figures are GiB. A CPU run has the host part only (and the trainer's tensors und
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Iterable
 
 import psutil
@@ -33,39 +36,49 @@ log = logging.getLogger("rltrain.ledger")
 
 GIB = 2**30
 DEVICE_PARTS = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
-                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context")
+                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "device_baseline")
 
 
 def device_used(device: torch.device) -> int:
-    """Bytes in use on the whole device (every process)."""
+    """Bytes in use on the whole device (every process), read the way the contexts and the
+    baseline are (NVML), else through cudaMemGetInfo (whose "total" counts differently)."""
+    used = _nvml_used(device.index or 0)
+    if used is not None:
+        return used
     free, total = torch.cuda.mem_get_info(device)
     return total - free
 
 
+_NVML: dict[int, Any] = {}  # device index -> NVML handle (None: NVML cannot read it)
+
+
 def _nvml_used(index: int) -> int | None:
     """Device memory in use read through NVML, which needs no CUDA context (None without it)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
+    if index not in _NVML:
         try:
-            visible = [v.strip() for v in __import__("os").environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+            import pynvml
+
+            pynvml.nvmlInit()
+            visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
             physical = visible[index] if visible else str(index)
-            handle = (pynvml.nvmlDeviceGetHandleByIndex(int(physical)) if physical.isdigit()
-                      else pynvml.nvmlDeviceGetHandleByUUID(physical))
-            return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no NVML, no driver, an index NVML does not know: not measured
+            _NVML[index] = (pynvml.nvmlDeviceGetHandleByIndex(int(physical)) if physical.isdigit()
+                            else pynvml.nvmlDeviceGetHandleByUUID(physical))
+        except Exception:  # noqa: BLE001 - no NVML, no driver, an index NVML does not know: not measured
+            _NVML[index] = None
+    if _NVML[index] is None:
         return None
+    import pynvml
+
+    return int(pynvml.nvmlDeviceGetMemoryInfo(_NVML[index]).used)
 
 
-def measure_cuda_context(device: torch.device) -> int | None:
-    """Create this process's CUDA context on `device` and return what it took: NVML's reading
-    of the device before and after (call it before the process touches the GPU otherwise).
-    None when NVML cannot read the device or the context already existed."""
+def measure_cuda_context(device: torch.device) -> tuple[int | None, int | None]:
+    """Create this process's CUDA context on `device`: (what the context took, what the device
+    had in use before it), both read through NVML before and after. Call it before the process
+    touches the GPU otherwise; (None, None) when NVML cannot read the device or the context
+    already existed."""
     if device.type != "cuda" or torch.cuda.is_initialized():
-        return None
+        return None, None
     before = _nvml_used(device.index or 0)
     torch.cuda.set_device(device)
     torch.cuda.init()
@@ -73,8 +86,8 @@ def measure_cuda_context(device: torch.device) -> int | None:
     torch.cuda.synchronize(device)
     after = _nvml_used(device.index or 0)
     if before is None or after is None:
-        return None
-    return max(after - before - torch.cuda.memory_reserved(device), 0)
+        return None, None
+    return max(after - before - torch.cuda.memory_reserved(device), 0), before
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> dict[str, int]:
@@ -100,9 +113,9 @@ class MemoryLedger:
     """Reads the ledger of this rank. `engine` (a NodeEngine) and `world` may be None."""
 
     def __init__(self, device: torch.device, trainer: Any = None, engine: Any = None, world: Any = None,
-                 cuda_context: int | None = None):
+                 cuda_context: tuple[int | None, int | None] = (None, None)):
         self.device, self.trainer, self.engine, self.world = device, trainer, engine, world
-        self.cuda_context = cuda_context
+        self.cuda_context, self.device_baseline = cuda_context
         self.process = psutil.Process()
         self._engine_process: psutil.Process | None = None
 
@@ -121,6 +134,7 @@ class MemoryLedger:
             parts["allocator_cached"] = reserved - allocated
             parts["nccl"] = getattr(self.world, "nccl_bytes", 0) if self.world is not None and self.world.is_up else 0
             parts["cuda_context"] = self.cuda_context or 0
+            parts["device_baseline"] = self.device_baseline or 0
         spare = storage_bytes(held.get("spare", ()), seen)  # host buffers kept for the next offload
         parts["trainer_host"] = sum(s["host"] + s["pinned"] for s in (*sizes.values(), spare))
         engine = self._engine_report()

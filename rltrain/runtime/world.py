@@ -148,7 +148,8 @@ class World:
             log.info("%s=%s: destroy/rebuild are no-ops, groups stay up", RELOAD_ENV, env_reload)
         self.async_destroy = async_destroy
         self.device = torch.device("cpu")
-        self.cuda_context: int | None = None  # bytes this process's CUDA context took (memory ledger)
+        # (bytes this process's CUDA context took, bytes in use on the device before it): the ledger's
+        self.cuda_context: tuple[int | None, int | None] = (None, None)
         self.nccl_bytes = 0  # bytes the current generation's communicators took (memory ledger)
         if backend == "nccl":
             self.device = torch.device("cuda", self.env.local_rank)

@@ -74,7 +74,7 @@ class NativeEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", 0)  # the first visible device (asking torch would touch the GPU)
         # Measured before anything else touches the GPU (the memory ledger shows it).
-        self.context_bytes = measure_cuda_context(self.device)
+        self.context_bytes = measure_cuda_context(self.device)[0]
         torch_dtype = _dtype(dtype, self.device)
         self.config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
