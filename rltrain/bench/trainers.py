@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 rate = f"{tokens / s:,.0f} tok/s, MFU {6 * params * tokens / s / 1e12 / tflops:.0%}"
             print(f"{name:>10s} {s:8.3f} {used:13.2f} {alloc:14.2f}  {rate}")
         print(f"pinned copy d->h->d: {copy:.1f} GB/s")
+        print("parts of the last offload/onload: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.timings.items()))
         t.release()
         del t
         torch.cuda.empty_cache()

@@ -15,6 +15,7 @@ tokens before it (position 0 has none and is never in the loss mask).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -71,6 +72,7 @@ class TorchTrainer:
         # Log-probs are taken at the sampling temperature, as the engine reports them.
         self.temperature = temperature
         self._reshards = 0  # onloads of a sharded trainer (a full gc every GC_EVERY; see onload)
+        self.timings: dict[str, float] = {}  # seconds of the parts of the last offload / onload
         self.model_path = model_path
         self.device = device
         self.dtype = _dtype(cfg.dtype, device)
@@ -183,6 +185,17 @@ class TorchTrainer:
             if module is not None:
                 free_storage(module)
 
+    @contextlib.contextmanager
+    def _timed(self, what: str) -> Iterator[None]:
+        """Seconds of a part of offload/onload (device work included), for the benchmarks."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.timings[what] = time.perf_counter() - t0
+
     # ------------------------------------------------------------------ memory ledger
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
@@ -222,10 +235,13 @@ class TorchTrainer:
         so there are none to move. A no-op on a CPU device."""
         if self.device.type == "cpu" or self.offloaded or self.released:
             return
-        self._parked = self._capture(to_host=True, with_reference=True)
-        self._free()
-        self._drop()
-        self._reclaim()
+        with self._timed("offload: copy to host"):
+            self._parked = self._capture(to_host=True, with_reference=True)
+        with self._timed("offload: free modules"):
+            self._free()
+            self._drop()
+        with self._timed("offload: return memory to the device"):
+            self._reclaim()
 
     def _reclaim(self) -> None:
         """Hand the memory of the dropped modules back to the device."""
@@ -268,9 +284,11 @@ class TorchTrainer:
     def _rebuild(self, state: dict[str, Any]) -> None:
         """Fresh modules sharded over the current group, filled from a capture."""
         self._drop()
-        self.model = self._build("meta")
-        self._new_optimizer()
-        load(self.model, self.optimizer, state["model"])
+        with self._timed("onload: build and shard modules"):
+            self.model = self._build("meta")
+            self._new_optimizer()
+        with self._timed("onload: copy to device"):
+            load(self.model, self.optimizer, state["model"])
         self.load_host_state(state)
         if "reference" in state:
             self.ref_model = self._build("meta").eval()
