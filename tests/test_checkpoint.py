@@ -129,6 +129,25 @@ def test_failed_save_keeps_trainer_and_previous_checkpoint(tmp_path, world1):
     assert one_step(t, fixed_batch())["grad_norm"] > 0  # the trainer is alive and trains on
 
 
+def test_a_read_only_checkpoint_directory_keeps_trainer_and_previous_checkpoint(tmp_path, world1):
+    """The checkpoint directory's filesystem turns read-only (a real tmpfs remounted ro): the
+    save fails with the reason, the trainer trains on, the previous checkpoint verifies."""
+    from readonly import tmpfs
+
+    t = make_trainer(make_model(tmp_path / "m", seed=5), micro=4)
+    with tmpfs(tmp_path / "ck") as read_only:
+        ck = Checkpointer(tmp_path / "ck", world1)
+        one_step(t, fixed_batch())
+        ck.save(1, t, "1", {})
+        read_only()
+        with pytest.raises(CheckpointError, match="Read-only file system"):
+            ck.save(2, t, "2", {})
+        assert (tmp_path / "ck" / "latest").read_text() == "step_000001"
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["latest", "step_000001"]
+        verify(tmp_path / "ck" / "step_000001")
+        assert one_step(t, fixed_batch())["grad_norm"] > 0
+
+
 def _release_rss(rank: int, world_size: int, model_dir: str) -> dict:
     import psutil
 

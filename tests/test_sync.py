@@ -136,6 +136,17 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                 finally:
                     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
                 return out
+            if fault == "readonly":  # the weights' filesystem turns read-only before version 2
+                if world.rank == 0:
+                    import subprocess
+
+                    subprocess.run(["mount", "-o", "remount,ro", weights_dir], check=True, capture_output=True)
+                world.bridge.barrier(phase="test remount")
+                try:
+                    sync.push("2")
+                except Exception as e:  # noqa: BLE001 - reported to the test
+                    out["v2_error"] = f"{type(e).__name__}: {e}"
+                return out
             if fault == "full":
                 try:
                     sync.push("2")
@@ -258,6 +269,27 @@ def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_versio
         assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) \
             == ["weight_v000001"]
         assert eng.client.weight_version() == "1"
+    finally:
+        eng.client.close()
+        eng.process.stop()
+
+
+def test_a_read_only_weights_directory_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a):
+    """The weights directory's filesystem turns read-only (a real tmpfs remounted ro) before
+    version 2 is published: every rank raises a SyncError with the reason, version 1 stays
+    whole and served."""
+    from readonly import tmpfs
+
+    eng = start_engine("native", big_a, tmp_path / "logs")
+    try:
+        with tmpfs(tmp_path / "w"):
+            r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "disk",
+                                      str(tmp_path / "w"), "readonly", deadline_s=120))
+            for r in (r0, r1):
+                assert "SyncError" in r.get("v2_error", "") and "Read-only file system" in r["v2_error"], r.get("v2_error")
+            assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["weight_v000001"]
+            assert (tmp_path / "w" / "weight_v000001" / "rltrain_version.json").is_file()
+            assert eng.client.weight_version() == "1"
     finally:
         eng.client.close()
         eng.process.stop()

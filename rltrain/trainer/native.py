@@ -211,16 +211,16 @@ class TorchTrainer:
                     grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
         for opt in _optimizers(self.optimizer):
             optim += [p for group in opt.param_groups for p in group["params"]]  # fp32 main params (megatron)
-            _tensors(list(opt.state.values()), optim)
+            tensors_in(list(opt.state.values()), optim)
         parked = self._parked or {}
         model_state = parked.get("model")
         if isinstance(model_state, dict) and "params" in model_state:  # this trainer's capture
-            _tensors([model_state["params"], model_state["buffers"]], weights)
-            _tensors(model_state.get("optim"), optim)
+            tensors_in([model_state["params"], model_state["buffers"]], weights)
+            tensors_in(model_state.get("optim"), optim)
         else:  # megatron's capture
-            _tensors(model_state, weights)
-            _tensors(parked.get("optimizer"), optim)
-        _tensors(parked.get("reference"), weights)
+            tensors_in(model_state, weights)
+            tensors_in(parked.get("optimizer"), optim)
+        tensors_in(parked.get("reference"), weights)
         return {"weights": weights, "grads": grads, "optimizer": optim, "spare": self._spare_host_buffers()}
 
     def _spare_host_buffers(self) -> list[torch.Tensor]:
@@ -595,14 +595,14 @@ def _optimizers(optimizer: Any) -> list[Any]:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
 
 
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
+def tensors_in(obj: Any, out: list[torch.Tensor]) -> None:
     """Append every tensor in a nested dict/list/tuple to `out`."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
     elif isinstance(obj, dict):
         for v in obj.values():
-            _tensors(v, out)
+            tensors_in(v, out)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _tensors(v, out)
+            tensors_in(v, out)
 

@@ -55,7 +55,7 @@ from rltrain.trainer.megatron.convert import (
     tp_unshard,
 )
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
-from rltrain.trainer.native import TorchTrainer, TrainBatch
+from rltrain.trainer.native import TorchTrainer, TrainBatch, tensors_in
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -439,7 +439,7 @@ class MegatronTrainer(TorchTrainer):
                  for n, p in _weights(_unwrap(self.model)).items()}
         _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
         tensors: list[torch.Tensor] = []
-        _walk(_optimizer_state(self.optimizer, clone=False), tensors.append)
+        tensors_in(_optimizer_state(self.optimizer, clone=False), tensors)
         tag = experts if self.ep > 1 else layout
         if self.cfg.distributed_optimizer:
             tag = f"{tag}/dp{dp}of{self.groups.layout.dp}"
@@ -533,7 +533,7 @@ class _HostMirror:
 
     def copy_in(self, state: Any) -> Any:
         tensors: list[torch.Tensor] = []
-        _walk(state, tensors.append)
+        tensors_in(state, tensors)
         fits = len(tensors) == len(self._buffers) and all(
             b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self._buffers, tensors))
         if not fits:
@@ -543,17 +543,6 @@ class _HostMirror:
         torch.cuda.synchronize()
         it = iter(self._buffers)
         return _map(state, lambda _: next(it))
-
-
-def _walk(obj: Any, fn: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        fn(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _walk(v, fn)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _walk(v, fn)
 
 
 def _map(obj: Any, fn: Any) -> Any:
