@@ -551,6 +551,9 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
         assert r["logp_diff_engine_trainer"] < 1e-3, [(x["step"], x["logp_diff_engine_trainer"]) for x in rows]
     # Steps where every sample of a prompt scored the same have zero advantages: not all of them.
     assert any(r["grad_norm"] > 0 for r in rows), [x["grad_norm"] for x in rows]
+    # The memory ledger sizes megatron's weights and its optimizer's fp32 main params and moments.
+    ledger = rows[-1]["memory"]["rank0"]["train"]
+    assert ledger["trainer_host"] > 0 and ledger["rss"] > ledger["trainer_host"], ledger
 
 
 def test_expert_parallel_training_syncs_each_engine_ep_rank_only_its_experts(moe_runs):

@@ -206,8 +206,9 @@ class TorchTrainer:
         optim: list[torch.Tensor] = []
         for module in (self.model, self.ref_model):
             if module is not None:
-                weights += [*module.parameters(), *module.buffers()]
-                for p in module.parameters():
+                # (nn.Module's own methods: megatron's DDP has a `buffers` list of its own)
+                weights += [*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module)]
+                for p in torch.nn.Module.parameters(module):
                     grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
         for opt in _optimizers(self.optimizer):
             optim += [p for group in opt.param_groups for p in group["params"]]  # fp32 main params (megatron)
