@@ -39,7 +39,6 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
     writer = MetricsWriter(cfg, world, parts.start_step)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
-    leader = world.env.is_node_leader
     version = parts.initial_version
     last: dict[str, float] = {}
     saved, snapshot = None, None
@@ -71,17 +70,11 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
             with clock.phase("rollout"):
                 _check_versions(rollout, version, world.rank)
             with clock.phase("engine_release"):
-                # Every rank of the node must be done generating before its engine lets go of
-                # its memory: a release under a slower rank's requests fails them all.
-                world.bridge.barrier(phase="rollout done")
-                if cfg.loop.colocate and leader:
-                    engine.client.release(["kv_cache", "weights"])
+                _release_engine(cfg, world, engine.client)
             with clock.phase("world_rebuild"):
                 world.rebuild()
             with clock.phase("trainer_onload"):
-                if trainer.released:
-                    recreate(cfg, trainer, parts.checkpointer, saved, snapshot)
-                trainer.onload()
+                _onload(cfg, trainer, parts.checkpointer, saved, snapshot)
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
             with clock.phase("train"):
@@ -95,24 +88,16 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 if cfg.release.train and cfg.release.source == "host":
                     snapshot = trainer.snapshot()
             with clock.phase("engine_resume_weights"):
-                if cfg.loop.colocate and leader:
-                    engine.client.resume(["weights"])
-                world.bridge.barrier(phase="engine resume weights")
+                _resume_engine_weights(cfg, world, engine.client)
             with clock.phase("sync"):
                 version = str(step + 1)
                 train_stats.update(parts.sync.push(version))  # gathers shards: world up
             with clock.phase("world_destroy"):
                 world.destroy()  # NCCL teardown (~0.5 s inside NCCL) runs in the background during offload
             with clock.phase("trainer_offload"):
-                if cfg.release.train:
-                    trainer.release()
-                elif cfg.loop.offload_trainer:
-                    trainer.offload()
+                _put_trainer_away(cfg, trainer)
             with clock.phase("engine_resume_kv"):
-                world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
-                if cfg.loop.colocate and leader:
-                    engine.client.resume(["kv_cache"])
-                world.bridge.barrier(phase="engine resume kv")
+                _resume_engine_kv(cfg, world, engine.client)
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
     finally:
         writer.close()
@@ -143,33 +128,56 @@ def recreate(cfg: Any, trainer: Any, checkpointer: Any, saved: Any, snapshot: An
 
 def _send_weights_again(cfg: Any, parts: RunParts, world: Any, version: str | None, saved: Any, snapshot: Any) -> None:
     """A restarted engine serves model.path's weights. If any engine is not at `version`, the
-    step's own sequence (release, world up, trainer onload, sync, world down, offload, resume)
-    without the training sends `version` to every engine again."""
+    step's own phase sequence without the training sends `version` to every engine again."""
     stale = version is not None and parts.engine.client.weight_version() != version
     if not any(world.bridge.all_gather_object(stale, phase="engine restart version")):
         return
-    colocated = cfg.loop.colocate and world.env.is_node_leader
-    client, trainer = parts.engine.client, parts.trainer
-    if colocated:
-        client.release(["kv_cache", "weights"])
+    client = parts.engine.client
+    _release_engine(cfg, world, client)
     world.rebuild()
-    if trainer.released:
-        recreate(cfg, trainer, parts.checkpointer, saved, snapshot)
-    trainer.onload()
-    if colocated:
-        client.resume(["weights"])
-    world.bridge.barrier(phase="engine restart resume weights")
+    _onload(cfg, parts.trainer, parts.checkpointer, saved, snapshot)
+    _resume_engine_weights(cfg, world, client)
     parts.sync.push(version)
     world.destroy()
+    _put_trainer_away(cfg, parts.trainer)
+    _resume_engine_kv(cfg, world, client)
+    log.info("engine restarted: weight version %s sent again", version)
+
+
+# The step's phase switches (the loop's, and an engine restart's re-send of the weights).
+
+def _release_engine(cfg: Any, world: Any, client: Any) -> None:
+    # Every rank of the node must be done generating before its engine lets go of its memory:
+    # a release under a slower rank's requests fails them all.
+    world.bridge.barrier(phase="rollout done")
+    if cfg.loop.colocate and world.env.is_node_leader:
+        client.release(["kv_cache", "weights"])
+
+
+def _onload(cfg: Any, trainer: Any, checkpointer: Any, saved: Any, snapshot: Any) -> None:
+    if trainer.released:
+        recreate(cfg, trainer, checkpointer, saved, snapshot)
+    trainer.onload()
+
+
+def _resume_engine_weights(cfg: Any, world: Any, client: Any) -> None:
+    if cfg.loop.colocate and world.env.is_node_leader:
+        client.resume(["weights"])
+    world.bridge.barrier(phase="engine resume weights")
+
+
+def _put_trainer_away(cfg: Any, trainer: Any) -> None:
     if cfg.release.train:
         trainer.release()
     elif cfg.loop.offload_trainer:
         trainer.offload()
-    world.wait_destroyed()
-    if colocated:
+
+
+def _resume_engine_kv(cfg: Any, world: Any, client: Any) -> None:
+    world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
+    if cfg.loop.colocate and world.env.is_node_leader:
         client.resume(["kv_cache"])
-    world.bridge.barrier(phase="engine restart resume kv")
-    log.info("engine restarted: weight version %s sent again", version)
+    world.bridge.barrier(phase="engine resume kv")
 
 
 def _check_versions(rollout: Any, expected: str | None, rank: int) -> None:

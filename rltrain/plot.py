@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from rltrain.runtime.ledger import DEVICE_PARTS
+
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
@@ -52,9 +54,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     return out
 
 
-DEVICE_STACK = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
-                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "device_baseline",
-                "unexplained")
+DEVICE_STACK = (*DEVICE_PARTS, "unexplained")
 HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
 
 

@@ -54,23 +54,6 @@ def _parameters(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _copy_rates(nbytes: int) -> tuple[float, float]:
-    """Pinned host->device and device->host GB/s (best of 3)."""
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    rates = []
-    for dst, src in ((dev, host), (host, dev)):
-        best = float("inf")
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t0)
-        rates.append(nbytes / best / 1e9)
-    return rates[0], rates[1]
-
-
 def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
@@ -173,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     params = _parameters(model)
     tflops = matmul_tflops(torch.device("cuda", 0))
-    h2d, d2h = _copy_rates(2 << 30)
+    from rltrain.bench.release import pinned_copy_gbps
+
+    d2h, h2d = pinned_copy_gbps(2 << 30, torch.device("cuda", 0))
     print("\n".join(report(run_dir, params, tflops, h2d, d2h, a)))
     print(f"\nrun directory: {run_dir}")
     return 0

@@ -47,7 +47,8 @@ def _raw_disk(path: Path, nbytes: int) -> tuple[float, float]:
     return nbytes / write / 1e9, nbytes / read / 1e9
 
 
-def _raw_copy(nbytes: int, device: torch.device) -> tuple[float, float]:
+def pinned_copy_gbps(nbytes: int, device: torch.device) -> tuple[float, float]:
+    """GB/s of one copy of `nbytes` device -> host and host -> device (pinned host memory on GPU)."""
     n = nbytes // 4
     src = torch.randn(n, device=device)
     host = torch.empty(n, pin_memory=device.type == "cuda")
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             t.release()
 
             dw, dr = _raw_disk(root / "raw.bin", ckpt_bytes)
-            cd, cu = _raw_copy(state_bytes, device)
+            cd, cu = pinned_copy_gbps(state_bytes, device)
             print(f"{params / 1e6:7.0f}M {state_bytes / 1e9:8.2f} | {save_s:7.2f} {release_s:9.3f} {disk_s:11.2f} "
                   f"{ckpt_bytes / (save_s + disk_s) / 1e9 * 2:9.2f} | {snap_s:10.2f} {host_s:11.2f} "
                   f"{state_bytes / (snap_s + host_s) / 1e9 * 2:9.2f} | {dw:8.2f}/{dr:<8.2f} {cd:10.2f}/{cu:<10.2f}", flush=True)

@@ -56,19 +56,6 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
 
 
-def pinned_gbps(nbytes: int, device: torch.device) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    for _ in range(2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        host.copy_(src, non_blocking=True)
-        src.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        s = time.perf_counter() - t0
-    return 2 * nbytes / s / 1e9
-
-
 def batch(n: int, L: int, vocab: int):
     from rltrain.trainer.native import TrainBatch
 
@@ -91,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=4)
     a = ap.parse_args(argv)
 
+    from rltrain.bench.release import pinned_copy_gbps
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
 
@@ -109,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     tflops = matmul_tflops(device)
     print(f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
           f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16")
-    print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy d->h->d measured per backend below")
+    print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy measured per backend below")
     for backend in a.backends.split(","):
         cfg = TrainerConfig(backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro)
         algo = AlgoConfig()
@@ -145,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             phase("offload", t.offload)
             phase("onload", t.onload)
         state_bytes = params * (2 + 4 + 4 + 4)  # bf16 weights + fp32 main copy / Adam moments (upper bound)
-        copy = pinned_gbps(min(state_bytes, 4 << 30), device)
+        down, up = pinned_copy_gbps(min(state_bytes, 4 << 30), device)
         print(f"\n## {backend}: {params / 1e9:.2f} B parameters; grad_norm {stats['grad_norm']:.3g}")
         print(f"{'phase':>10s} {'s':>8s} {'GPU used GiB':>13s} {'allocated GiB':>14s}  rate")
         for name, s, used, alloc in rows:
@@ -156,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 # forward for the loss + backward: 6 x params x tokens (no recompute)
                 rate = f"{tokens / s:,.0f} tok/s, MFU {6 * params * tokens / s / 1e12 / tflops:.0%}"
             print(f"{name:>10s} {s:8.3f} {used:13.2f} {alloc:14.2f}  {rate}")
-        print(f"pinned copy d->h->d: {copy:.1f} GB/s")
+        print(f"pinned copy d->h {down:.1f} GB/s, h->d {up:.1f} GB/s")
         print("parts of the last offload/onload: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.timings.items()))
         t.release()
         del t

@@ -208,8 +208,12 @@ class NodeEngine:
         the weights again and retries what failed). A death beyond `max_restarts` raises
         EngineCrashed on every rank, with the dead engine's log tail."""
         env = world.env
-        died = self.process is not None and not self.process.alive
-        report = str(self.process.crashed_error("died during rollout")) if died else None
+        report = None
+        try:
+            self.check_alive()
+        except EngineCrashed as e:
+            report = str(e)
+        died = report is not None
         deaths = [(n, r) for n, r in world.bridge.all_gather_object((env.node_rank, report), phase="engine check") if r]
         if not deaths:
             return False

@@ -117,7 +117,7 @@ class MemoryLedger:
         self.device, self.trainer, self.engine, self.world = device, trainer, engine, world
         self.cuda_context, self.device_baseline = cuda_context
         self.process = psutil.Process()
-        self._engine_process: psutil.Process | None = None
+        self._engine_reports = True  # False once the engine has said it has no /memory (SGLang)
 
     def read(self) -> dict[str, float]:
         parts: dict[str, float] = {}
@@ -161,11 +161,13 @@ class MemoryLedger:
         the engine cannot say (SGLang reports sizes, not what is allocated now)."""
         if self.engine is None or self.engine.process is None or not self.engine.process.alive:
             return {}
-        try:
-            rep = self.engine.client.memory_report()
-        except Exception as e:  # noqa: BLE001 - SGLang has no /memory; a ledger never fails a step
-            rep = {}
-            log.debug("engine memory report unavailable: %s", e)
+        rep: Any = {}
+        if self._engine_reports:
+            try:
+                rep = self.engine.client.memory_report()
+            except Exception as e:  # noqa: BLE001 - a ledger never fails a step
+                self._engine_reports = getattr(e, "status", None) != 404  # SGLang: no /memory, do not ask again
+                log.debug("engine memory report unavailable: %s", e)
         if not isinstance(rep, dict):
             rep = {}
         if "rss_bytes" not in rep:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from rltrain.runtime.bridge import Bridge, BridgeError, restart_attempt
 from rltrain.runtime.env import DistEnv
-from rltrain.runtime.ledger import measure_cuda_context
+from rltrain.runtime.ledger import device_used, measure_cuda_context
 
 log = logging.getLogger("rltrain.world")
 
@@ -385,8 +385,7 @@ class World:
         """Bytes in use on this rank's GPU that its caching allocator does not hold (None off GPU)."""
         if self.backend != "nccl" or self.device.type != "cuda":
             return None
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free - torch.cuda.memory_reserved(self.device)
+        return device_used(self.device) - torch.cuda.memory_reserved(self.device)
 
     def close(self) -> None:
         """End of job: barrier, tear everything down (bridge last), collect garbage.

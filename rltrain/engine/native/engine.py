@@ -84,11 +84,11 @@ class NativeEngine:
         self.weight_version = "default"
         self.eos_ids = _eos_ids(self.model)
         # transformers 5.2x renamed `past_key_values` to `cache` (in and out); accept both.
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        forward = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # The prefill computes logits for the last position only, where the model can.
-        params = inspect.signature(self.model.forward).parameters
-        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
         self._backup_dir = Path(backup_dir or tempfile.mkdtemp(prefix="rltrain-native-backup-"))
         # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
         # are grouped so a checkpoint may carry either name.
@@ -245,6 +245,7 @@ class NativeEngine:
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_logits_only)
         past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
+        plan = _SamplingPlan(rows, logits.shape[-1], self.device)
         step = 0
         while any(r.finish is None for r in rows):
             if not self._running.is_set():
@@ -254,7 +255,7 @@ class NativeEngine:
                             r.finish = {"type": "abort", "message": "generation paused with mode=abort"}
                     break
                 self._running.wait()
-            tokens, logps = self._sample(logits, rows, temps, step)
+            tokens, logps = self._sample(logits, rows, plan, temps, step)
             tok_list, lp_list = tokens.tolist(), logps.tolist()
             for b, r in enumerate(rows):
                 if r.finish is not None:
@@ -289,21 +290,16 @@ class NativeEngine:
             results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row], temps: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], plan: "_SamplingPlan", temps: torch.Tensor,
                 step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, without a device sync per row: greedy rows take the argmax; seeded
         rows the Gumbel-max of their filtered logits with noise that is a function of (seed,
         step, token) alone (`seeded_uniform`), so a sample does not depend on its batch; the
         rest draw from the shared generator. top-k / top-p / min-p filter only the rows that ask."""
-        greedy = [r.req.params.temperature == 0 for r in rows]
         scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
         logprobs_all = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled
-        asks = [b for b, r in enumerate(rows) if not greedy[b] and (
-            0 < r.req.params.top_k < scaled.shape[-1] or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)]
-        if asks:
-            filtered = scaled.clone()
-        for b in asks:
+        filtered = scaled.clone() if plan.filtered else scaled
+        for b in plan.filtered:
             p = rows[b].req.params
             if 0 < p.top_k < filtered.shape[-1]:
                 kth = torch.topk(filtered[b], p.top_k).values[-1]
@@ -317,18 +313,12 @@ class NativeEngine:
                 probs = torch.softmax(filtered[b], -1)
                 filtered[b][probs < p.min_p * probs.max()] = float("-inf")
         tokens = torch.argmax(logits, dim=-1)  # the greedy rows' answer; the others are overwritten
-        seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
-        if seeded:
-            idx = torch.tensor(seeded, device=logits.device)
-            u = seeded_uniform(torch.tensor([rows[b].seed for b in seeded], device=logits.device), step,
-                               logits.shape[-1])
-            gumbel = -torch.log(-torch.log(u)).float()
-            tokens[idx] = torch.argmax(filtered[idx] + gumbel, dim=-1)
-        shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
-        if shared:
-            idx = torch.tensor(shared, device=logits.device)
-            probs = torch.softmax(filtered[idx], dim=-1)
-            tokens[idx] = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
+        if plan.seeded is not None:
+            u = seeded_uniform(plan.seeds, step, logits.shape[-1], plan.token_hash)
+            tokens[plan.seeded] = torch.argmax(filtered[plan.seeded] - torch.log(-torch.log(u)).float(), dim=-1)
+        if plan.shared is not None:
+            probs = torch.softmax(filtered[plan.shared], dim=-1)
+            tokens[plan.shared] = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
         return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
 
     # ------------------------------------------------------------------ memory
@@ -410,7 +400,7 @@ class NativeEngine:
         allocations, its CUDA context as measured at start, and its RSS."""
         import psutil
 
-        weights = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in self.model.parameters()}.values())
+        weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())  # tied ones once
         rep: dict[str, Any] = {
             "released": sorted(self.released),
             "device": str(self.device),
@@ -593,6 +583,23 @@ def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     return [names for names in by_ptr.values() if len(names) > 1]
 
 
+class _SamplingPlan:
+    """What sampling a batch needs that stays the same at every decode step: which rows filter,
+    which are seeded (their seeds and the token half of the noise hash), which use the shared
+    generator. Built once per batch, off the per-token path."""
+
+    def __init__(self, rows: list[_Row], vocab: int, device: torch.device):
+        greedy = [r.req.params.temperature == 0 for r in rows]
+        self.filtered = [b for b, r in enumerate(rows) if not greedy[b] and (
+            0 < r.req.params.top_k < vocab or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)]
+        seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
+        shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
+        self.seeded = torch.tensor(seeded, device=device) if seeded else None
+        self.seeds = torch.tensor([rows[b].seed for b in seeded], device=device) if seeded else None
+        self.token_hash = _token_hash(vocab, device) if seeded else None
+        self.shared = torch.tensor(shared, device=device) if shared else None
+
+
 _M32 = 0xFFFFFFFF
 
 
@@ -606,14 +613,18 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def seeded_uniform(seeds: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    return _fmix32(torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F & _M32)
+
+
+def seeded_uniform(seeds: torch.Tensor, step: int, vocab: int, token_hash: torch.Tensor | None = None) -> torch.Tensor:
     """[len(seeds), vocab] float64 uniforms in (0, 1), each a hash of (seed, step, token): the
     counter-based noise of seeded sampling. Vectorised over rows, and independent of which
-    other rows are in the batch."""
+    other rows are in the batch. `token_hash`: `_token_hash(vocab, device)`, when the caller
+    keeps it across steps."""
     seeds = seeds.to(torch.int64)
     s = _fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) & _M32))
     s = _fmix32(s ^ ((step * 0x9E3779B1 + 0x7F4A7C15) & _M32))
-    tok = _fmix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x27D4EB2F & _M32)
+    tok = token_hash if token_hash is not None else _token_hash(vocab, seeds.device)
     h = _fmix32(s[:, None] ^ tok[None, :])
     return (h.double() + 0.5) / 2.0**32
-
