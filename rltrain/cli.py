@@ -79,6 +79,13 @@ def train(cfg: Config, env: DistEnv) -> int:
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
+    if cfg.trainer.deterministic:
+        import torch
+
+        # Read by cuBLAS when its first handle is made (below, after the world), and inherited by
+        # the engine process.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     world = World.from_config(cfg.world, env)
     ok = False
     try:

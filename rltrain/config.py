@@ -172,6 +172,10 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
+    # Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace :4096:8) in every
+    # rank and its engine: with engine.deterministic, a GPU run repeats bitwise (resume and
+    # release-train are compared so). Slower: some kernels lose their atomics.
+    deterministic: bool = False
 
     def check(self) -> None:
         if self.lr <= 0 or self.micro_batch_size < 1 or self.grad_clip <= 0:

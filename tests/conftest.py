@@ -53,10 +53,12 @@ def engine_config(kind: str, **kw) -> EngineConfig:
     return cfg
 
 
-def start_engine(kind: str, model: Path, log_dir: Path, **kw) -> SimpleNamespace:
+def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | None = None, **kw) -> SimpleNamespace:
     cfg = engine_config(kind, **kw)
     port = free_port()
-    env = {"PYTHONPATH": os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])} if kind == "sglang" else {}
+    env = dict(env or {})
+    if kind == "sglang":
+        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])
     proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}",
                                log_dir / f"{kind}.log", env=env)
     client = EngineClient(proc.url, request_timeout_s=120, retries=1)

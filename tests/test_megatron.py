@@ -7,6 +7,9 @@ checksum. Conversion is checked exactly, in one process.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
+
 import pytest
 import torch
 
@@ -169,60 +172,83 @@ def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
     return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
 
 
+@contextlib.contextmanager
+def megatron_world(device: str) -> Iterator[Any]:
+    """The rank's world and megatron's surroundings: gloo and the test-only CPU shim on CPU; NCCL,
+    one GPU per rank and megatron unpatched on GPUs (tests/test_gpu_multi.py runs these ranks there)."""
+    from rltrain.runtime.world import World
+
+    if device == "cpu":
+        from tests.megatron_shim import megatron_on_cpu
+
+        world, around = World(backend="gloo", timeout=120), megatron_on_cpu()
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 parity with the HF model on the CPU
+        world, around = World(backend="nccl", timeout=120), contextlib.nullcontext()
+    try:
+        with around:
+            yield world
+    finally:
+        world.close()
+
+
 def _trainer(path: str, world, tp: int, lr: float = 1e-3, dist_opt: bool = False, pp: int = 1):
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
     t = MegatronTrainer(TrainerConfig(backend="megatron", tensor_parallel_size=tp, lr=lr, micro_batch_size=2,
                                       dtype="float32", distributed_optimizer=dist_opt, pipeline_parallel_size=pp),
-                        AlgoConfig(), path, torch.device("cpu"), world)
+                        AlgoConfig(), path, world.device, world)
     t.create()
     return t
 
 
 def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: str | None, weights_dir: str,
-                   dist_opt: bool = False, pp: int = 1) -> dict:
-    from tests.megatron_shim import megatron_on_cpu
+                   dist_opt: bool = False, pp: int = 1, device: str = "cpu") -> dict:
+    with megatron_world(device) as world:
+        t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
+        dp_rank = rank // tp
+        full = _batch(0, n=8)
+        # Each rank brings its own samples; a TP group pools them.
+        mine = full.slice(slice(rank * 2, rank * 2 + 2))
+        lp_before, _ = t.logprobs(mine)
+        mine.old_logp = lp_before
+        stats = t.train_step(mine)
+        lp_after, _ = t.logprobs(mine)
+        world.destroy()
+        world.rebuild()
+        t.onload()  # modules, DDP and optimizer rebuilt over the new groups
+        lp_cycled, _ = t.logprobs(mine)
+        stats2 = t.train_step(mine)  # every group still works
+        exported = {k: v.clone() for k, v in t.export_weights()}
+        synced = None
+        if engine_url:
+            from rltrain.config import load_config
+            from rltrain.engine.client import EngineClient
+            from rltrain.sync.weight_sync import WeightSync
 
-    from rltrain.runtime.world import World
+            cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=disk",
+                                     f"loop.weights_dir={weights_dir}"])
+            client = EngineClient(engine_url, request_timeout_s=120)
+            ws = WeightSync(cfg, world, t, [client], path)
+            ws.push("7")  # raises on a checksum mismatch
+            synced = client.weight_version()
+            ws.close()
+            client.close()
+        return _cpu({"lp_before": lp_before, "lp_after": lp_after, "lp_cycled": lp_cycled, "stats": stats,
+                     "stats2": stats2, "weights": exported, "dp_rank": dp_rank, "synced": synced,
+                     "held": sorted(n for n, _ in t.model.module.named_parameters())})
 
-    world = World(backend="gloo", timeout=120)
-    try:
-        with megatron_on_cpu():
-            t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
-            dp_rank = rank // tp
-            full = _batch(0, n=8)
-            # Each rank brings its own samples; a TP group pools them.
-            mine = full.slice(slice(rank * 2, rank * 2 + 2))
-            lp_before, _ = t.logprobs(mine)
-            mine.old_logp = lp_before
-            stats = t.train_step(mine)
-            lp_after, _ = t.logprobs(mine)
-            world.destroy()
-            world.rebuild()
-            t.onload()  # modules, DDP and optimizer rebuilt over the new groups
-            lp_cycled, _ = t.logprobs(mine)
-            stats2 = t.train_step(mine)  # every group still works
-            exported = {k: v.clone() for k, v in t.export_weights()}
-            synced = None
-            if engine_url:
-                from rltrain.config import load_config
-                from rltrain.engine.client import EngineClient
-                from rltrain.sync.weight_sync import WeightSync
 
-                cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=disk",
-                                         f"loop.weights_dir={weights_dir}"])
-                client = EngineClient(engine_url, request_timeout_s=120)
-                ws = WeightSync(cfg, world, t, [client], path)
-                ws.push("7")  # raises on a checksum mismatch
-                synced = client.weight_version()
-                ws.close()
-                client.close()
-            return {"lp_before": lp_before, "lp_after": lp_after, "lp_cycled": lp_cycled, "stats": stats,
-                    "stats2": stats2, "weights": exported, "dp_rank": dp_rank, "synced": synced,
-                    "held": sorted(n for n, _ in t.model.module.named_parameters())}
-    finally:
-        world.close()
+def _cpu(obj: Any) -> Any:
+    """A rank's results with every tensor on the host (what crosses back to the test process)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu(v) for v in obj)
+    return obj
 
 
 def _hf_logprobs(path, batch) -> torch.Tensor:
@@ -298,60 +324,54 @@ def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
             assert torch.equal(r["weights"][n], t), n
 
 
-def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: list[str] | None = None) -> dict:
+def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: list[str] | None = None,
+              transport: str = "tensor", device: str = "cpu") -> dict:
     from pathlib import Path
-
-    from tests.megatron_shim import megatron_on_cpu
 
     from rltrain.checkpoint import Checkpointer
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.runtime.world import World
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
-    world = World(backend="gloo", timeout=120)
-    try:
-        with megatron_on_cpu():
-            t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=ep, lr=1e-3, micro_batch_size=2,
-                                              dtype="float32"), AlgoConfig(), path, torch.device("cpu"), world)
-            t.create()
-            held = sorted(n for n in dict(t.model.module.named_parameters()) if "local_experts" in n)
-            mine = _batch(2, n=4).slice(slice(rank * 2, rank * 2 + 2))
-            lp, _ = t.logprobs(mine)
-            mine.old_logp = lp
-            stats = t.train_step(mine)
-            ck = Checkpointer(Path(root) / f"ck{ep}", world)
-            saved = ck.save(1, t, "1", {})
-            world.destroy()
-            world.rebuild()
-            t.onload()
-            lp_after, _ = t.logprobs(mine)
-            synced = None
-            if urls:  # two engines that are EP ranks 0 and 1: each gets the dense weights and its experts
-                from rltrain.config import load_config
-                from rltrain.engine.client import EngineClient
-                from rltrain.sync.weight_sync import WeightSync
+    with megatron_world(device) as world:
+        t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=ep, lr=1e-3, micro_batch_size=2,
+                                          dtype="float32"), AlgoConfig(), path, world.device, world)
+        t.create()
+        held = sorted(n for n in dict(t.model.module.named_parameters()) if "local_experts" in n)
+        mine = _batch(2, n=4).slice(slice(rank * 2, rank * 2 + 2))
+        lp, _ = t.logprobs(mine)
+        mine.old_logp = lp
+        stats = t.train_step(mine)
+        ck = Checkpointer(Path(root) / f"ck{ep}", world)
+        saved = ck.save(1, t, "1", {})
+        world.destroy()
+        world.rebuild()
+        t.onload()
+        lp_after, _ = t.logprobs(mine)
+        synced = None
+        if urls:  # two engines that are EP ranks 0 and 1: each gets the dense weights and its experts
+            from rltrain.config import load_config
+            from rltrain.engine.client import EngineClient
+            from rltrain.sync.weight_sync import WeightSync
 
-                cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=tensor",
-                                         "sync.bucket_mb=1", f"loop.weights_dir={root}/w"])
-                clients = [EngineClient(u, request_timeout_s=120) for u in urls]
-                ws = WeightSync(cfg, world, t, clients, path)
-                ws.push("5")  # raises unless each engine's checksum over what it owns matches
-                synced = {"routed": ws.plan.routed, "bytes_to": [ws.plan.bytes_to(r) for r in range(2)],
-                          "versions": [c.weight_version() for c in clients]}
-                ws.close()
-                for c in clients:
-                    c.close()
-            t.train_step(mine)
-            after_two = {k: v.clone() for k, v in t.export_weights()}
-            t.release()
-            t.create(load_weights=False)
-            ck.load(saved, t, restore_rank_state=False)
-            t.train_step(mine)
-            resumed = dict(t.export_weights())
-            return {"lp": lp, "lp_after": lp_after, "stats": stats, "weights": after_two, "resumed": resumed,
-                    "held": held, "synced": synced}
-    finally:
-        world.close()
+            cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
+                                     "sync.bucket_mb=1", f"loop.weights_dir={root}/w"])
+            clients = [EngineClient(u, request_timeout_s=120) for u in urls]
+            ws = WeightSync(cfg, world, t, clients, path)
+            ws.push("5")  # raises unless each engine's checksum over what it owns matches
+            synced = {"routed": ws.plan.routed, "bytes_to": [ws.plan.bytes_to(r) for r in range(2)],
+                      "versions": [c.weight_version() for c in clients]}
+            ws.close()
+            for c in clients:
+                c.close()
+        t.train_step(mine)
+        after_two = {k: v.clone() for k, v in t.export_weights()}
+        t.release()
+        t.create(load_weights=False)
+        ck.load(saved, t, restore_rank_state=False)
+        t.train_step(mine)
+        resumed = dict(t.export_weights())
+        return _cpu({"lp": lp, "lp_after": lp_after, "stats": stats, "weights": after_two, "resumed": resumed,
+                     "held": held, "synced": synced})
 
 
 @pytest.fixture(scope="module")
@@ -470,44 +490,38 @@ def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_reb
             assert (sharded["weights"][n] - w).abs().max() < 1e-4, n
 
 
-def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool, pp: int = 1) -> dict:
+def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool, pp: int = 1,
+                 device: str = "cpu") -> dict:
     from pathlib import Path
 
-    from tests.megatron_shim import megatron_on_cpu
-
     from rltrain.checkpoint import Checkpointer
-    from rltrain.runtime.world import World
 
-    world = World(backend="gloo", timeout=120)
-    try:
-        with megatron_on_cpu():
-            ck = Checkpointer(Path(root) / "ck", world, keep_last=2)
-            mine = [_batch(s, n=8).slice(slice(rank * 2, rank * 2 + 2)) for s in range(3)]
+    with megatron_world(device) as world:
+        ck = Checkpointer(Path(root) / "ck", world, keep_last=2)
+        mine = [_batch(s, n=8).slice(slice(rank * 2, rank * 2 + 2)) for s in range(3)]
 
-            def step(t, b):
-                b.old_logp, _ = t.logprobs(b)
-                return t.train_step(b)
+        def step(t, b):
+            b.old_logp, _ = t.logprobs(b)
+            return t.train_step(b)
 
-            t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
-            step(t, mine[0])
-            saved = ck.save(1, t, "1", {})
-            step(t, mine[1])
-            step(t, mine[2])
-            straight = {k: v.clone() for k, v in t.export_weights()}
-            # Release-train from the checkpoint: a new trainer, architecture only, state from disk.
-            t.release()
-            t.create(load_weights=False)
-            ck.load(saved, t, restore_rank_state=False)
-            step(t, mine[1])
-            snap = t.snapshot()
-            # ... and from a host snapshot.
-            t.release()
-            t.restore_snapshot(snap)
-            step(t, mine[2])
-            resumed = {k: v.clone() for k, v in t.export_weights()}
-            return {"straight": straight, "resumed": resumed, "steps": t.steps}
-    finally:
-        world.close()
+        t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
+        step(t, mine[0])
+        saved = ck.save(1, t, "1", {})
+        step(t, mine[1])
+        step(t, mine[2])
+        straight = {k: v.clone() for k, v in t.export_weights()}
+        # Release-train from the checkpoint: a new trainer, architecture only, state from disk.
+        t.release()
+        t.create(load_weights=False)
+        ck.load(saved, t, restore_rank_state=False)
+        step(t, mine[1])
+        snap = t.snapshot()
+        # ... and from a host snapshot.
+        t.release()
+        t.restore_snapshot(snap)
+        step(t, mine[2])
+        resumed = {k: v.clone() for k, v in t.export_weights()}
+        return _cpu({"straight": straight, "resumed": resumed, "steps": t.steps})
 
 
 @pytest.mark.parametrize("tp,dist_opt,pp", [(2, False, 1), (1, True, 1), (1, False, 2)],

@@ -143,3 +143,34 @@ def test_a_rank_without_samples_still_steps_in_sync(tmp_path):
     assert r0["grad_norm"] == r1["grad_norm"] > 0
     for k in r0["weights"]:
         assert torch.equal(r0["weights"][k], r1["weights"][k])
+
+
+def _gather_rank(rank: int, world_size: int, device: str = "cpu") -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from rltrain.runtime.world import World
+    from rltrain.trainer.sharding import full_tensors
+
+    world = World(backend="gloo" if device == "cpu" else "nccl", timeout=60)
+    try:
+        mesh = init_device_mesh(device, (world_size,))
+        g = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
+        # Rows that split evenly, unevenly, and fewer rows than ranks (empty shards); mixed dtypes.
+        shapes = [((6, 4), torch.float32), ((5, 3), torch.bfloat16), ((1, 7), torch.float32), ((7,), torch.float32),
+                  ((2, 3, 2), torch.int64)]
+        whole = [(torch.randn(s, generator=g) * 100).to(d).to(world.device) for s, d in shapes]
+        tensors = [distribute_tensor(w, mesh, [Shard(0)]) for w in whole] + [whole[0]]  # and a plain one
+        got = full_tensors(tensors)
+        return {"equal": [torch.equal(a, b) for a, b in zip(got, whole + [whole[0]])],
+                "dtypes": [a.dtype == b.dtype for a, b in zip(got, whole)], "shards": [t.to_local().shape[0] for t in tensors[:5]]}
+    finally:
+        world.close()
+
+
+def test_full_tensors_gathers_uneven_and_empty_row_shards_in_one_collective():
+    """export_weights gathers a bucket's parameters with one all-gather (sharding.full_tensors)."""
+    rows_per_rank = [[2, 2, 2], [2, 2, 1], [1, 0, 0], [3, 3, 1], [1, 1, 0]]  # ceil(rows / 3), the last short or empty
+    for rank, r in enumerate(values(run_ranks(_gather_rank, 3, deadline_s=120))):
+        assert r["shards"] == [x[rank] for x in rows_per_rank]
+        assert all(r["equal"]) and all(r["dtypes"]), r

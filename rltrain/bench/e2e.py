@@ -2,9 +2,11 @@
 
     python -m rltrain.bench.e2e                        # Qwen3-1.7B shape, 4 steps (the first warms up)
     python -m rltrain.bench.e2e --shape 0.6b --steps 3 --max-new-tokens 256
+    python -m rltrain.bench.e2e --shape 0.6b --nproc 2    # the trainer sharded over two GPUs
 
 A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
-task's tokenizer. The real loop runs under torchrun on one rank: the embedded engine on the GPU,
+task's tokenizer. The real loop runs under torchrun on one rank (or --nproc, one per GPU, FSDP2
+over all of them, the prompts split between the ranks): the embedded engine on the GPU,
 the torch-native trainer (bf16), weight sync by `tensor` (CUDA IPC), colocated. Then, in this
 process (so that its own CUDA context is not on the GPU during the loop), the limits: the bf16
 matmul rate and the pinned host<->device copy rates.
@@ -63,7 +65,7 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
                  f"trainer.micro_batch_size={a.micro}", f"data.prompts_per_step={a.prompts}", f"rollout.n={a.n}",
                  f"rollout.max_new_tokens={a.max_new_tokens}", f"loop.steps={a.steps}", "checkpoint.interval=0",
                  f"sync.transport={a.transport}", "metrics.progress_bar=false", "metrics.plot=true"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
            "-m", "rltrain", "--config", str(config), *overrides]
     log = root / "loop.log"
     with open(log, "w") as out:
@@ -79,7 +81,8 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
     steady = rows[1:] if len(rows) > 1 else rows
     mean = lambda f: sum(f(r) for r in steady) / len(steady)  # noqa: E731
     step_s = mean(lambda r: r["time"]["step"])
-    lines = [f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}",
+    lines = [f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x {a.nproc}",
              f"# {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} prompts x "
              f"{a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
              f"steps 2..{len(rows)} averaged",
@@ -93,9 +96,9 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
     lines += [f"{'what':>28s} {'value':>14s}  note",
               f"{'step':>28s} {step_s:13.2f}s",
               f"{'rollout':>28s} {rollout_s:13.2f}s  {response / rollout_s:,.0f} response tok/s",
-              f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s, "
+              f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s per GPU, "
               f"MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
-              f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s, "
+              f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s per GPU, "
               f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}"]
     total = 0.0
     for p in SWITCHES:
@@ -104,24 +107,25 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
         lines.append(f"{p:>28s} {s:13.3f}s  {s / step_s:6.1%} of the step")
     lines.append(f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
                  f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)")
-    mem = [r["memory"]["rank0"] for r in steady]
+    # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase.
     moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
         s = mean(lambda r, p=p: r["time"].get(p, 0.0))
         rate = moved / s / 1e9 if s > 0 else 0.0
         lines.append(f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
                      f"({moved / 2**30:.2f} GiB of trainer state)")
+    mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
     engine = max(sum(m["train"].get(k, 0.0) for k in ENGINE_DEVICE) for m in mem)
-    ctx = mem[-1]["rollout"].get("cuda_context", 0.0)
-    ectx = mem[-1]["rollout"].get("engine_context", 0.0)
+    ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
+    ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
     lines += [f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
-              f"{'meets' if held <= 1 else 'misses'} <= 1 GiB",
+              f"{'meets' if held <= 1 else 'misses'} <= 1 GiB (most of any rank)",
               f"{'engine GPU while training':>28s} {engine:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB), "
               f"{'meets' if engine <= 1 else 'misses'} <= 1 GiB", ""]
     from rltrain.runtime.ledger import format_ledger
 
-    lines.append(format_ledger({"rank0": mem[-1]}, rows[-1]["step"]))
+    lines.append(format_ledger(rows[-1]["memory"], rows[-1]["step"]))
     return lines
 
 
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
+    ap.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU")
     ap.add_argument("--keep", default="", help="keep the run directory here (metrics, ledger plots, logs)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -2,9 +2,13 @@
 
     python -m rltrain.bench.sync                                   # CPU: every transport, small model
     python -m rltrain.bench.sync --device cuda --transports tensor --shape 4b    # H200: ~8.8 GB bf16
+    torchrun --nproc-per-node=2 -m rltrain.bench.sync --transports tensor,distributed   # across 2 GPUs
 
 One process is the trainer (a one-rank world: FSDP2 over one rank), the embedded engine is a
-second process on the same device serving a model of the same architecture. Per transport: one
+second process on the same device serving a model of the same architecture. Under torchrun
+with several ranks (tensor and distributed) the trainer is FSDP2-sharded over every GPU: rank 0
+gathers each bucket from all ranks and sends it, as in the loop; the limit of `tensor` is then a
+raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport: one
 warm-up push, then timed pushes of new versions (steady state), with the post-sync checksum
 verification on and off. The limits, on the same bytes:
   tensor       device-to-device copy in one process (the receiver's copy is the floor)
@@ -146,6 +150,26 @@ def _broadcast_rank(rank: int, port: int, nbytes: int, out: str, backend: str) -
         Path(out).write_text(str(max(1, nbytes // chunk) * chunk / s / 1e9))
 
 
+def raw_all_gather_seconds(nbytes: int, world_size: int, device: torch.device, chunk: int = 512 << 20) -> float:
+    """Seconds for every rank to all-gather `nbytes` over the default group in `chunk`-byte
+    buckets (each rank contributing its 1/world_size), steady state: the gather half of a sync."""
+    import torch.distributed as dist
+
+    part = chunk // world_size
+    mine = torch.empty(part, dtype=torch.uint8, device=device).random_()
+    out = torch.empty(part * world_size, dtype=torch.uint8, device=device)
+    n = max(1, nbytes // (part * world_size))
+    for _ in range(2):
+        _sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_gather_into_tensor(out, mine)
+        _sync(device)
+        s = time.perf_counter() - t0
+    return s * nbytes / (n * part * world_size)
+
+
 def raw_broadcast_gbps(nbytes: int, backend: str = "gloo") -> float:
     import torch.multiprocessing as mp
 
@@ -221,38 +245,51 @@ def main(argv: list[str] | None = None) -> int:
     from rltrain.trainer.native import TorchTrainer
 
     hf_logging.disable_progress_bar()
-    for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        os.environ.pop(k, None)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under torchrun: the trainer sharded over the GPUs
+    if ranks == 1:
+        for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+            os.environ.pop(k, None)
+    elif set(a.transports.split(",")) - {"tensor", "distributed"}:
+        raise SystemExit("several ranks: only --transports tensor,distributed (disk and delta are measured on one)")
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=600)
-    root = Path(a.dir or tempfile.mkdtemp(prefix="rltrain-bench-sync-"))
+    device = world.device if device.type == "cuda" else device
+    first = world.rank == 0
+    say = print if first else (lambda *x, **k: None)
+    root = Path(world.bridge.broadcast_object(a.dir or (tempfile.mkdtemp(prefix="rltrain-bench-sync-") if first else None)))
     shape = a.shape or ("4b" if device.type == "cuda" else "small")
-    print(f"# rltrain.bench.sync  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device} "
-          f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})  {dtype}")
-    print(f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
-          f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}")
+    say(f"# rltrain.bench.sync  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device.type} "
+        f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})  {dtype}  "
+        f"trainer ranks {ranks}")
+    say(f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
+        f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}")
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     for transport in a.transports.split(","):
         if transport == "distributed" and device.type == "cuda" and not two_gpus:
-            print(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device)")
+            say(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device)")
             continue
         # distributed on GPU: the engine on the second GPU (NCCL refuses two ranks on one device)
         engine_env = {"CUDA_VISIBLE_DEVICES": "1"} if transport == "distributed" and two_gpus else None
         s = (a.disk_shape or shape) if transport in ("disk", "delta") else shape
         path = root / f"model_{s}"
-        if not (path / "config.json").exists():
+        if first and not (path / "config.json").exists():
             build(path, s, dtype, device)
+        world.bridge.barrier("model built")
         trainer = TorchTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
         trainer.create()
-        port = free_port()
-        ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."),
-                            extra_args=["--log-level", "DEBUG"] if a.profile else [])
-        proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}", root / f"engine_{transport}.log",
-                                   env=engine_env)
-        client = EngineClient(proc.url, request_timeout_s=600)
+        proc = None
+        if first:
+            port = free_port()
+            ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."),
+                                extra_args=["--log-level", "DEBUG"] if a.profile else [])
+            proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}",
+                                       root / f"engine_{transport}.log", env=engine_env)
+        client = EngineClient(world.bridge.broadcast_object(proc.url if proc else None), request_timeout_s=600)
         try:
-            client.wait_healthy(600, alive=lambda: proc.alive)
+            if first:
+                client.wait_healthy(600, alive=lambda: proc.alive)
+            world.bridge.barrier("engine up")
             results = {}
             for verify in (False, True):
                 cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
@@ -271,42 +308,63 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t0)
                 if not verify:
                     timings = dict(ws.timings)  # of the last timed push
-                if a.profile and not verify:
+                if a.profile and not verify and first:
                     import cProfile
                     import pstats
 
                     prof = cProfile.Profile()
                     prof.runcall(ws.push, str(len(results) * 100 + 99))
                     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+                elif a.profile and not verify:
+                    ws.push(str(len(results) * 100 + 99))
                 ws.close()
                 results[verify] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
             best, sent = results[False]
             if a.profile:
-                print("trainer side of the last timed push, s: " + ", ".join(f"{k} {v:.4f}" for k, v in timings.items())
-                      + ("  (wait: for the previous bucket's request, on a sender thread)" if transport == "tensor" else ""))
-            if a.profile and transport == "tensor":
+                say("trainer side of the last timed push, s: " + ", ".join(f"{k} {v:.4f}" for k, v in timings.items())
+                    + ("  (wait: for the previous bucket's request, on a sender thread)" if transport == "tensor" else ""))
+            if a.profile and transport == "tensor" and first:
                 _engine_breakdown(root / f"engine_{transport}.log")
-            if transport == "tensor" and device.type == "cuda":
+            gather_s = raw_all_gather_seconds(nbytes, ranks, device) if ranks > 1 else 0.0
+            if not first:
+                limit_name, limit = "", 0.0
+            elif transport == "tensor" and device.type == "cuda":
                 fresh_s, steady_s = raw_ipc_seconds(nbytes)
                 print(f"{'':>11s} raw CUDA IPC, 2 procs, 512 MiB buckets: fresh buffers {fresh_s:.3f} s, "
-                      f"one reused buffer {steady_s:.3f} s; device copy {nbytes / raw_copy_gbps(nbytes, device) / 1e9:.3f} s")
-                limit_name, limit = "CUDA IPC, fresh buffers", nbytes / fresh_s / 1e9
+                      f"one reused buffer {steady_s:.3f} s; device copy {nbytes / raw_copy_gbps(nbytes, device) / 1e9:.3f} s"
+                      + (f"; all-gather over {ranks} ranks {gather_s:.3f} s" if ranks > 1 else ""))
+                if ranks > 1:
+                    limit_name, limit = f"all-gather x{ranks} + CUDA IPC", nbytes / (gather_s + fresh_s) / 1e9
+                else:
+                    limit_name, limit = "CUDA IPC, fresh buffers", nbytes / fresh_s / 1e9
             elif transport == "tensor":
                 limit_name, limit = "memory copy", raw_copy_gbps(nbytes, device)
             elif transport == "distributed":
                 backend = "nccl" if device.type == "cuda" else "gloo"
-                limit_name, limit = f"raw {backend} broadcast, 2 procs", raw_broadcast_gbps(nbytes, backend)
+                bcast = raw_broadcast_gbps(nbytes, backend)
+                if ranks > 1:
+                    print(f"{'':>11s} all-gather over {ranks} ranks {gather_s:.3f} s; raw broadcast "
+                          f"{nbytes / bcast / 1e9:.3f} s")
+                    limit_name, limit = f"all-gather x{ranks} + broadcast", nbytes / (gather_s + nbytes / bcast / 1e9) / 1e9
+                else:
+                    limit_name, limit = f"raw {backend} broadcast, 2 procs", bcast
             else:
                 w, r = raw_safetensors_gbps(dict(trainer.export_weights()), root / "raw.safetensors")
                 limit_name, limit = f"safetensors w {w:.2f} + r {r:.2f}", 1 / (1 / w + 1 / r)
-            gbps = nbytes / best / 1e9
-            print(f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} {results[True][0] - best:9.3f} | "
-                  f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}" + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else ""))
+            if first:
+                gbps = nbytes / best / 1e9
+                print(f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} {results[True][0] - best:9.3f} | "
+                      f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}" + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else ""))
+            world.bridge.barrier(f"{transport} measured")
         finally:
             client.close()
-            proc.stop()
+            if proc is not None:
+                proc.stop()
             trainer.release()
+    if not first:
+        world.close()
+        return 0
     print("\n# expert routing, Qwen3-30B-A3B shape (128 experts, bf16), GB received per engine EP rank")
     print(f"{'ep':>3s} {'routed':>8s} {'unrouted':>9s} {'saved':>6s}")
     for ep, routed, unrouted in routing_table():

@@ -10,7 +10,7 @@ Per cycle it measures, on every rank (the table shows the slowest rank of each c
   plain:    destroy_process_group(), init_process_group() on a fresh prefix, re-creation of the
             same groups, first all_reduce on every group — the limit rltrain is measured against.
 With --groups megatron (default at 4 ranks) the Megatron TP=2 PP=2 EP=2 group set is registered
-(52 groups incl. Gloo twins). On CUDA it also reports device memory before/after destroy and its
+(52 groups incl. Gloo twins at 4 ranks; TP=2 EP=2 without PP at 2 ranks). On CUDA it also reports device memory before/after destroy and its
 growth over the cycles; on CPU, open file descriptors and threads over the cycles.
 """
 
@@ -50,7 +50,8 @@ def _gpu_used() -> float:
 
 def _group_plan(kind: str, world_size: int):
     if kind == "megatron":
-        return [(f"{e.kind}{list(e.ranks)}", e.ranks, e.backend) for e in megatron_group_plan(ParallelDims(world_size, tp=2, pp=2, ep=2, etp=1))]
+        dims = ParallelDims(world_size, tp=2, pp=2 if world_size >= 4 else 1, ep=2, etp=1)  # PP needs 4 ranks
+        return [(f"{e.kind}{list(e.ranks)}", e.ranks, e.backend) for e in megatron_group_plan(dims)]
     return []
 
 

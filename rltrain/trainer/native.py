@@ -29,7 +29,8 @@ import torch.distributed as dist
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
 from rltrain.models.hf_names import checkpoint_specs, module_weights, to_checkpoint
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
-from rltrain.trainer.sharding import capture, current_group, free_storage, full_tensor, load, reshard, shard
+from rltrain.trainer.sharding import (capture, current_group, free_storage, full_tensor, full_tensors, load,
+                                      reshard, shard)
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -508,14 +509,19 @@ class TorchTrainer:
             if unknown:
                 raise KeyError(f"no trainer weight is named {unknown[:5]}")
             sources = list(dict.fromkeys(source_of[n] for n in names))
-        for src in sources:
-            full = full_tensor(module_tensors[src]).detach()
-            if src not in converted:
-                yield src, full
-                continue
-            for name, t in to_checkpoint(self.model, src, full):
-                if wanted is None or name in wanted:
-                    yield name, t
+        # On GPUs one all-gather per chunk of parameters; on the CPU one per parameter (full_tensors).
+        budget = GATHER_BYTES if self.device.type == "cuda" else 0
+        for chunk in _gather_chunks(sources, module_tensors, budget):
+            fulls = full_tensors([module_tensors[src] for src in chunk])
+            for src in chunk:
+                full = fulls.pop(0).detach()
+                if src not in converted:
+                    yield src, full
+                    continue
+                for name, t in to_checkpoint(self.model, src, full):
+                    if wanted is None or name in wanted:
+                        yield name, t
+            del fulls
 
     def save_pretrained(self, path: str) -> None:
         """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,
@@ -553,6 +559,25 @@ class TorchTrainer:
     def restore_snapshot(self, snap: dict[str, Any]) -> None:
         """Re-create a released trainer from `snapshot()`, sharded over the current group."""
         self._rebuild(snap)
+
+
+GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: above a sync bucket (512 MiB)
+
+
+def _gather_chunks(sources: list[str], tensors: dict[str, torch.Tensor], budget: int = GATHER_BYTES) -> Iterator[list[str]]:
+    """`sources` in order, in runs of at most `budget` bytes of whole tensors (one tensor at least,
+    so budget 0 gives one run per tensor): the same runs on every rank, from the global shapes."""
+    run, size = [], 0
+    for src in sources:
+        t = tensors[src]
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > budget:
+            yield run
+            run, size = [], 0
+        run.append(src)
+        size += nbytes
+    if run:
+        yield run
 
 
 def _fusable(head: Any, config: Any) -> bool:

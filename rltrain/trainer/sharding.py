@@ -150,3 +150,60 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if t.device_mesh.size() == 1:
         return t.to_local()  # one rank holds it all: no gather, no copy
     return t.full_tensor()
+
+
+def _row_sharded(t: torch.Tensor) -> bool:
+    """A DTensor split by rows over a mesh of several ranks (FSDP2's layout)."""
+    from torch.distributed.tensor import Shard
+
+    return (isinstance(t, DTensor) and t.device_mesh.ndim == 1 and t.device_mesh.size() > 1
+            and tuple(t.placements) == (Shard(0),) and t.dim() > 0)
+
+
+def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`full_tensor` of each, with ONE all-gather for all the row-sharded ones of a mesh (every
+    rank calls with the same list). Gathering parameter by parameter costs a collective each: on
+    two H200s a sync of a 4B model, ~400 parameters, took 0.125 s where the bytes alone need
+    0.017 s of all-gather and 0.016 s of CUDA IPC. The shards go into one buffer, a rank's block
+    after another's; rank r holds rows [r*c, (r+1)*c) of each tensor (c = ceil(rows / ranks), the
+    last ones short or empty, as FSDP2 and DTensor split), so each tensor is the concatenation of
+    its rows from every rank's block. On the CPU the staging buffers' fresh pages cost more than
+    gloo's per-tensor calls (a 75 MB bucket at 2 ranks: 0.20-0.30 s against 0.09-0.17 s), so
+    callers use this for CUDA tensors (`export_weights`)."""
+    out = [None if _row_sharded(t) else full_tensor(t) for t in tensors]
+    todo = [i for i, t in enumerate(out) if t is None]
+    if len(todo) <= 1:  # nothing to batch: DTensor's own gather
+        return [full_tensor(t) if o is None else o for t, o in zip(tensors, out)]
+    mesh = tensors[todo[0]].device_mesh
+    for i in todo[1:]:
+        if tensors[i].device_mesh != mesh:
+            raise ValueError("full_tensors: tensors on different meshes")
+    ranks, me = mesh.size(), mesh.get_local_rank()
+    layout, size = [], 0
+    for i in todo:
+        t = tensors[i]
+        rows, row_bytes = t.shape[0], t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        per_rank = -(-rows // ranks)
+        mine = local(t)
+        if mine.shape[0] != max(0, min(per_rank, rows - me * per_rank)):
+            raise RuntimeError(f"rank {me}: a shard of {tuple(mine.shape)} of a {tuple(t.shape)} tensor is not the "
+                               f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)")
+        layout.append((i, per_rank * row_bytes, rows * row_bytes, size, mine))
+        size += -(-per_rank * row_bytes // 16) * 16  # 16-byte aligned slots
+    device = layout[0][4].device
+    send = torch.empty(size, dtype=torch.uint8, device=device)
+    # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
+    mine = [(send[off:off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1)) for *_, off, m in layout if m.numel()]
+    torch._foreach_copy_([d for d, _ in mine], [m for _, m in mine])
+    recv = torch.empty(ranks * size, dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
+    blocks = recv.view(ranks, size)
+    for i, slot, nbytes, off, _ in layout:
+        t = tensors[i]
+        # Each rank's slot holds its rows; side by side, cut to the real row count, the whole tensor.
+        per_rank = -(-t.shape[0] // ranks)
+        have = [max(0, min(per_rank, t.shape[0] - r * per_rank)) for r in range(ranks)]
+        row = nbytes // t.shape[0]
+        out[i] = torch.cat([blocks[r, off:off + n * row].view(t.dtype).view(n, *t.shape[1:])
+                            for r, n in enumerate(have) if n])
+    return out  # type: ignore[return-value]
