@@ -36,6 +36,23 @@ def test_health_and_health_generate(server):
     assert server.client.health_generate()
 
 
+def test_an_idle_server_leaves_the_cpu_to_the_trainer(server):
+    """Between rollouts the engine idles while the trainer works: none of its processes may spin
+    (SGLang's scheduler busy-polls a whole core unless started with --sleep-on-idle)."""
+    import time
+
+    import psutil
+
+    greedy(server.client)  # past start-up and first requests
+    time.sleep(0.5)
+    procs = [psutil.Process(server.process.proc.pid)]
+    procs += procs[0].children(recursive=True)
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(2.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+    assert max(used) < 0.5, [(p.name(), round(u, 2)) for p, u in zip(procs, used)]  # a spinning loop uses ~2.0
+
+
 def test_greedy_generate_matches_transformers(server, model_a):
     assert greedy(server.client) == hf_greedy(model_a, PROMPTS, 6)
 

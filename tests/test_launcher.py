@@ -112,3 +112,4 @@ def test_sglang_command_places_the_server_on_the_configured_device(deterministic
     assert cpu[cpu.index("--device") + 1] == "cpu" and "--disable-cuda-graph" in cpu
     assert "--device" not in gpu and "--enable-memory-saver" in gpu
     assert ("--enable-deterministic-inference" in cpu) == ("--enable-deterministic-inference" in gpu) == deterministic
+    assert "--sleep-on-idle" in cpu and "--sleep-on-idle" in gpu

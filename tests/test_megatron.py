@@ -122,9 +122,7 @@ def test_mixtral_round_trips_and_matches_hf_with_experts_split(tmp_path):
     full = _batch(3, n=4)
     ref = _hf_logprobs(path, full)
     for rank, r in enumerate(ranks):
-        mine = slice(rank * 2, rank * 2 + 2)
-        mask = full.attention_mask[mine].bool()
-        assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), rank
+        assert_rows_match(r, "lp", rank, full, ref)
         assert set(r["weights"]) == set(hf) and all(torch.equal(r["weights"][n], t) for n, t in hf.items())
 
 
@@ -251,6 +249,14 @@ def _cpu(obj: Any) -> Any:
     return obj
 
 
+def assert_rows_match(r: dict, key: str, rank: int, full, ref: torch.Tensor, atol: float = 2e-5) -> None:
+    """A rank's log-probs (`r[key]`, of its two rows of `full`) equal the HF model's `ref` on the
+    real tokens."""
+    mine = slice(rank * 2, rank * 2 + 2)
+    mask = full.attention_mask[mine].bool()
+    assert torch.allclose(r[key][mask], ref[mine][mask], atol=atol), (key, rank)
+
+
 def _hf_logprobs(path, batch) -> torch.Tensor:
     import transformers
 
@@ -316,9 +322,7 @@ def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
     hf = _hf_state(path)
     assert "lm_head.weight" not in hf
     for rank, r in enumerate(ranks):
-        mine = slice(rank * 2, rank * 2 + 2)
-        mask = full.attention_mask[mine].bool()
-        assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), rank
+        assert_rows_match(r, "lp", rank, full, ref)
         assert set(r["weights"]) == set(hf)  # exported as the checkpoint holds them: the head once
         for n, t in hf.items():
             assert torch.equal(r["weights"][n], t), n
@@ -406,9 +410,7 @@ def test_a_qwen3_moe_model_matches_hf_and_trains(moe_runs):
     assert len(runs[1][0]["held"]) == 2 * 2 * 4 and len(runs[2][0]["held"]) == 2 * 2 * 2  # layers x fc1/fc2 x experts
     for ep, ranks in runs.items():
         for rank, r in enumerate(ranks):
-            mine = slice(rank * 2, rank * 2 + 2)
-            mask = full.attention_mask[mine].bool()
-            assert torch.allclose(r["lp"][mask], ref[mine][mask], atol=2e-5), (ep, rank)
+            assert_rows_match(r, "lp", rank, full, ref)
             assert r["stats"]["grad_norm"] > 0 and not torch.equal(r["lp_after"], r["lp"])
             assert set(r["weights"]) == set(hf)
         moved = [n for n, t in hf.items() if not torch.equal(ranks[0]["weights"][n], t)]
@@ -434,9 +436,7 @@ def test_tensor_and_data_parallel_logprobs_match_the_hf_model(megatron_runs):
     ref = _hf_logprobs(path, full)
     for runs in (tp2, dp2, pp2):
         for rank, r in enumerate(runs):
-            mine = slice(rank * 2, rank * 2 + 2)
-            mask = full.attention_mask[mine].bool()
-            assert torch.allclose(r["lp_before"][mask], ref[mine][mask], atol=2e-5), rank
+            assert_rows_match(r, "lp_before", rank, full, ref)
 
 
 def test_a_grpo_step_changes_the_weights_identically_under_tp_and_dp(megatron_runs):

@@ -75,7 +75,10 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
     elif backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
                "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
-               "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype]
+               "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype,
+               # The engine idles through every training phase; without this its scheduler spins a
+               # whole CPU core the whole time (measured: 101% -> 2% of a core while idle).
+               "--sleep-on-idle"]
         if device == "cuda":
             cmd.append("--enable-memory-saver")
         else:
