@@ -12,6 +12,7 @@ snapshot of release-train, and re-sharding after a world rebuild without offload
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -182,7 +183,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     layout, size = [], 0
     for i in todo:
         t = tensors[i]
-        rows, row_bytes = t.shape[0], t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+        rows, row_bytes = t.shape[0], math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
         per_rank = -(-rows // ranks)
         mine = local(t)
         if mine.shape[0] != max(0, min(per_rank, rows - me * per_rank)):
