@@ -172,9 +172,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 8
     gradient_checkpointing: bool = False
-    # Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS workspace :4096:8) in every
-    # rank and its engine: with engine.deterministic, a GPU run repeats bitwise (resume and
-    # release-train are compared so). Slower: some kernels lose their atomics.
+    # Deterministic kernels in every rank (torch.use_deterministic_algorithms) and a fixed cuBLAS
+    # workspace (:4096:8) in every rank and its engine: with engine.deterministic, a GPU run
+    # repeats bitwise (resume and release-train are compared so). Slower: some kernels lose their atomics.
     deterministic: bool = False
 
     def check(self) -> None:

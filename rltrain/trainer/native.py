@@ -514,14 +514,13 @@ class TorchTrainer:
         for chunk in _gather_chunks(sources, module_tensors, budget):
             fulls = full_tensors([module_tensors[src] for src in chunk])
             for src in chunk:
-                full = fulls.pop(0).detach()
+                full = fulls.pop(0).detach()  # popped: each is freed once its consumer lets go
                 if src not in converted:
                     yield src, full
                     continue
                 for name, t in to_checkpoint(self.model, src, full):
                     if wanted is None or name in wanted:
                         yield name, t
-            del fulls
 
     def save_pretrained(self, path: str) -> None:
         """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,

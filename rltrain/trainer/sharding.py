@@ -180,31 +180,30 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if tensors[i].device_mesh != mesh:
             raise ValueError("full_tensors: tensors on different meshes")
     ranks, me = mesh.size(), mesh.get_local_rank()
-    layout, size = [], 0
+    layout, size = [], 0  # (index, rows each rank holds, bytes per row, slot offset, this rank's shard)
     for i in todo:
         t = tensors[i]
-        rows, row_bytes = t.shape[0], math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
-        per_rank = -(-rows // ranks)
-        mine = local(t)
-        if mine.shape[0] != max(0, min(per_rank, rows - me * per_rank)):
-            raise RuntimeError(f"rank {me}: a shard of {tuple(mine.shape)} of a {tuple(t.shape)} tensor is not the "
+        per_rank = -(-t.shape[0] // ranks)
+        held = [max(0, min(per_rank, t.shape[0] - r * per_rank)) for r in range(ranks)]
+        row_bytes = math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
+        shard = local(t)
+        if shard.shape[0] != held[me]:
+            raise RuntimeError(f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "
                                f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)")
-        layout.append((i, per_rank * row_bytes, rows * row_bytes, size, mine))
+        layout.append((i, held, row_bytes, size, shard))
         size += -(-per_rank * row_bytes // 16) * 16  # 16-byte aligned slots
     device = layout[0][4].device
     send = torch.empty(size, dtype=torch.uint8, device=device)
     # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
-    mine = [(send[off:off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1)) for *_, off, m in layout if m.numel()]
-    torch._foreach_copy_([d for d, _ in mine], [m for _, m in mine])
+    copies = [(send[off:off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1))
+              for *_, off, m in layout if m.numel()]
+    torch._foreach_copy_([d for d, _ in copies], [m for _, m in copies])
     recv = torch.empty(ranks * size, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
     blocks = recv.view(ranks, size)
-    for i, slot, nbytes, off, _ in layout:
+    for i, held, row_bytes, off, _ in layout:
         t = tensors[i]
-        # Each rank's slot holds its rows; side by side, cut to the real row count, the whole tensor.
-        per_rank = -(-t.shape[0] // ranks)
-        have = [max(0, min(per_rank, t.shape[0] - r * per_rank)) for r in range(ranks)]
-        row = nbytes // t.shape[0]
-        out[i] = torch.cat([blocks[r, off:off + n * row].view(t.dtype).view(n, *t.shape[1:])
-                            for r, n in enumerate(have) if n])
+        # Each rank's slot holds its rows: side by side, the whole tensor.
+        out[i] = torch.cat([blocks[r, off:off + n * row_bytes].view(t.dtype).view(n, *t.shape[1:])
+                            for r, n in enumerate(held) if n])
     return out  # type: ignore[return-value]
