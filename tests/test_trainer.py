@@ -169,7 +169,8 @@ def _gather_rank(rank: int, world_size: int, device: str = "cpu") -> dict:
 
 
 def test_full_tensors_gathers_uneven_and_empty_row_shards_in_one_collective():
-    """export_weights gathers a bucket's parameters with one all-gather (sharding.full_tensors)."""
+    """sharding.full_tensors (export_weights on GPUs: a chunk of parameters with one all-gather)
+    rebuilds every whole tensor from the ranks' row shards."""
     rows_per_rank = [[2, 2, 2], [2, 2, 1], [1, 0, 0], [3, 3, 1], [1, 1, 0]]  # ceil(rows / 3), the last short or empty
     for rank, r in enumerate(values(run_ranks(_gather_rank, 3, deadline_s=120))):
         assert r["shards"] == [x[rank] for x in rows_per_rank]
