@@ -382,6 +382,50 @@ def test_shards_written_here_read_back_by_safetensors_with_the_digest_of_their_b
         write_safetensors(tmp_path / "y.safetensors", {"c": torch.zeros(2, dtype=torch.complex64)})
 
 
+def test_weight_files_are_read_mapped_and_checked_against_their_manifest(tmp_path):
+    """The engine's disk load: every tensor back bit for bit from memory-mapped shards; a published
+    version's files are checked against its manifest as they are read (corrupt, missing or extra
+    file: refused); a file whose header does not describe its data is a clear error."""
+    from rltrain.sync.disk import CorruptWeightsError, publish, read_weights
+    from rltrain.sync.hf_files import HostStaging, map_safetensors, write_checkpoint, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b": torch.randn(3, 5, generator=g).to(torch.bfloat16), "ids": torch.arange(6).reshape(2, 3),
+               "mask": torch.rand(4, 2, generator=g) > 0.5, "scalar": torch.tensor(2.5, dtype=torch.float64),
+               "empty": torch.empty(0, 4)}
+    digest = write_safetensors(tmp_path / "x.safetensors", tensors)
+    for check in (None, digest):
+        back = map_safetensors(tmp_path / "x.safetensors", check)
+        assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in tensors.items())
+    state = {f"w{i}": torch.randn(64, 32, generator=g) for i in range(9)}
+    src = make_model(tmp_path / "cfg", seed=0)
+
+    def write(tmp):  # three shards, each written while the next is gathered (two stagings)
+        digests = {}
+        write_checkpoint(tmp, src, state.items(), shard_bytes=3 * 64 * 32 * 4, staging=[HostStaging(0), HostStaging(0)],
+                         digests=digests)
+        return {"kind": "full", "version": "1", "digests": digests}
+
+    version = publish(tmp_path / "weight_v000001", None, write)
+    shards = sorted(version.glob("*.safetensors"))
+    assert len(shards) == 3
+    back = read_weights(version)
+    assert set(back) == set(state) and all(torch.equal(back[n], t) for n, t in state.items())
+    data = bytearray(shards[1].read_bytes())
+    data[-5] ^= 0x01
+    shards[1].write_bytes(bytes(data))
+    with pytest.raises(CorruptWeightsError, match=f"{shards[1].name} does not match its checksum.*keeps"):
+        read_weights(version)
+    shards[1].unlink()
+    with pytest.raises(CorruptWeightsError, match="not the manifest's"):
+        read_weights(version)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes((tmp_path / "x.safetensors").read_bytes()[:-3])
+    with pytest.raises(ValueError, match="cannot read weight file .*does not fit"):
+        read_weights(plain)
+
+
 def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
     from rltrain.sync.delta import DeltaOrderError, DeltaPublisher, reconstruct
     from rltrain.sync.disk import CorruptWeightsError, publish

@@ -4,8 +4,9 @@ A version is a directory `<weights_dir>/weight_v{N:06d}`, written into a tempora
 (every file fsynced) and renamed into place, so no reader ever sees half of one. Its manifest
 `rltrain_version.json` names the version, its kind (`full`: an HF checkpoint loadable by
 `from_pretrained`; `delta`: see delta.py) and the xxh3 of every file, which the receiving side
-checks before an engine loads anything: a corrupt or truncated shard is refused and the engine
-keeps serving the version it has. Versions beyond `loop.keep_weight_versions` are pruned, and so
+checks before an engine loads anything (the embedded engine as it reads the files, `read_weights`;
+for SGLang the node's leader first, `verify`): a corrupt or truncated shard is refused and the
+engine keeps serving the version it has. Versions beyond `loop.keep_weight_versions` are pruned, and so
 are versions numbered above the new one (left by an earlier run that went further).
 With several nodes, `weights_dir` must be on a filesystem all nodes see.
 """
@@ -21,19 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 import xxhash
 
-from rltrain.sync.hf_files import fsync_dir, fsync_file
+from rltrain.sync.hf_files import CorruptWeightsError, fsync_dir, fsync_file, map_safetensors  # noqa: F401 (CorruptWeightsError: re-exported)
 
 MANIFEST = "rltrain_version.json"
 
 
 class StaleWeightsError(RuntimeError):
     """An engine serves a weight version other than the one just published."""
-
-
-class CorruptWeightsError(ValueError):
-    """A published weight version does not match its manifest."""
 
 
 def weights_dir(cfg: Any) -> Path:
@@ -99,6 +97,37 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CorruptWeightsError(f"weight version {path}: unreadable manifest {MANIFEST} ({e})") from None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in `path`, memory-mapped, the files read in
+    parallel. A published version (it has a manifest) is checked against it as it is read, so
+    a corrupt or partly written file raises CorruptWeightsError before any tensor is used; a
+    plain HF directory is read as it is. Other unreadable files raise ValueError."""
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(path)!r}")
+    digests: dict[str, str | None] = dict.fromkeys((f.name for f in files), None)
+    if (path / MANIFEST).exists():
+        listed = {n: d for n, d in read_manifest(path).get("files", {}).items() if n.endswith(".safetensors")}
+        if set(listed) != set(digests):
+            raise CorruptWeightsError(f"weight version {path}: its files {sorted(digests)} are not the manifest's "
+                                      f"{sorted(listed)}; the engine keeps its current weights")
+        digests = listed
+
+    def one(f: Path) -> dict[str, torch.Tensor]:
+        try:
+            return map_safetensors(f, digests[f.name])
+        except CorruptWeightsError:
+            raise
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read weight file {f}: {e}") from e
+
+    state: dict[str, torch.Tensor] = {}
+    with ThreadPoolExecutor(min(8, len(files)), thread_name_prefix="rltrain-read") as pool:
+        for tensors in pool.map(one, files):
+            state.update(tensors)
+    return state
 
 
 def verify(path: Path) -> dict[str, Any]:

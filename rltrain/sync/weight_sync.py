@@ -22,6 +22,7 @@ version is verified (and said so once in the log).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import shutil
 import threading
@@ -40,6 +41,7 @@ from rltrain.sync.disk import (
     StaleWeightsError,
     prune,
     publish,
+    read_manifest,
     verify,
     version_dir,
     weights_dir,
@@ -78,11 +80,13 @@ class WeightSync:
         self.engine_dtype: torch.dtype | None = None
         self.engine_checksums = False
         self.reuse_buffers = False  # tensor: refill two buffers instead of a fresh one per bucket
+        self.engines_verify = False  # disk: every engine checks a version's files against its manifest
         if self.leader:
             probes = [_probe(c) for c in self.receivers]
-            self.engine_dtype = probes[0][0]
-            self.engine_checksums = all(ok for _, ok, _ in probes)
-            self.reuse_buffers = all(sync for _, _, sync in probes)
+            self.engine_dtype = probes[0].dtype
+            self.engine_checksums = all(p.checksums for p in probes)
+            self.reuse_buffers = all(p.synchronous for p in probes)
+            self.engines_verify = bool(probes) and all(p.verifies_files for p in probes)
             if cfg.sync.verify and not self.engine_checksums:
                 log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
         self.publisher = DeltaPublisher(cfg.sync.delta_full_every) if world.rank == 0 else None
@@ -94,7 +98,7 @@ class WeightSync:
         self.node_base: Path | None = None
         self._groups: list[Any] = []
         self._pruner: threading.Thread | None = None
-        self._staging: HostStaging | None = None
+        self._staging: list[HostStaging] | None = None
         self._ring: list[torch.Tensor | None] = []  # tensor: the buffers refilled in turn
         self.timings: dict[str, float] = {}  # seconds per part of the last bucketed push (benchmarks)
         self._timing_lock = threading.Lock()
@@ -181,16 +185,20 @@ class WeightSync:
         model_path = self.trainer.model_path
         if self.transport == "delta":
             return self.publisher.write(tmp, version, tensors, model_path)
-        if self._staging is None:  # page-locked, reused by every version (up to one shard)
-            self._staging = HostStaging(min(SHARD_BYTES, sum(w.nbytes for w in self.plan.weights)))
+        if self._staging is None:  # page-locked, reused by every version (up to one shard each)
+            self._staging = [HostStaging(min(SHARD_BYTES, sum(w.nbytes for w in self.plan.weights))) for _ in range(2)]
         digests: dict[str, str] = {}
         write_checkpoint(tmp, model_path, tensors, shard_bytes=SHARD_BYTES, staging=self._staging, digests=digests)
         return {"version": version, "kind": "full", "digests": digests}
 
     def _local_full_version(self, published: Path) -> Path:
         """The verified full version this node's engine loads: the published one, or for a delta
-        the one rebuilt here from this node's previous version."""
-        manifest = verify(published)
+        the one rebuilt here from this node's previous version. Engines that check a version's
+        files against its manifest as they read them (`"weight_files": "verified"`, the embedded
+        engine) are left to do so: reading 8.8 GB once instead of twice."""
+        manifest = read_manifest(published)
+        if manifest.get("kind") != "full" or not self.engines_verify:
+            manifest = verify(published)
         if manifest["kind"] == "full":
             self.node_base = published
             return published
@@ -392,20 +400,28 @@ class SyncError(RuntimeError):
     """A rank could not send or load a weight version; the engine keeps its previous weights."""
 
 
-def _probe(client: Any) -> tuple[torch.dtype | None, bool, bool]:
-    """(engine dtype, whether it reports weight checksums, whether its update requests answer
-    only after the copies out of the sender's buffers are done)."""
+@dataclasses.dataclass
+class _Probe:
+    dtype: torch.dtype | None  # of the engine's weights, as its checksum report says
+    checksums: bool  # it reports weight checksums
+    synchronous: bool  # its update requests answer only after the copies out of the sender's buffers
+    verifies_files: bool  # it checks a disk version's files against the version's manifest
+
+
+def _probe(client: Any) -> _Probe:
     try:
-        synchronous = client.server_info().get("weight_updates") == "synchronous"
+        info = client.server_info()
     except (EngineError, ValueError, TypeError):
-        synchronous = False
+        info = {}
+    synchronous = info.get("weight_updates") == "synchronous"
+    verifies = info.get("weight_files") == "verified"
     try:
         rep = client.weights_checksum()
     except (EngineError, ValueError, TypeError):
-        return None, False, synchronous
+        rep = None
     if not isinstance(rep, dict) or "dtype" not in rep:
-        return None, False, synchronous
-    return getattr(torch, rep["dtype"]), True, synchronous
+        return _Probe(None, False, synchronous, verifies)
+    return _Probe(getattr(torch, rep["dtype"]), True, synchronous, verifies)
 
 
 def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:

@@ -29,10 +29,11 @@ import torch
 
 from rltrain.engine.protocol import SamplingParams
 from rltrain.models.hf_names import checkpoint_index, write
+from rltrain.sync.disk import read_weights
 from rltrain.sync.integrity import combine, entry
 from rltrain.sync.plan import EXPERT, num_experts
 from rltrain.runtime.ledger import measure_cuda_context
-from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.memory import PinnedUpload, free_cuda_caches, trim_host_heap
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -101,6 +102,7 @@ class NativeEngine:
         self._tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         self._targets: dict[str, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self._local = threading.local()  # per request thread: its last update's copies and times
+        self._upload: PinnedUpload | None = None  # disk loads: host-to-device through page-locked buffers
         # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
         # takes updates only for its contiguous block of experts, and checksums what it owns. The
         # native engine has no expert-parallel forward: its weights of other experts stay as
@@ -431,18 +433,10 @@ class NativeEngine:
         return n
 
     def load_from_disk(self, model_path: str, weight_version: str | None) -> int:
-        from safetensors.torch import load_file
-
-        path = Path(model_path)
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {model_path!r}")
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            try:
-                state.update(load_file(str(f)))
-            except Exception as e:  # safetensors raises its own error types for corrupt files
-                raise ValueError(f"cannot read weight file {f}: {e}") from e
+        """Load a weight directory: a published version is checked against its manifest as it is
+        read (`"weight_files": "verified"` in /get_server_info), so the trainer need not read it
+        first. Nothing is changed unless every file and tensor is good."""
+        state = read_weights(Path(model_path))
         state = {n: t for n, t in state.items() if self.owns(n)}  # an EP rank loads its experts only
         expected = {n for n in self._checkpoint_names if self.owns(n)}
         covered = set()
@@ -493,6 +487,12 @@ class NativeEngine:
             nbytes += t.numel() * t.element_size()
         t1 = time.perf_counter()
         direct = [(target.data, t) for target, _, t, plain in plan if plain]
+        staged = [p for p in direct if PinnedUpload.suits(*p)]
+        if staged:  # from pageable host memory (a disk load): through page-locked buffers
+            if self._upload is None:
+                self._upload = PinnedUpload()
+            self._upload.copy(staged)
+            direct = [p for p in direct if not PinnedUpload.suits(*p)]
         if direct:  # one fused launch per group of tensors on CUDA instead of one copy each
             torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct], non_blocking=True)
         for target, index, t, plain in plan:

@@ -86,7 +86,9 @@ class NativeServer:
             return 200, {"engine": "rltrain.native", "device": str(self.engine.device), "dtype": str(self.engine.dtype),
                          "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version,
                          # Update requests answer after every copy out of the sender's buffers is done.
-                         "weight_updates": "synchronous"}
+                         "weight_updates": "synchronous",
+                         # A published disk version's files are checked against its manifest on load.
+                         "weight_files": "verified"}
         if path == "/memory":
             return 200, self.engine.memory_report()
         if path == "/weights_checksum":
