@@ -125,9 +125,10 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
 
 
 def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monkeypatch):
-    """FSDP2 over a (one-rank) NCCL world: each destroy/rebuild re-shards the trainer onto the new
-    group; offload leaves no trainer tensor on the GPU; training continues with the same result as
-    a trainer that never offloads (one H200: NCCL refuses two ranks on one device)."""
+    """FSDP2 over a (one-rank) NCCL world: each destroy/rebuild re-binds the trainer's modules to
+    the new group (this torch's FSDP2 internals are what `sharding.rebind` expects); offload
+    leaves no trainer tensor on the GPU; training continues with the same result as a trainer
+    that never offloads (one H200: NCCL refuses two ranks on one device)."""
     from torch.distributed.tensor import DTensor
 
     from models import make_model
@@ -167,8 +168,10 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
             world.destroy()
             world.wait_destroyed()
             world.rebuild()
-            steady.onload()  # not offloaded: re-sharded in place onto the new group
+            modules = (steady.model, cycled.model)
+            steady.onload()  # not offloaded: re-bound to the new group
             cycled.onload()
+            assert (steady.model, cycled.model) == modules and not (steady._rebind_refused or cycled._rebind_refused)
         a, b = dict(cycled.export_weights()), dict(steady.export_weights())
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

@@ -36,7 +36,7 @@ def one_step(t: TorchTrainer, batch: TrainBatch) -> dict:
     return t.train_step(batch)
 
 
-def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool) -> dict:
+def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool, rebinds: bool = True) -> dict:
     from torch.distributed.tensor import DTensor
 
     from rltrain.runtime.world import World
@@ -44,6 +44,7 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool) -> 
     world = World(backend="gloo", timeout=60)
     try:
         t = make_trainer(path, micro=1 + rank)  # unequal micro-batch counts per rank: idle passes
+        t.rebinds = rebinds  # False: fresh modules re-sharded after every rebuild (megatron's way; the fallback)
         full = fixed_batch()
         mine = full.slice(slice(rank * 4, rank * 4 + 4))  # uneven token counts per rank (padding)
         embed = t.model.get_input_embeddings().weight
@@ -53,7 +54,9 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool) -> 
             if cycle:
                 world.destroy()
                 world.rebuild()
-                t.onload()  # re-shards onto the rebuilt group
+                model = t.model
+                t.onload()  # re-binds (or re-shards) onto the rebuilt group
+                assert (t.model is model) == rebinds and not t._rebind_refused
                 groups.add(id(t._group))
             norms.append(one_step(t, mine)["grad_norm"])
         return {"weights": {k: v.clone() for k, v in t.export_weights()}, "grad_norm": norms, "groups": len(groups)}
@@ -61,10 +64,11 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool) -> 
         world.close()
 
 
-@pytest.mark.parametrize("steps,cycle", [(1, False), (3, True)], ids=["one-step", "world-cycles-between-steps"])
-def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle):
+@pytest.mark.parametrize("steps,cycle,rebinds", [(1, False, True), (3, True, True), (3, True, False)],
+                         ids=["one-step", "world-cycles-between-steps", "world-cycles-fresh-modules"])
+def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle, rebinds):
     path = make_model(tmp_path / "m", seed=5)
-    ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, deadline_s=180))
+    ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, rebinds, deadline_s=180))
     single = make_trainer(path, micro=3)  # different micro-batching too: accumulation must not matter
     norms = [one_step(single, fixed_batch())["grad_norm"] for _ in range(steps)]
     ref = single.model.state_dict()
@@ -77,6 +81,41 @@ def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(
             torch.testing.assert_close(r["weights"][k], v, rtol=1e-4, atol=1e-4)
     moved = sum(float((ref[k] - AutoModelForCausalLM.from_pretrained(path).state_dict()[k]).abs().sum()) for k in ref)
     assert moved > 0  # the step changed the weights
+
+
+def test_a_refused_rebind_re_shards_fresh_modules_and_says_so_once(tmp_path, monkeypatch, caplog):
+    """Where `sharding.rebind` cannot re-bind (another torch's FSDP2 internals), onload falls back
+    to fresh modules filled from the local shards, logs why once, and trains on the same."""
+    import rltrain.trainer.native as native
+    from rltrain.runtime.world import World
+    from rltrain.trainer.sharding import rebind
+
+    path = make_model(tmp_path / "m", seed=5)
+    assert rebind(AutoModelForCausalLM.from_pretrained(path), None) == "no FSDP2 parameter groups"
+    monkeypatch.setattr(native, "rebind", lambda model, group: "refused by this test")
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    world = World(backend="gloo", timeout=60)
+    try:
+        t = make_trainer(path, micro=4)
+        norms = []
+        with caplog.at_level("WARNING", logger="rltrain.trainer"):
+            for _ in range(3):
+                model = t.model
+                world.destroy()
+                world.rebuild()
+                t.onload()
+                assert t.model is not model and t._group is native.current_group()
+                norms.append(one_step(t, fixed_batch())["grad_norm"])
+        weights = dict(t.export_weights())
+    finally:
+        world.close()
+    assert [r.getMessage() for r in caplog.records].count(
+        "trainer: re-sharding fresh modules after each world rebuild (slower): refused by this test") == 1
+    plain = make_trainer(path, micro=4)
+    assert norms == pytest.approx([one_step(plain, fixed_batch())["grad_norm"] for _ in range(3)], rel=1e-5)
+    for k, v in plain.model.state_dict().items():
+        torch.testing.assert_close(weights[k], v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])

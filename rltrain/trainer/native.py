@@ -4,8 +4,8 @@ Data parallelism. Under torch.distributed the model is sharded with FSDP2 (`full
 the world's *current* default group, gloo on CPU and NCCL on GPU; every rank trains on its own
 samples. The loss is normalised by the global token (or sequence) count of the mini-batch and
 FSDP2 sums the gradients, so the result is exactly the full-batch gradient. FSDP binds a module to
-its group for good, and the world destroys that group between steps: `onload` re-shards the
-trainer onto the rebuilt group from its local shards (`sharding.py`).
+its group, and the world destroys that group between steps: `onload` re-binds the modules to the
+rebuilt group, or re-shards fresh ones from the local shards where it cannot (`sharding.py`).
 
 Batch layout. All per-token tensors are [B, L] over the full sequence (prompt + response, right
 padded): `tokens`, `attention_mask`, `loss_mask` (1 on response tokens), `advantages`,
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
 from rltrain.models.hf_names import checkpoint_specs, module_weights, to_checkpoint
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
-from rltrain.trainer.sharding import (capture, current_group, free_storage, full_tensor, full_tensors, load,
-                                      reshard, shard)
+from rltrain.trainer.sharding import (HostPark, capture, current_group, free_storage, full_tensor, full_tensors,
+                                      load, rebind, reshard, shard)
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -66,6 +66,8 @@ class TorchTrainer:
     world's current default group, on CPU (gloo) and GPU (NCCL) alike; see `sharding.py` for how it
     follows the world across destroy/rebuild. Without torch.distributed it is a plain module."""
 
+    rebinds = True  # modules follow a world rebuild by `sharding.rebind` (megatron's are re-assembled)
+
     def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, seed: int = 0,
                  total_steps: int = 1, temperature: float = 1.0):
         self.cfg, self.algo = cfg, algo
@@ -85,7 +87,9 @@ class TorchTrainer:
         self.steps = 0
         self.pad_id = 0
         self._group: Any = None  # the process group the modules are sharded over
-        self._parked: dict[str, Any] | None = None  # captured state while offloaded
+        self._parked: dict[str, Any] | None = None  # captured state while offloaded (megatron)
+        self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
+        self._rebind_refused = False  # rebind said no once: said in the log once
         self._hf_config: Any = None
         self._specs: list[tuple[str, str, torch.Size, torch.dtype]] | None = None
         self._module_tensors: dict[str, torch.Tensor] | None = None  # of `self.model`; cleared with it
@@ -100,7 +104,7 @@ class TorchTrainer:
 
     @property
     def offloaded(self) -> bool:
-        return self._parked is not None
+        return self._parked is not None or bool(self._park is not None and self._park.parked)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,7 +116,7 @@ class TorchTrainer:
         self.ref_model = self._build_reference()
         self._new_optimizer()
         self._group = current_group()
-        self._parked = None
+        self._parked = self._park = None
 
     def _build(self, init: str) -> torch.nn.Module:
         """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
@@ -169,7 +173,7 @@ class TorchTrainer:
         Re-create with `create(load_weights=False)` + a checkpoint, or `restore_snapshot`."""
         self._free()
         self._drop()
-        self._parked = None
+        self._parked = self._park = None
         gc.collect()
         if self.device.type == "cuda":
             free_cuda_caches()
@@ -226,24 +230,33 @@ class TorchTrainer:
         return {"weights": weights, "grads": grads, "optimizer": optim, "spare": self._spare_host_buffers()}
 
     def _spare_host_buffers(self) -> list[torch.Tensor]:
-        """Host buffers kept between offloads for reuse (none here)."""
-        return []
+        """Host buffers kept between offloads for reuse: the offload buffer (which holds the
+        weights and optimizer state while offloaded)."""
+        return [self._park.buffer] if self._park is not None and self._park.buffer is not None else []
 
     # ------------------------------------------------------------------ offload
 
     def offload(self) -> None:
-        """Params and optimizer state (and the reference) to pinned host memory; the modules
-        are dropped and every GPU byte returned. Gradients are freed after each optimizer step,
-        so there are none to move. A no-op on a CPU device."""
+        """Params and optimizer state (and the reference) to pinned host memory, and every GPU
+        byte returned. Gradients are freed after each optimizer step, so there are none to move.
+        A no-op on a CPU device. The modules are kept, their storages emptied in place
+        (`sharding.HostPark`); `onload` refills them and, after a world rebuild, re-binds them
+        to the new group."""
         if self.device.type == "cpu" or self.offloaded or self.released:
             return
+        for module in (self.model, self.ref_model):
+            if module is not None and self.sharded:
+                reshard(module)  # the root keeps its gathered parameters after a forward without backward
         with self._timed("offload: copy to host"):
-            self._parked = self._capture(to_host=True, with_reference=True)
-        with self._timed("offload: free modules"):
-            self._free()
-            self._drop()
+            if self._park is None:
+                self._park = HostPark()
+            self._park.park(self._device_tensors())
         with self._timed("offload: return memory to the device"):
             self._reclaim()
+
+    def _device_tensors(self) -> list[torch.Tensor]:
+        held = self.held_tensors()
+        return held["weights"] + held["grads"] + held["optimizer"]
 
     def _reclaim(self) -> None:
         """Hand the memory of the dropped modules back to the device."""
@@ -255,26 +268,50 @@ class TorchTrainer:
 
     def onload(self) -> None:
         """Back on the device, sharded over the current default group. A sharded trainer whose
-        group was destroyed since (a world rebuild) is re-sharded here, offloaded or not."""
-        if self._parked is not None:
+        group was destroyed since (a world rebuild) is re-bound to the new group (offloaded or
+        not), or, where FSDP2 cannot be re-bound, re-sharded from its local shards."""
+        if self._parked is not None:  # a capture (a subclass's offload)
             parked, self._parked = self._parked, None
             self._rebuild(parked)
+        if self.offloaded:
+            with self._timed("onload: copy to device"):
+                self._park.unpark()
+        if self._stale() and not self.rebinds:
+            self._reshard_fresh()
         elif self._stale():
-            old = (self.model, self.ref_model)
-            self._rebuild(self._capture(to_host=False, with_reference=True))
-            for module in old:  # copied into the new modules (the optimizer state was re-wrapped, not copied)
-                if module is not None:
-                    free_storage(module)
-            del old
-        if self.sharded:
-            # The modules dropped above (or at offload) hold the destroyed group through their
-            # mesh, partly in reference cycles, and a Gloo group keeps its sockets and threads
-            # until it is freed: ~1.5 fds and ~1 thread per world cycle stayed behind (seen in
-            # rltrain.bench.soak). A full collection frees them (a young-generation one does not)
-            # but costs ~0.1-0.3 s: one every GC_EVERY re-shards bounds the growth.
-            self._reshards += 1
-            if self._reshards % GC_EVERY == 0:
-                gc.collect()
+            with self._timed("onload: re-bind to the new group"):
+                why = self._rebind(current_group())
+            if why is None:
+                self._group = current_group()
+            else:
+                if not self._rebind_refused:
+                    log.warning("trainer: re-sharding fresh modules after each world rebuild (slower): %s", why)
+                    self._rebind_refused = True
+                self._reshard_fresh()
+
+    def _rebind(self, group: Any) -> str | None:
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                why = rebind(module, group)
+                if why is not None:
+                    return why
+        return None
+
+    def _reshard_fresh(self) -> None:
+        old = (self.model, self.ref_model)
+        self._rebuild(self._capture(to_host=False, with_reference=True))
+        for module in old:  # copied into the new modules (the optimizer state was re-wrapped, not copied)
+            if module is not None:
+                free_storage(module)
+        del old
+        # The modules dropped above hold the destroyed group through their mesh, partly in
+        # reference cycles, and a Gloo group keeps its sockets and threads until it is freed:
+        # ~1.5 fds and ~1 thread per world cycle stayed behind (seen in rltrain.bench.soak). A
+        # full collection frees them (a young-generation one does not) but costs ~0.1-0.3 s:
+        # one every GC_EVERY re-shards bounds the growth.
+        self._reshards += 1
+        if self._reshards % GC_EVERY == 0:
+            gc.collect()
 
     def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
         pin = to_host and self.device.type == "cuda"

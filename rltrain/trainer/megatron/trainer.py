@@ -87,6 +87,7 @@ class _Schedule:
 
 
 class MegatronTrainer(TorchTrainer):
+    rebinds = False
     def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, world: Any, seed: int = 0,
                  total_steps: int = 1, temperature: float = 1.0):
         from transformers import AutoConfig
@@ -180,6 +181,19 @@ class MegatronTrainer(TorchTrainer):
         self._generation = self.world.generation
         self._group = self.groups.tp_group()
         self._module_tensors = None
+
+    def offload(self) -> None:
+        """Weights, optimizer state (and the reference) to page-locked host memory; the modules
+        are dropped (megatron's parallel state is rebuilt with the world: see `_assemble`)."""
+        if self.device.type == "cpu" or self.offloaded or self.released:
+            return
+        with self._timed("offload: copy to host"):
+            self._parked = self._capture(to_host=True, with_reference=True)
+        with self._timed("offload: free modules"):
+            self._free()
+            self._drop()
+        with self._timed("offload: return memory to the device"):
+            self._reclaim()
 
     def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
         """Weights, optimizer state (and the reference) of this rank: cloned on the device, or
