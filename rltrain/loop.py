@@ -79,6 +79,8 @@ def run(cfg: Any, world: Any) -> dict[str, float]:
                 batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
             with clock.phase("train"):
                 train_stats = trainer.train_step(batch)
+                if cfg.loop.colocate and (cfg.loop.offload_trainer or cfg.release.train):
+                    trainer.trim()  # the activations' cache back to the device before the engine's weights
             with clock.phase("save"):
                 # Saved (and verified) before the trainer may be released; a failed save raises
                 # with the trainer still alive and the previous checkpoint untouched.

@@ -114,6 +114,10 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     held = torch.cuda.memory_allocated() - base_alloc
     state = sum(p.numel() * p.element_size() for p in t.model.parameters()) * 3
     assert held >= state
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the step's activations, freed
+    t.trim()
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= min(cached, 4 * 2**20)
+    assert torch.cuda.memory_allocated() - base_alloc == held  # the state stays
     t.offload()
     assert torch.cuda.memory_allocated() - base_alloc < 0.01 * state  # params, grads, Adam state on the host
     t.onload()

@@ -254,6 +254,15 @@ class TorchTrainer:
         with self._timed("offload: return memory to the device"):
             self._reclaim()
 
+    def trim(self) -> None:
+        """Hand the allocator's cached blocks (the last step's activations) back to the device,
+        keeping the state. The loop calls it after the train step when the trainer is put away
+        after the step anyway (offload would return them then): the engine takes its weights back
+        next, and on a full GPU it would not fit beside the trainer's cache (23.6 GiB after a
+        train step of a 2B model on the H200, in the e2e ledger)."""
+        if self.device.type == "cuda":
+            free_cuda_caches()
+
     def _device_tensors(self) -> list[torch.Tensor]:
         held = self.held_tensors()
         return held["weights"] + held["grads"] + held["optimizer"]
