@@ -290,7 +290,7 @@ class HostPark:
             storages.append((s, offset, s.nbytes()))
             offset += -(-s.nbytes() // self.ALIGN) * self.ALIGN
         if self.buffer is None or self.buffer.numel() < offset:
-            self.buffer = None
+            self.buffer = None  # the old one goes first: never both pinned at once
             self.buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
         for s, off, n in storages:
             self.buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
