@@ -291,6 +291,9 @@ class HostPark:
             offset += -(-s.nbytes() // self.ALIGN) * self.ALIGN
         if self.buffer is None or self.buffer.numel() < offset:
             self.buffer = None  # the old one goes first: never both pinned at once
+            # torch keeps freed pinned blocks cached: hand the old one's pages back (the first
+            # offload, before any step, has no Adam state yet and pinned a weights-only buffer).
+            getattr(torch._C, "_host_emptyCache", lambda: None)()
             self.buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
         for s, off, n in storages:
             self.buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
