@@ -14,7 +14,6 @@ With several nodes, `weights_dir` must be on a filesystem all nodes see.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import tempfile
@@ -25,7 +24,8 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from rltrain.sync.hf_files import CorruptWeightsError, fsync_dir, fsync_file, map_safetensors  # noqa: F401 (CorruptWeightsError: re-exported)
+from rltrain.sync.hf_files import CorruptWeightsError  # noqa: F401 (callers import it from here)
+from rltrain.sync.hf_files import fsync_dir, fsync_file, map_file, map_safetensors
 
 MANIFEST = "rltrain_version.json"
 
@@ -43,15 +43,12 @@ def version_dir(root: Path, version: str) -> Path:
 
 
 def file_digest(path: Path) -> str:
-    """xxh3 of a file's bytes, hashed from a memory map (no copy into Python buffers: half the
-    cost of reading it in chunks, measured on the sync benchmark)."""
+    """xxh3 of a file's bytes, hashed from a memory map (`map_file`: no copy into Python buffers)."""
     h = xxhash.xxh3_64()
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size:
-            # Pages mapped in one call rather than one fault each (faults are dear in a VM).
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            with mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ) as m:
-                h.update(m)
+    m = map_file(path)
+    if m is not None:
+        with m:
+            h.update(m)
     return h.hexdigest()
 
 

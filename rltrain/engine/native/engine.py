@@ -486,13 +486,14 @@ class NativeEngine:
             plan.append((target, index, t, index is None and (t.dtype, t.device) == (target.dtype, target.device)))
             nbytes += t.numel() * t.element_size()
         t1 = time.perf_counter()
-        direct = [(target.data, t) for target, _, t, plain in plan if plain]
-        staged = [p for p in direct if PinnedUpload.suits(*p)]
-        if staged:  # from pageable host memory (a disk load): through page-locked buffers
+        direct, staged = [], []  # staged: from pageable host memory (a disk load), through page-locked buffers
+        for target, _, t, plain in plan:
+            if plain:
+                (staged if PinnedUpload.suits(target.data, t) else direct).append((target.data, t))
+        if staged:
             if self._upload is None:
                 self._upload = PinnedUpload()
             self._upload.copy(staged)
-            direct = [p for p in direct if not PinnedUpload.suits(*p)]
         if direct:  # one fused launch per group of tensors on CUDA instead of one copy each
             torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct], non_blocking=True)
         for target, index, t, plain in plan:
