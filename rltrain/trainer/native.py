@@ -285,18 +285,18 @@ class TorchTrainer:
         if self.offloaded:
             with self._timed("onload: copy to device"):
                 self._park.unpark()
-        if self._stale() and not self.rebinds:
-            self._reshard_fresh()
-        elif self._stale():
+        if not self._stale():
+            return
+        if self.rebinds:
             with self._timed("onload: re-bind to the new group"):
                 why = self._rebind(current_group())
             if why is None:
                 self._group = current_group()
-            else:
-                if not self._rebind_refused:
-                    log.warning("trainer: re-sharding fresh modules after each world rebuild (slower): %s", why)
-                    self._rebind_refused = True
-                self._reshard_fresh()
+                return
+            if not self._rebind_refused:
+                log.warning("trainer: re-sharding fresh modules after each world rebuild (slower): %s", why)
+                self._rebind_refused = True
+        self._reshard_fresh()
 
     def _rebind(self, group: Any) -> str | None:
         for module in (self.model, self.ref_model):

@@ -192,7 +192,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             raise RuntimeError(f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "
                                f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)")
         layout.append((i, held, row_bytes, size, shard))
-        size += -(-per_rank * row_bytes // 16) * 16  # 16-byte aligned slots
+        size += _round_up(per_rank * row_bytes, 16)  # 16-byte aligned slots
     device = layout[0][4].device
     send = torch.empty(size, dtype=torch.uint8, device=device)
     # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
@@ -246,12 +246,12 @@ def rebind(model: torch.nn.Module, group: Any) -> str | None:
     for mesh in meshes.values():
         if mesh.ndim != 1 or getattr(mesh, "_dim_group_names", None) is None:
             return "a mesh of more than one dimension, or one without group names"
-    known = {"shard_process_group"}
+    known = {"shard_process_group", "_pg_registry"}  # the two set below
     for obj in (*states, *param_groups, *(fp for pg in param_groups for fp in pg.fsdp_params), *infos.values(),
                 *meshes.values()):
         for name, value in vars(obj).items():
             values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-            if name not in known and name != "_pg_registry" and any(isinstance(v, pg_type) for v in values):
+            if name not in known and any(isinstance(v, pg_type) for v in values):
                 return f"{type(obj).__name__}.{name} holds a process group rebind does not know"
     for mesh in meshes.values():
         mesh._dim_group_names = [group.group_name]
@@ -279,8 +279,8 @@ class HostPark:
         self.buffer: torch.Tensor | None = None
         self.parked: list[tuple[torch.UntypedStorage, int, int]] = []
 
-    def park(self, tensors: list[torch.Tensor]) -> int:
-        """Copy the storages to the host buffer, wait, free them on the device; returns bytes."""
+    def park(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the storages to the host buffer, wait, free them on the device."""
         storages, seen, offset = [], set(), 0
         for t in tensors:
             s = local(t).untyped_storage()
@@ -288,7 +288,7 @@ class HostPark:
                 continue
             seen.add(s.data_ptr())
             storages.append((s, offset, s.nbytes()))
-            offset += -(-s.nbytes() // self.ALIGN) * self.ALIGN
+            offset += _round_up(s.nbytes(), self.ALIGN)
         if self.buffer is None or self.buffer.numel() < offset:
             self.buffer = None  # the old one goes first: never both pinned at once
             # torch keeps freed pinned blocks cached: hand the old one's pages back (the first
@@ -301,7 +301,6 @@ class HostPark:
         for s, _, _ in storages:
             s.resize_(0)
         self.parked = storages
-        return sum(n for *_, n in storages)
 
     def unpark(self) -> None:
         """Re-allocate every parked storage and queue its copy back (the caller synchronizes).
@@ -313,13 +312,18 @@ class HostPark:
         returning the memory took on the H200)."""
         large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
         if large:
-            block = torch.empty(sum(-(-n // 512) * 512 for n in large), dtype=torch.uint8,
+            # Each request is rounded up to 512 bytes, as the allocator rounds it.
+            block = torch.empty(sum(_round_up(n, 512) for n in large), dtype=torch.uint8,
                                 device=self.parked[0][0].device)
             del block
         for s, off, n in self.parked:
             s.resize_(n)
             _bytes(s).copy_(self.buffer[off:off + n], non_blocking=True)
         self.parked = []
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -87,7 +87,8 @@ class _Schedule:
 
 
 class MegatronTrainer(TorchTrainer):
-    rebinds = False
+    rebinds = False  # its parallel state is rebuilt with the world (`_assemble`)
+
     def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, world: Any, seed: int = 0,
                  total_steps: int = 1, temperature: float = 1.0):
         from transformers import AutoConfig
