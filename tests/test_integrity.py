@@ -1,0 +1,52 @@
+"""Weight checksums (sync/integrity.py) against a plain-Python reference of their definition."""
+
+import pytest
+import torch
+
+from rltrain.sync.integrity import COLS, combine, entry, tensor_sums
+
+
+def _signed64(x: int) -> int:
+    x %= 1 << 64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _reference(t: torch.Tensor) -> tuple[int, int]:
+    """The definition: the bytes as little-endian int32 words (zero-padded), sum and sum of
+    (1-based position * word), modulo 2**64 as signed int64."""
+    raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += b"\0" * (-len(raw) % 4)
+    words = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    return _signed64(sum(words)), _signed64(sum((i + 1) * w for i, w in enumerate(words)))
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, COLS - 1, COLS, COLS + 1, 3 * COLS + 17])
+def test_sums_match_the_definition_across_row_boundaries(n):
+    g = torch.Generator().manual_seed(n)
+    t = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+    assert tensor_sums(t) == _reference(t)
+
+
+def test_sums_wrap_around_and_pad_odd_byte_counts():
+    extreme = torch.full((5 * COLS + 3,), 2**31 - 1, dtype=torch.int32)
+    assert tensor_sums(extreme) == _reference(extreme)
+    for t in (torch.randn(7, 13).to(torch.bfloat16), torch.arange(11, dtype=torch.uint8), torch.randn(3, dtype=torch.float64)):
+        assert tensor_sums(t) == _reference(t)
+    # Large enough that the weighted sum wraps many times over.
+    big = torch.full((1 << 22,), -(2**31), dtype=torch.int32)
+    s1, s2 = tensor_sums(big)
+    assert s1 == _signed64(-(2**31) * (1 << 22)) and s2 == _signed64(-(2**31) * (1 << 22) * ((1 << 22) + 1) // 2)
+
+
+def test_a_swap_or_a_changed_word_changes_the_checksum():
+    t = torch.randn(4 * COLS + 5)
+    swapped = t.clone()
+    swapped[[10, COLS + 3]] = swapped[[COLS + 3, 10]]
+    changed = t.clone()
+    changed[-1] += 1
+    base = combine({"w": entry(t)})
+    assert combine({"w": entry(swapped)}) != base
+    assert combine({"w": entry(changed)}) != base
+    assert tensor_sums(swapped)[0] == tensor_sums(t)[0]  # the plain sum cannot see a swap; the weighted one does
+    # Sums fetched lazily (tensors) and given as ints hash the same.
+    assert combine({"w": ("float32", tuple(t.shape), tensor_sums(t))}) == base
