@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -99,6 +101,7 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.memory import pinned_host_bytes
     from rltrain.trainer.native import TorchTrainer, TrainBatch
 
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
@@ -118,11 +121,21 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     t.trim()
     assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= min(cached, 4 * 2**20)
     assert torch.cuda.memory_allocated() - base_alloc == held  # the state stays
+    torch_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     t.offload()
     assert torch.cuda.memory_allocated() - base_alloc < 0.01 * state  # params, grads, Adam state on the host
+    # One page-locked buffer of exactly the parked bytes (512-byte aligned pieces), registered
+    # with the driver, counted by the ledger, and not from torch's power-of-two pinned allocator.
+    buf = t._park.buffer
+    parked = sum(n for *_, n in t._park.parked)
+    assert buf.is_pinned() and parked <= buf.numel() <= parked + 512 * len(t._park.parked)
+    assert pinned_host_bytes() == -(-buf.numel() // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == torch_pinned
+    del buf
     t.onload()
     t.train_step(batch)
     t.release()
+    assert pinned_host_bytes() == 0  # released: the buffer is unregistered and unmapped
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == base_alloc  # stated margin: nothing of the trainer stays allocated
     assert torch.cuda.memory_reserved() <= 2 * 2**20  # and the allocator gave its cache back (<= 2 MiB kept)

@@ -19,6 +19,7 @@ Every figure is measured, none is assumed:
     rss, host_pinned   this process's resident memory and its page-locked host allocations
     trainer_host       the trainer's tensors in host memory (offloaded weights and optimizer state)
     engine_rss         the engine process's resident memory
+    engine_pinned      its page-locked host memory (the backup of its released weights, upload buffers)
 
 Figures are GiB. A CPU run has the host part only (and the trainer's tensors under trainer_host).
 """
@@ -31,6 +32,8 @@ from typing import Any, Iterable
 
 import psutil
 import torch
+
+from rltrain.runtime.memory import pinned_host_bytes
 
 log = logging.getLogger("rltrain.ledger")
 
@@ -151,9 +154,12 @@ class MemoryLedger:
         out["rss"] = self.process.memory_info().rss / GIB
         if cuda:
             stats = torch.cuda.host_memory_stats()
-            out["host_pinned"] = stats.get("allocated_bytes.current", stats.get("allocation.current", 0)) / GIB
+            torch_pinned = stats.get("allocated_bytes.current", stats.get("allocation.current", 0))
+            out["host_pinned"] = (torch_pinned + pinned_host_bytes()) / GIB
         if "rss_bytes" in engine:
             out["engine_rss"] = engine["rss_bytes"] / GIB
+        if "host_pinned_bytes" in engine:
+            out["engine_pinned"] = engine["host_pinned_bytes"] / GIB
         return out
 
     def _engine_report(self) -> dict[str, Any]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+_registered: dict[int, int] = {}  # address -> bytes, of the host buffers `pinned_empty` page-locked
 
 
 def free_cuda_caches() -> None:
@@ -24,6 +28,47 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes`, page-locked, holding no more than the whole pages it needs.
+
+    torch's `pin_memory=True` rounds every allocation up to a power of two and keeps it cached
+    once freed: an 11.4 GiB offload held 16 GiB of page-locked memory that way, plus the 4 GiB
+    of an earlier, smaller buffer. This maps anonymous memory and registers it with the CUDA
+    driver (what `cudaHostAlloc` does, without the rounding); the registration and the mapping go
+    when the last tensor on the buffer is gone."""
+    size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+    buf = torch.frombuffer(mem, dtype=torch.uint8)
+    addr = buf.data_ptr()
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, size, 0))
+    if err:
+        raise RuntimeError(f"cannot page-lock {size / 2**30:.2f} GiB of host memory: cudaHostRegister returned error {err}")
+    _registered[addr] = size
+    # Runs when the mapping is released (every tensor on it is gone), before it is unmapped.
+    weakref.finalize(mem, _unregister, addr)
+    return buf[:nbytes]
+
+
+def pinned_like(tensors: list[torch.Tensor], align: int = 512) -> list[torch.Tensor]:
+    """Empty page-locked host tensors shaped as `tensors`, carved out of one `pinned_empty` buffer."""
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // align) * align
+    buf = pinned_empty(total)
+    return [buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)]
+
+
+def _unregister(addr: int) -> None:
+    _registered.pop(addr, None)
+    torch.cuda.cudart().cudaHostUnregister(addr)
+
+
+def pinned_host_bytes() -> int:
+    """Page-locked host bytes held by `pinned_empty` buffers (torch's own allocator reports the rest)."""
+    return sum(_registered.values())
 
 
 class PinnedUpload:

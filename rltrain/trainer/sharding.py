@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rltrain.runtime.memory import pinned_empty
+
 
 def current_group() -> Any:
     return dist.group.WORLD if dist.is_initialized() else None
@@ -290,11 +292,11 @@ class HostPark:
             storages.append((s, offset, s.nbytes()))
             offset += _round_up(s.nbytes(), self.ALIGN)
         if self.buffer is None or self.buffer.numel() < offset:
-            self.buffer = None  # the old one goes first: never both pinned at once
-            # torch keeps freed pinned blocks cached: hand the old one's pages back (the first
-            # offload, before any step, has no Adam state yet and pinned a weights-only buffer).
-            getattr(torch._C, "_host_emptyCache", lambda: None)()
-            self.buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=True)
+            # The old one (the first offload, before any step, parks no Adam state) goes first:
+            # never both pinned at once. Exactly sized: torch's pinned allocator would round
+            # 11.4 GiB up to 16 and keep the old buffer cached.
+            self.buffer = None
+            self.buffer = pinned_empty(offset)
         for s, off, n in storages:
             self.buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
         torch.cuda.synchronize()

@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from rltrain.runtime.memory import free_cuda_caches
+from rltrain.runtime.memory import free_cuda_caches, pinned_like
 from rltrain.trainer.megatron.convert import (
     dims,
     expert_of,
@@ -552,7 +552,7 @@ class _HostMirror:
         fits = len(tensors) == len(self._buffers) and all(
             b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self._buffers, tensors))
         if not fits:
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            self._buffers = pinned_like(tensors)
         for b, t in zip(self._buffers, tensors):
             b.copy_(t.detach(), non_blocking=True)
         torch.cuda.synchronize()
