@@ -117,10 +117,18 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     held = torch.cuda.memory_allocated() - base_alloc
     state = sum(p.numel() * p.element_size() for p in t.model.parameters()) * 3
     assert held >= state
-    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the step's activations, freed
+    # The step's activations are freed but cached: whole segments with nothing allocated in them.
+    # trim hands every such segment back (free pieces of segments that still hold state stay).
+    def free_segments() -> int:
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if seg["allocated_size"] == 0)
+
+    # Larger than all that is cached, so it gets a segment of its own, left whole and free.
+    scratch = torch.empty(torch.cuda.memory_reserved() + (64 << 20), dtype=torch.uint8, device="cuda")
+    del scratch
+    assert free_segments() >= 64 << 20
     t.trim()
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() <= min(cached, 4 * 2**20)
-    assert torch.cuda.memory_allocated() - base_alloc == held  # the state stays
+    assert free_segments() == 0
+    assert torch.cuda.memory_allocated() - base_alloc >= state  # the state stays (cuBLAS's workspaces go)
     torch_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     t.offload()
     assert torch.cuda.memory_allocated() - base_alloc < 0.01 * state  # params, grads, Adam state on the host

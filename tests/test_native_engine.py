@@ -145,6 +145,53 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_
     assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 
 
+def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it(native, big_model):
+    """The engine's buffer-slot extension (what the sync uses against it): a buffer's handle
+    comes once with its slot number, later buckets name the slot only and are read from what the
+    buffer holds now; a slot never sent, one out of range, or a slot outside a session is a 400
+    naming the fix, and the session's end forgets the slots."""
+    from safetensors.torch import load_file
+
+    from rltrain.engine import tensor_payload
+    from rltrain.sync.integrity import combine, entry
+
+    assert native.client.server_info()["weight_buffer_slots"] >= 3
+    state = {}
+    for f in sorted(big_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    name_a, name_b = "model.norm.weight", "model.layers.0.input_layernorm.weight"
+    buf = torch.empty(1 << 16, dtype=torch.uint8).share_memory_()
+
+    def send(name, value, slot, handle):
+        md = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=buf)["metadata"]
+        payload = {"flattened_tensor": buf if handle else None, "metadata": md, "buffer": slot}
+        return native.client.update_weights_from_tensor([tensor_payload.serialize(payload)], weight_version="slots")
+
+    with pytest.raises(EngineError, match="begin_weight_update"):
+        send(name_a, 1.0, 0, True)
+    try:
+        native.client.begin_weight_update()
+        with pytest.raises(EngineError, match="slot 1 has no buffer"):
+            send(name_a, 1.0, 1, False)
+        with pytest.raises(EngineError, match=r"expected an int in \[0, "):
+            send(name_a, 1.0, 99, True)
+        assert send(name_a, 1.0, 1, True)["mapped"] is True
+        assert send(name_b, 3.0, 1, False)["mapped"] is False  # the same buffer, refilled
+        assert send(name_a, 2.0, 1, False)["mapped"] is False
+    finally:
+        native.client.end_weight_update()
+    expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
+    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    try:
+        native.client.begin_weight_update()
+        with pytest.raises(EngineError, match="slot 1 has no buffer"):  # the last session's slots are gone
+            send(name_a, 5.0, 1, False)
+    finally:
+        native.client.end_weight_update()
+    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
+
+
 def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_model, tmp_path):
     """Security defaults: the server listens on loopback only; with engine.api_key every endpoint
     refuses requests without it (the key travels in the environment, not on the command line);

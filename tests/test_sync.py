@@ -105,7 +105,8 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
         t.create()
         sync = weight_sync.WeightSync(cfg, world, t, clients, engine_model)
         out = {"v1": sync.push("1"), "buckets": len(sync.plan.buckets), "routed": sync.plan.routed,
-               "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))], "moved": sync.plan.bytes_moved}
+               "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))], "moved": sync.plan.bytes_moved,
+               "slotted": sync.slotted}
         if transport == "delta" or fault:
             with torch.no_grad():  # a sparse update: 1% of one matrix
                 w = t.model.get_input_embeddings().weight.to_local()
@@ -217,6 +218,8 @@ def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a,
         assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(tmp_path / "w" / "trainer_now", PROMPTS, 6)
         if transport in ("tensor", "distributed"):
             assert r0["buckets"] >= 3
+        if transport == "tensor":  # the engine keeps the 3 buffers by slot: from the 4th bucket on, slots only
+            assert r0["slotted"] and r0["buckets"] >= 4, r0["buckets"]
             assert r0["v1"]["sync_bytes"] == r0["bytes_to"][0]
             assert eng.client.weights_checksum()["bytes_loaded"] == r0["bytes_to"][0]
         if transport == "delta":

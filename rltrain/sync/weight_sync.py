@@ -80,12 +80,14 @@ class WeightSync:
         self.engine_dtype: torch.dtype | None = None
         self.engine_checksums = False
         self.reuse_buffers = False  # tensor: refill two buffers instead of a fresh one per bucket
+        self.buffer_slots = 0  # tensor: how many refilled buffers every engine keeps by slot number
         self.engines_verify = False  # disk: every engine checks a version's files against its manifest
         if self.leader:
             probes = [_probe(c) for c in self.receivers]
             self.engine_dtype = probes[0].dtype
             self.engine_checksums = all(p.checksums for p in probes)
             self.reuse_buffers = all(p.synchronous for p in probes)
+            self.buffer_slots = min((p.slots for p in probes), default=0)
             self.engines_verify = bool(probes) and all(p.verifies_files for p in probes)
             if cfg.sync.verify and not self.engine_checksums:
                 log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
@@ -100,6 +102,9 @@ class WeightSync:
         self._pruner: threading.Thread | None = None
         self._staging: list[HostStaging] | None = None
         self._ring: list[torch.Tensor | None] = []  # tensor: the buffers refilled in turn
+        self._layouts: dict[int, tuple[Any, Any, dict[int, str]]] = {}  # tensor: by plan index (`_layout`)
+        self.slotted = False  # tensor, this push: buffers go to the engines by slot number
+        self._sent: set[tuple[int, int]] = set()  # (receiver, slot): holds the slot's buffer, this push
         self.timings: dict[str, float] = {}  # seconds per part of the last bucketed push (benchmarks)
         self._timing_lock = threading.Lock()
         self._group_name = f"rltrain_weights_node{world.env.node_rank}"
@@ -229,6 +234,9 @@ class WeightSync:
         depth = (2 if self.reuse_buffers else 1) if self.transport == "tensor" else 0
         sender = ThreadPoolExecutor(depth, thread_name_prefix="rltrain-sync") if depth else None
         self._ring = [None] * (depth + 1 if self.reuse_buffers else 0)
+        # Engines that keep buffers by slot number get each buffer's handle once per session.
+        self.slotted = bool(self._ring) and self.buffer_slots >= len(self._ring)
+        self._sent = set()
         in_flight: collections.deque[Any] = collections.deque()
         clock = time.perf_counter
         self.timings = timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
@@ -245,14 +253,15 @@ class WeightSync:
                     tags = {r: version if i == last[r] else None for r in bucket.targets}
                     if sender is not None:
                         t0 = clock()
-                        layout = tensor_payload.bucket_layout(named)
-                        out = self._buffer(i % len(self._ring), layout[1], named[0][1].device) if self._ring else None
-                        flat = tensor_payload.flatten_bucket(named, out=out, layout=layout)
+                        layout, split, by_slot = self._layout(i, named)
+                        slot = i % len(self._ring) if self._ring else None
+                        out = self._buffer(slot, layout[1], named[0][1].device) if slot is not None else None
+                        flat = tensor_payload.flatten_bucket(named, out=out, layout=layout, split=split)
                         del named
                         # An engine that finds a reused buffer already mapped does not wait for the
                         # producer's event (torch's IPC cache): the sender waits for the fill instead.
                         filled = _record(flat["flattened_tensor"]) if out is not None else None
-                        payload = tensor_payload.serialize(flat)
+                        payload = self._slotted(flat, out, slot, tags, by_slot) if self.slotted else tensor_payload.serialize(flat)
                         t1 = clock()
                         # The bucket that sets the version goes only after every other has loaded.
                         while len(in_flight) >= (1 if any(tags.values()) else depth):
@@ -283,11 +292,34 @@ class WeightSync:
             raise RuntimeError(str(failure)) from failure
         return sent
 
+    def _slotted(self, flat: dict[str, Any], out: torch.Tensor, slot: int, tags: dict[int, Any],
+                 by_slot: dict[int, str]) -> str:
+        """The serialized payload with the engines' buffer-slot extension: the buffer's handle
+        only if some target has not been sent this buffer in this session, the slot number
+        always. Without the handle it is the same string every sync (kept in `by_slot`)."""
+        if all((r, slot) in self._sent for r in tags):
+            if slot not in by_slot:
+                by_slot[slot] = tensor_payload.serialize({"flattened_tensor": None, "metadata": flat["metadata"], "buffer": slot})
+            return by_slot[slot]
+        self._sent.update((r, slot) for r in tags)
+        return tensor_payload.serialize({"flattened_tensor": out, "metadata": flat["metadata"], "buffer": slot})
+
+    def _layout(self, i: int, named: list[tuple[str, torch.Tensor]]) -> tuple[Any, Any, dict[int, str]]:
+        """Bucket `i`'s layout, its `Layout` and its handle-less payloads by slot, made at its
+        first sync: the plan, and so every bucket's names, shapes and dtypes, is fixed."""
+        kept = self._layouts.get(i)
+        if kept is None or [n for n, _ in named] != [m.name for m in kept[0][0]]:
+            layout = tensor_payload.bucket_layout(named)
+            kept = self._layouts[i] = (layout, tensor_payload.Layout(layout[0]), {})
+        return kept
+
     def _buffer(self, slot: int, size: int, device: torch.device) -> torch.Tensor:
         """Reused buffer `slot`, grown to hold `size` bytes."""
         buf = self._ring[slot]
         if buf is None or buf.numel() < size or buf.device != device:
             buf = self._ring[slot] = None  # drop the old one before allocating its successor
+            # A new buffer (even at the old one's address) is sent with its handle again.
+            self._sent -= {k for k in self._sent if k[1] == slot}
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             if buf.device.type == "cpu":
                 buf.share_memory_()
@@ -405,6 +437,7 @@ class _Probe:
     dtype: torch.dtype | None  # of the engine's weights, as its checksum report says
     checksums: bool  # it reports weight checksums
     synchronous: bool  # its update requests answer only after the copies out of the sender's buffers
+    slots: int  # buffers it keeps by slot number within a weight-update session (0: none)
     verifies_files: bool  # it checks a disk version's files against the version's manifest
 
 
@@ -415,13 +448,15 @@ def _probe(client: Any) -> _Probe:
         info = {}
     synchronous = info.get("weight_updates") == "synchronous"
     verifies = info.get("weight_files") == "verified"
+    slots = info.get("weight_buffer_slots", 0) if synchronous else 0
+    slots = slots if isinstance(slots, int) else 0
     try:
         rep = client.weights_checksum()
     except (EngineError, ValueError, TypeError):
         rep = None
     if not isinstance(rep, dict) or "dtype" not in rep:
-        return _Probe(None, False, synchronous, verifies)
-    return _Probe(getattr(torch, rep["dtype"]), True, synchronous, verifies)
+        return _Probe(None, False, synchronous, slots, verifies)
+    return _Probe(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies)
 
 
 def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:

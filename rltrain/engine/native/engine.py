@@ -101,6 +101,10 @@ class NativeEngine:
         # up once, not per update (walking the module tree cost ~0.5 ms per bucket on a 4B model).
         self._tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         self._targets: dict[str, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
+        # Flattened buckets by layout: the bucket's views and the parameters they go to, checked
+        # once. A sync sends the same layouts every time. Holds views of the weights, so it is
+        # emptied when they are released.
+        self._bucket_plans: dict[tuple, tuple[Any, list[torch.Tensor] | None]] = {}
         self._local = threading.local()  # per request thread: its last update's copies and times
         self._upload: PinnedUpload | None = None  # disk loads: host-to-device through page-locked buffers
         # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
@@ -364,6 +368,7 @@ class NativeEngine:
             save_file({n: t.contiguous() for n, t in state.items()}, str(path))
             self._weights_backup = path
         del state
+        self._bucket_plans.clear()
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         log.info("weights released (backup to %s) in %.2fs",
@@ -433,6 +438,61 @@ class NativeEngine:
         # (generation queues behind the copies on the same stream).
         self._wait_copies()
         return n
+
+    def load_bucket(self, flat: torch.Tensor, metadata: list[Any], weight_version: str | None) -> int:
+        """A flattened bucket (SGLang's `flattened_bucket`: a uint8 buffer and per-tensor metadata).
+        Its layout is checked against the model once and kept: a bucket whose every tensor has
+        its parameter's dtype and needs no index is then one split and one fused copy."""
+        key = tuple((m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx) for m in metadata)
+        with self._model_lock:
+            if "weights" in self.released:
+                raise EngineStateError("weights are released; resume weights before updating them")
+            plan = self._bucket_plans.get(key)
+            if plan is None:
+                plan = self._bucket_plan(metadata)
+                if len(self._bucket_plans) >= 4096:  # layouts change only with the sender's plan
+                    self._bucket_plans.clear()
+                self._bucket_plans[key] = plan
+            layout, dsts = plan
+            views = layout.views(flat)
+            if dsts is None:
+                n = self._copy_into([(m.name, v.view(m.shape)) for m, v in zip(metadata, views)], wait=False)
+            else:
+                t0 = time.perf_counter()
+                torch._foreach_copy_(dsts, views, non_blocking=True)
+                self.bytes_loaded += layout.tensor_bytes
+                self._local.copied = None
+                if self.device.type == "cuda":
+                    self._local.copied = torch.cuda.Event()
+                    self._local.copied.record()
+                self._local.update_ms = {"check": 0.0, "copy": (time.perf_counter() - t0) * 1e3}
+                n = len(views)
+            self.weights_valid = True
+            if weight_version is not None:
+                self.weight_version = str(weight_version)
+        self._wait_copies()
+        return n
+
+    def _bucket_plan(self, metadata: list[Any]) -> tuple[Any, list[torch.Tensor] | None]:
+        """(the bucket's `Layout`, each tensor's destination as a 1-D view of its parameter, or
+        None when some tensor needs a cast or an index: those go through `_copy_into`)."""
+        from rltrain.engine.tensor_payload import Layout
+
+        layout = Layout(metadata)
+        dsts: list[torch.Tensor] | None = []
+        for m in metadata:
+            target, index, expected = self._target(m.name)
+            if not self.owns(m.name):
+                raise ValueError(f"parameter {m.name!r} belongs to another EP rank (this engine is EP rank "
+                                 f"{self.ep_rank} of {self.ep_size})")
+            if tuple(m.shape) != expected:
+                raise ValueError(f"parameter {m.name!r}: shape {tuple(m.shape)} does not match the model's {expected}")
+            data = target.data
+            if dsts is not None and index is None and m.dtype == data.dtype and data.is_contiguous():
+                dsts.append(data.view(-1))
+            else:
+                dsts = None
+        return layout, dsts
 
     def load_from_disk(self, model_path: str, weight_version: str | None) -> int:
         """Load a weight directory: a published version is checked against its manifest as it is

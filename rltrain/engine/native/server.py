@@ -64,6 +64,7 @@ class NativeServer:
         self.in_update = False
         self.mapped: collections.deque[Any] = collections.deque(maxlen=KEEP_MAPPED)
         self.mapped_lock = threading.Lock()
+        self.slots: dict[int, torch.Tensor] = {}  # the sender's buffers by slot number (`_slot`)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -87,6 +88,8 @@ class NativeServer:
                          "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version,
                          # Update requests answer after every copy out of the sender's buffers is done.
                          "weight_updates": "synchronous",
+                         # A buffer's handle is sent once per weight-update session, then its slot (`_slot`).
+                         "weight_buffer_slots": KEEP_MAPPED,
                          # A published disk version's files are checked against its manifest on load.
                          "weight_files": "verified"}
         if path == "/memory":
@@ -137,6 +140,7 @@ class NativeServer:
             self.in_update = path == "/begin_weight_update"
             with self.mapped_lock:
                 self.mapped.clear()  # unmaps the sender's buffers
+                self.slots.clear()
             return 200, {"success": True, "message": "no quantized weights to repack"}
         return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
 
@@ -184,17 +188,26 @@ class NativeServer:
             raise BadRequest(f"cannot deserialize the tensor payload: {err}") from None
         t_open = time.perf_counter()
         fmt = body.get("load_format")
+        fresh = True
         if fmt == "flattened_bucket":
-            named = tensor_payload.unflatten_bucket(data)
+            if not isinstance(data, dict) or not isinstance(data.get("metadata"), list):
+                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+            if "buffer" in data:
+                fresh = self._slot(data)
+            elif not isinstance(data.get("flattened_tensor"), torch.Tensor):
+                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+            named = None
         elif fmt in (None, "direct"):
             named = list(data.items()) if isinstance(data, dict) else list(data)
         else:
             raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
         t1 = time.perf_counter()
-        n = self.engine.load_named_tensors(named, body.get("weight_version"))
+        if named is None:
+            n = self.engine.load_bucket(data["flattened_tensor"], data["metadata"], body.get("weight_version"))
+        else:
+            n = self.engine.load_named_tensors(named, body.get("weight_version"))
         t2 = time.perf_counter()
-        fresh = True
-        if self.in_update and fmt == "flattened_bucket":
+        if self.in_update and fmt == "flattened_bucket" and "buffer" not in data:
             ptr = data["flattened_tensor"].untyped_storage().data_ptr()
             with self.mapped_lock:
                 fresh = all(ptr != d["flattened_tensor"].untyped_storage().data_ptr() for d in self.mapped)
@@ -206,6 +219,30 @@ class NativeServer:
                       "free %.2f ms", n, (t_open - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, parts, (time.perf_counter() - t2) * 1e3)
         # mapped: whether the sender's buffer had to be mapped (False: a kept mapping was reused).
         return {"success": True, "message": f"loaded {n} tensors", "mapped": fresh}
+
+    def _slot(self, data: dict[str, Any]) -> bool:
+        """The buffer-slot extension (this engine's; `"weight_buffer_slots"` in /get_server_info):
+        a sender that refills a few buffers sends each one's handle once per weight-update
+        session, with its slot number, and after that the slot number alone. Neither side then
+        pays for sharing and opening the handle again on every bucket. Fills `data`'s
+        "flattened_tensor"; returns whether the buffer came with this request."""
+        slot = data["buffer"]
+        if not self.in_update:
+            raise BadRequest("buffer slots are kept for a weight-update session: call /begin_weight_update first")
+        if not isinstance(slot, int) or not 0 <= slot < KEEP_MAPPED:
+            raise BadRequest(f"buffer slot {slot!r}: expected an int in [0, {KEEP_MAPPED})")
+        flat = data.get("flattened_tensor")
+        with self.mapped_lock:
+            if flat is None:
+                flat = self.slots.get(slot)
+                if flat is None:
+                    raise BadRequest(f"buffer slot {slot} has no buffer in this weight-update session; send it first")
+                data["flattened_tensor"] = flat
+                return False
+            if not isinstance(flat, torch.Tensor):
+                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+            self.slots[slot] = flat
+            return True
 
     def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body.get("group_name", "weight_update_group")
