@@ -105,6 +105,7 @@ class NativeEngine:
         # once. A sync sends the same layouts every time. Holds views of the weights, so it is
         # emptied when they are released.
         self._bucket_plans: dict[tuple, tuple[Any, list[torch.Tensor] | None]] = {}
+        self._bucket_keys: dict[int, tuple[list[Any], tuple]] = {}  # id(metadata) -> (metadata, its key)
         self._local = threading.local()  # per request thread: its last update's copies and times
         self._upload: PinnedUpload | None = None  # disk loads: host-to-device through page-locked buffers
         # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
@@ -443,7 +444,14 @@ class NativeEngine:
         """A flattened bucket (SGLang's `flattened_bucket`: a uint8 buffer and per-tensor metadata).
         Its layout is checked against the model once and kept: a bucket whose every tensor has
         its parameter's dtype and needs no index is then one split and one fused copy."""
-        key = tuple((m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx) for m in metadata)
+        hit = self._bucket_keys.get(id(metadata))  # the server passes a kept payload's same list
+        if hit is not None and hit[0] is metadata:
+            key = hit[1]
+        else:
+            key = tuple((m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx) for m in metadata)
+            if len(self._bucket_keys) >= 4096:
+                self._bucket_keys.clear()
+            self._bucket_keys[id(metadata)] = (metadata, key)  # (held: its id stays its own)
         with self._model_lock:
             if "weights" in self.released:
                 raise EngineStateError("weights are released; resume weights before updating them")
