@@ -50,3 +50,11 @@ def test_a_swap_or_a_changed_word_changes_the_checksum():
     assert tensor_sums(swapped)[0] == tensor_sums(t)[0]  # the plain sum cannot see a swap; the weighted one does
     # Sums fetched lazily (tensors) and given as ints hash the same.
     assert combine({"w": ("float32", tuple(t.shape), tensor_sums(t))}) == base
+
+
+def test_sums_are_the_same_when_rows_are_widened_in_several_blocks(monkeypatch):
+    from rltrain.sync import integrity
+
+    t = torch.randint(-2**31, 2**31 - 1, (7 * COLS + 5,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(integrity, "ROWS", 2)  # 7 rows in blocks of 2, 2, 2, 1
+    assert tensor_sums(t) == _reference(t)

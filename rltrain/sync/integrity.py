@@ -7,13 +7,15 @@ catches swapped elements. The model checksum hashes (name, dtype, shape, sums) o
 in name order with xxh3. It is a check against lost, stale or mangled updates, not a
 cryptographic hash.
 
-Cost: the words are viewed as a (rows, COLS) matrix and reduced along both axes, two reads of
-the tensor and no temporaries of its size: with i = r * COLS + c,
+Cost: the words are viewed as a (rows, COLS) matrix; each block of rows is widened to int64
+once (a bounded temporary, 128 MiB) and reduced along both axes: with i = r * COLS + c,
 
     sum_i (i + 1) w_i = COLS * sum_r r * rowsum_r + sum_c (c + 1) colsum_c     (mod 2**64)
 
-The sums stay on the device until `combine` needs them, which fetches every tensor's in one
-transfer instead of waiting for the device once per tensor.
+(torch widens a whole input to the sum's dtype before reducing it unless it is half to float on
+a GPU, so reducing the int32 matrix with dtype=int64 directly would copy a 0.6 GB embedding to
+1.2 GB.) The sums stay on the device until `combine` needs them, which fetches every tensor's
+in one transfer instead of waiting for the device once per tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import xxhash
 
 COLS = 4096  # int32 words per row of the reduction
+ROWS = 4096  # rows widened to int64 at a time: 128 MiB
 
 
 @torch.no_grad()
@@ -35,10 +38,15 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     words = flat.view(torch.int32)
     rows = words.numel() // COLS
-    body, tail = words[: rows * COLS].view(rows, COLS), words[rows * COLS:].to(torch.int64)
     dev = t.device
-    row = body.sum(dim=1, dtype=torch.int64)
-    col = body.sum(dim=0, dtype=torch.int64)
+    body = words[: rows * COLS].view(rows, COLS)
+    row = torch.empty(rows, dtype=torch.int64, device=dev)
+    col = torch.zeros(COLS, dtype=torch.int64, device=dev)
+    for start in range(0, rows, ROWS):
+        block = body[start:start + ROWS].to(torch.int64)
+        torch.sum(block, dim=1, out=row[start:start + ROWS])
+        col += block.sum(dim=0)
+    tail = words[rows * COLS:].to(torch.int64)
     r = torch.arange(rows, dtype=torch.int64, device=dev)
     c = torch.arange(1, COLS + 1, dtype=torch.int64, device=dev)
     p = torch.arange(rows * COLS + 1, rows * COLS + 1 + tail.numel(), dtype=torch.int64, device=dev)
