@@ -192,6 +192,36 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
     assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 
 
+def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big_model):
+    """A bucket naming an unknown weight or the wrong shape is refused whole (nothing of it is
+    copied, also when its layout was seen before); a bucket in another dtype goes through the
+    casting path and loads."""
+    from safetensors.torch import load_file
+
+    from rltrain.engine import tensor_payload
+    from rltrain.sync.integrity import combine, entry
+
+    state = {}
+    for f in sorted(big_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    good, other = "model.norm.weight", "model.layers.0.input_layernorm.weight"
+    base = combine({n: entry(t) for n, t in state.items()})
+    send = lambda named: native.client.update_weights_from_tensor(  # noqa: E731
+        [tensor_payload.serialize(tensor_payload.flatten_bucket(named))], weight_version="bad")
+    with pytest.raises(EngineError, match="unknown parameter 'model.nope'"):
+        send([(good, torch.full_like(state[good], 7.0)), ("model.nope", torch.zeros(3))])
+    wrong = torch.zeros(state[other].numel() + 1)
+    for _ in range(2):  # the second time from the kept layout check
+        with pytest.raises(EngineError, match="does not match the model's"):
+            send([(good, torch.full_like(state[good], 7.0)), (other, wrong)])
+    assert native.client.weights_checksum()["checksum"] == base
+    send([(good, torch.full_like(state[good], 0.5, dtype=torch.float64))])
+    expected = dict(state, **{good: torch.full_like(state[good], 0.5)})
+    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert native.client.weights_checksum()["checksum"] == base
+
+
 def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_model, tmp_path):
     """Security defaults: the server listens on loopback only; with engine.api_key every endpoint
     refuses requests without it (the key travels in the environment, not on the command line);

@@ -468,12 +468,7 @@ class NativeEngine:
             else:
                 t0 = time.perf_counter()
                 torch._foreach_copy_(dsts, views, non_blocking=True)
-                self.bytes_loaded += layout.tensor_bytes
-                self._local.copied = None
-                if self.device.type == "cuda":
-                    self._local.copied = torch.cuda.Event()
-                    self._local.copied.record()
-                self._local.update_ms = {"check": 0.0, "copy": (time.perf_counter() - t0) * 1e3}
+                self._queued(layout.tensor_bytes, t0, t0)
                 n = len(views)
             self.weights_valid = True
             if weight_version is not None:
@@ -489,12 +484,7 @@ class NativeEngine:
         layout = Layout(metadata)
         dsts: list[torch.Tensor] | None = []
         for m in metadata:
-            target, index, expected = self._target(m.name)
-            if not self.owns(m.name):
-                raise ValueError(f"parameter {m.name!r} belongs to another EP rank (this engine is EP rank "
-                                 f"{self.ep_rank} of {self.ep_size})")
-            if tuple(m.shape) != expected:
-                raise ValueError(f"parameter {m.name!r}: shape {tuple(m.shape)} does not match the model's {expected}")
+            target, index = self._checked_target(m.name, m.shape)
             data = target.data
             if dsts is not None and index is None and m.dtype == data.dtype and data.is_contiguous():
                 dsts.append(data.view(-1))
@@ -547,12 +537,7 @@ class NativeEngine:
         t0 = time.perf_counter()
         plan, nbytes = [], 0
         for name, t in named:
-            target, index, expected = self._target(name)
-            if not self.owns(name):
-                raise ValueError(f"parameter {name!r} belongs to another EP rank (this engine is EP rank "
-                                 f"{self.ep_rank} of {self.ep_size})")
-            if tuple(t.shape) != expected:
-                raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} does not match the model's {expected}")
+            target, index = self._checked_target(name, t.shape)
             plan.append((target, index, t, index is None and (t.dtype, t.device) == (target.dtype, target.device)))
             nbytes += t.numel() * t.element_size()
         t1 = time.perf_counter()
@@ -569,15 +554,30 @@ class NativeEngine:
         for target, index, t, plain in plan:
             if not plain:
                 write(target.data, index, t.to(device=target.device, dtype=target.dtype, non_blocking=True))
+        self._queued(nbytes, t0, t1)
+        if wait:
+            self._wait_copies()
+        return len(plan)
+
+    def _checked_target(self, name: str, shape: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_target` of a weight an update sends, refused unless this engine owns it in that shape."""
+        target, index, expected = self._target(name)
+        if not self.owns(name):
+            raise ValueError(f"parameter {name!r} belongs to another EP rank (this engine is EP rank "
+                             f"{self.ep_rank} of {self.ep_size})")
+        if tuple(shape) != expected:
+            raise ValueError(f"parameter {name!r}: shape {tuple(shape)} does not match the model's {expected}")
+        return target, index
+
+    def _queued(self, nbytes: int, t0: float, t1: float) -> None:
+        """Copies of `nbytes` are queued (checked from t0, copying from t1): count them, and mark
+        where this thread's `_wait_copies` waits to."""
         self.bytes_loaded += nbytes
         self._local.copied = None
         if self.device.type == "cuda":
             self._local.copied = torch.cuda.Event()
             self._local.copied.record()
         self._local.update_ms = {"check": (t1 - t0) * 1e3, "copy": (time.perf_counter() - t1) * 1e3}
-        if wait:
-            self._wait_copies()
-        return len(plan)
 
     def _wait_copies(self) -> None:
         """Wait for this thread's last `_copy_into` (the sender may reuse its buffers after)."""
