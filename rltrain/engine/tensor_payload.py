@@ -53,7 +53,6 @@ class Layout:
     def __init__(self, metadata: list[Any]):
         self.metadata = metadata
         order = sorted(range(len(metadata)), key=lambda i: metadata[i].start_idx)
-        self.nbytes = 0  # the end of the last tensor
         self.tensor_bytes = sum(m.end_idx - m.start_idx for m in metadata)  # without the gaps
         # (dtype, byte start, byte stop, split sizes: a gap then a tensor, each, metadata indices)
         self.runs: list[tuple[torch.dtype, int, int, list[int], list[int]]] = []
@@ -76,7 +75,7 @@ class Layout:
             index.append(i)
             self.runs[-1] = (dtype, start, m.end_idx, sizes, index)
             end = m.end_idx
-        self.nbytes = end
+        self.nbytes = end  # the end of the last tensor
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """1-D views of `flat` (uint8), one per tensor, in metadata order."""

@@ -33,7 +33,7 @@ from typing import Any, Iterable
 import psutil
 import torch
 
-from rltrain.runtime.memory import pinned_host_bytes
+from rltrain.runtime.memory import all_pinned_host_bytes
 
 log = logging.getLogger("rltrain.ledger")
 
@@ -153,9 +153,7 @@ class MemoryLedger:
             out["unexplained"] = (used - sum(parts.get(k, 0) for k in DEVICE_PARTS)) / GIB
         out["rss"] = self.process.memory_info().rss / GIB
         if cuda:
-            stats = torch.cuda.host_memory_stats()
-            torch_pinned = stats.get("allocated_bytes.current", stats.get("allocation.current", 0))
-            out["host_pinned"] = (torch_pinned + pinned_host_bytes()) / GIB
+            out["host_pinned"] = all_pinned_host_bytes() / GIB
         if "rss_bytes" in engine:
             out["engine_rss"] = engine["rss_bytes"] / GIB
         if "host_pinned_bytes" in engine:

@@ -38,7 +38,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     of an earlier, smaller buffer. This maps anonymous memory and registers it with the CUDA
     driver (what `cudaHostAlloc` does, without the rounding); the registration and the mapping go
     when the last tensor on the buffer is gone."""
-    size = -(-max(nbytes, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+    size = round_up(max(nbytes, 1), mmap.PAGESIZE)
     mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
     buf = torch.frombuffer(mem, dtype=torch.uint8)
     addr = buf.data_ptr()
@@ -56,7 +56,7 @@ def pinned_like(tensors: list[torch.Tensor], align: int = 512) -> list[torch.Ten
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
-        total += -(-t.numel() * t.element_size() // align) * align
+        total += round_up(t.numel() * t.element_size(), align)
     buf = pinned_empty(total)
     return [buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape) for o, t in zip(offsets, tensors)]
 
@@ -69,6 +69,16 @@ def _unregister(addr: int) -> None:
 def pinned_host_bytes() -> int:
     """Page-locked host bytes held by `pinned_empty` buffers (torch's own allocator reports the rest)."""
     return sum(_registered.values())
+
+
+def all_pinned_host_bytes() -> int:
+    """This process's page-locked host bytes: torch's pinned allocator's and `pinned_empty`'s."""
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("allocated_bytes.current", stats.get("allocation.current", 0)) + pinned_host_bytes()
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class PinnedUpload:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rltrain.runtime.memory import pinned_empty
+from rltrain.runtime.memory import pinned_empty, round_up
 
 
 def current_group() -> Any:
@@ -200,7 +200,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             raise RuntimeError(f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "
                                f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)")
         layout.append((i, held, row_bytes, size, shard))
-        size += _round_up(per_rank * row_bytes, 16)  # 16-byte aligned slots
+        size += round_up(per_rank * row_bytes, 16)  # 16-byte aligned slots
     device = layout[0][4].device
     send = torch.empty(size, dtype=torch.uint8, device=device)
     # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
@@ -296,7 +296,7 @@ class HostPark:
                 continue
             seen.add(s.data_ptr())
             storages.append((s, offset, s.nbytes()))
-            offset += _round_up(s.nbytes(), self.ALIGN)
+            offset += round_up(s.nbytes(), self.ALIGN)
         if self.buffer is None or self.buffer.numel() < offset:
             # The old one (the first offload, before any step, parks no Adam state) goes first:
             # never both pinned at once. Exactly sized: torch's pinned allocator would round
@@ -321,17 +321,13 @@ class HostPark:
         large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
         if large:
             # Each request is rounded up to 512 bytes, as the allocator rounds it.
-            block = torch.empty(sum(_round_up(n, 512) for n in large), dtype=torch.uint8,
+            block = torch.empty(sum(round_up(n, 512) for n in large), dtype=torch.uint8,
                                 device=self.parked[0][0].device)
             del block
         for s, off, n in self.parked:
             s.resize_(n)
             _bytes(s).copy_(self.buffer[off:off + n], non_blocking=True)
         self.parked = []
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

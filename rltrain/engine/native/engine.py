@@ -33,7 +33,7 @@ from rltrain.sync.disk import read_weights
 from rltrain.sync.integrity import combine, entry
 from rltrain.sync.plan import EXPERT, num_experts
 from rltrain.runtime.ledger import measure_cuda_context
-from rltrain.runtime.memory import PinnedUpload, free_cuda_caches, pinned_host_bytes, pinned_like, trim_host_heap
+from rltrain.runtime.memory import PinnedUpload, all_pinned_host_bytes, free_cuda_caches, pinned_like, trim_host_heap
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -416,8 +416,7 @@ class NativeEngine:
             "rss_bytes": psutil.Process().memory_info().rss,
         }
         if self.device.type == "cuda":
-            host_pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) + pinned_host_bytes()
-            rep["host_pinned_bytes"] = host_pinned
+            rep["host_pinned_bytes"] = all_pinned_host_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
             rep.update(cuda_allocated=allocated, cuda_reserved=reserved, cuda_used=total - free,

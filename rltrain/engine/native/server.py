@@ -34,6 +34,7 @@ from rltrain.engine.weight_group import close_weight_update_group, open_weight_u
 log = logging.getLogger("rltrain.engine.native")
 
 
+BUCKET_PAYLOAD = "a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}"
 KEEP_MAPPED = 4  # tensor payload buffers kept mapped during a weight-update session (the sender uses 3)
 
 
@@ -203,11 +204,11 @@ class NativeServer:
         fresh = True
         if fmt == "flattened_bucket":
             if not isinstance(data, dict) or not isinstance(data.get("metadata"), list):
-                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+                raise BadRequest(BUCKET_PAYLOAD)
             if "buffer" in data:
                 fresh = self._slot(data)
             elif not isinstance(data.get("flattened_tensor"), torch.Tensor):
-                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+                raise BadRequest(BUCKET_PAYLOAD)
             named = None
         elif fmt in (None, "direct"):
             named = list(data.items()) if isinstance(data, dict) else list(data)
@@ -252,7 +253,7 @@ class NativeServer:
                 data["flattened_tensor"] = flat
                 return False
             if not isinstance(flat, torch.Tensor):
-                raise BadRequest("a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}")
+                raise BadRequest(BUCKET_PAYLOAD)
             self.slots[slot] = flat
             return True
 
