@@ -29,9 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from rltrain.sync.hf_files import fsync_dir
+from rltrain.runtime.files import atomic_write_text, file_digest, fsync_tree, replace_dir
 
 log = logging.getLogger("rltrain.checkpoint")
 
@@ -57,33 +56,6 @@ def step_dir_name(step: int) -> str:
 # ---------------------------------------------------------------------------- files
 
 
-def _checksum(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    for d in [root, *sorted(p for p in root.rglob("*") if p.is_dir())]:
-        fsync_dir(d)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
 def verify(path: Path) -> dict[str, Any]:
     """The manifest, after checking that every file it lists exists with its size and checksum."""
     mf = path / MANIFEST
@@ -99,7 +71,7 @@ def verify(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: file {rel} listed in the manifest is missing")
         if f.stat().st_size != meta["size"]:
             raise CheckpointError(f"{path}: {rel} has {f.stat().st_size} bytes, the manifest says {meta['size']}")
-        if _checksum(f) != meta["xxh3_128"]:
+        if file_digest(f, bits=128) != meta["xxh3_128"]:
             raise CheckpointError(f"{path}: {rel} does not match its checksum (corrupt)")
     return manifest
 
@@ -207,19 +179,16 @@ class Checkpointer:
         error = None
         if world.rank == 0:
             try:
-                _fsync_tree(tmp)
-                files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": _checksum(p)}
+                fsync_tree(tmp)
+                files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": file_digest(p, bits=128)}
                          for p in sorted(tmp.rglob("*")) if p.is_file()}
                 manifest = {"step": step, "version": version, "world_size": world.world_size,
                             "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
                 # The checksums were computed by reading the files back after fsync: that read is
                 # the verification; the manifest then certifies them for every later load.
-                _atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                fsync_dir(self.root)
-                _atomic_write_text(self.root / "latest", final.name)
+                atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+                replace_dir(tmp, final)
+                atomic_write_text(self.root / "latest", final.name)
                 self._prune(final)
             except (OSError, CheckpointError) as e:
                 error = f"finishing checkpoint {final} failed: {type(e).__name__}: {e}"

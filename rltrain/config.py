@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+
+from rltrain.runtime.files import atomic_write_text
 
 
 class ConfigError(ValueError):
@@ -200,8 +201,6 @@ class LoopConfig:
     steps: int = 100
     colocate: bool = True  # release engine memory while training, and trainer memory while rolling out
     offload_trainer: bool = True  # params/grads/optimizer to host memory between train phases (GPU)
-    weights_dir: str = ""  # where weight versions are published; empty: <run dir>/weights
-    keep_weight_versions: int = 2
     # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
     # so a run stopped here and resumed is the same run (for time-limited allocations).
     stop_after: int = 0
@@ -241,6 +240,8 @@ class SyncConfig:
     bucket_mb: int = 512
     delta_full_every: int = 10  # every K-th version is published in full
     verify: bool = True  # compare the engine's weight checksum with the trainer's after every sync
+    weights_dir: str = ""  # where weight versions are published (disk, delta); empty: <run dir>/weights
+    keep_weight_versions: int = 2  # 0: keep every version
 
     def check(self) -> None:
         if self.bucket_mb < 1 or self.delta_full_every < 1:
@@ -346,6 +347,10 @@ class Config:
     def run_dir(self) -> Path:
         return Path(self.run.dir) / self.run.name
 
+    @property
+    def weights_dir(self) -> Path:
+        return Path(self.sync.weights_dir) if self.sync.weights_dir else self.run_dir / "weights"
+
 
 # --------------------------------------------------------------------------- loading
 
@@ -391,20 +396,14 @@ def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
     """Write `config.yaml` into the run directory atomically (temp file, fsync, rename)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     target = run_dir / "config.yaml"
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".yaml.tmp", dir=run_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(dump_config(cfg))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(target, dump_config(cfg))
     return target
 
 
 # --------------------------------------------------------------------------- internals
+
+# Keys that moved to another section: the old name is an error that names the new one.
+MOVED = {"loop.weights_dir": "sync.weights_dir", "loop.keep_weight_versions": "sync.keep_weight_versions"}
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -450,6 +449,10 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in raw if k not in fields]
+    for k in unknown:
+        moved = MOVED.get(f"{prefix}{k}")
+        if moved:
+            raise ConfigError(f"config key {prefix}{k} moved to {moved}: rename it in the config or override")
     if unknown:
         k = unknown[0]
         names = sorted(fields)

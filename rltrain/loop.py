@@ -26,7 +26,7 @@ from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.rollout.collect import build_batch, collect, retry_failed
 from rltrain.setup import RunParts, setup_run
-from rltrain.sync.disk import StaleWeightsError
+from rltrain.weights.versions import StaleWeightsError
 
 log = logging.getLogger("rltrain.loop")
 

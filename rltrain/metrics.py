@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
+from rltrain.runtime.files import atomic_write_text
+
 log = logging.getLogger("rltrain.loop")
 
 
@@ -105,9 +107,7 @@ class MetricsWriter:
         if not self.path.exists():
             return
         kept = [line for step, line in recorded(self.path) if step <= start_step]
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
     def step(self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict,
              clock: PhaseClock) -> dict[str, float]:

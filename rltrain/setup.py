@@ -97,11 +97,9 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler)
 
-    from rltrain.sync.disk import weights_dir
-
     # The embedded engine loads weight versions only from the sync directory (and its own model).
     engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir,
-                               weights_roots=[str(weights_dir(cfg))])
+                               weights_roots=[str(cfg.weights_dir)])
     engine.client.vocab_size = model_cfg.vocab_size
     sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path or str(model_path))
     if restored is not None:

@@ -25,7 +25,8 @@ from models import make_model  # noqa: E402
 
 from rltrain.config import EngineConfig  # noqa: E402
 from rltrain.engine.client import EngineClient  # noqa: E402
-from rltrain.engine.launcher import EngineProcess, free_port, server_command  # noqa: E402
+from rltrain.engine.launcher import EngineProcess, server_command  # noqa: E402
+from rltrain.runtime.net import free_port  # noqa: E402
 
 SGLANG_SHIM = HERE / "sglang_shim"
 # The README's install includes SGLang (CPU); without it the SGLang half of the contract suite

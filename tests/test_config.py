@@ -50,6 +50,15 @@ def test_unknown_key_names_the_key_and_the_close_match():
     assert "valid keys in world: async_destroy, backend, reload, timeout_s" in msg
 
 
+def test_a_moved_key_names_its_new_place():
+    for old, new in (("loop.weights_dir=/w", "sync.weights_dir"), ("loop.keep_weight_versions=3", "sync.keep_weight_versions")):
+        with pytest.raises(ConfigError, match=f"{old.split('=')[0]} moved to {new}"):
+            load_config(None, REQUIRED + [old])
+    cfg = load_config(None, REQUIRED + ["sync.weights_dir=/w", "sync.keep_weight_versions=3"])
+    assert cfg.weights_dir == Path("/w") and cfg.sync.keep_weight_versions == 3
+    assert load_config(None, REQUIRED).weights_dir == Path("runs") / "rltrain" / "weights"
+
+
 def test_unknown_section_is_rejected():
     with pytest.raises(ConfigError, match=r"unknown config key 'wrold'; did you mean 'world'"):
         build_config({"wrold": {"backend": "gloo"}})

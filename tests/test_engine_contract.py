@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from models import engine_greedy, hf_greedy
-from rltrain.engine import tensor_payload
+from rltrain.weights import bucket as tensor_payload
 from rltrain.engine.client import EngineError
-from rltrain.engine.launcher import free_port
+from rltrain.runtime.net import free_port
 from rltrain.engine.protocol import SamplingParams
-from rltrain.engine.weight_group import close_weight_update_group, open_weight_update_group
+from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 
 PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10, 11], [42]]
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import start_engine
 from models import engine_greedy, hf_greedy
-from rltrain.engine import tensor_payload
+from rltrain.weights import bucket as tensor_payload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -212,7 +212,8 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.runtime.net import free_port
     from rltrain.engine.protocol import SamplingParams
     from rltrain.runtime.ledger import MemoryLedger
     from rltrain.runtime.world import World

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rltrain.sync.integrity import COLS, combine, entry, tensor_sums
+from rltrain.weights.checksum import COLS, combine, entry, tensor_sums
 
 
 def _signed64(x: int) -> int:
@@ -53,7 +53,7 @@ def test_a_swap_or_a_changed_word_changes_the_checksum():
 
 
 def test_sums_are_the_same_when_rows_are_widened_in_several_blocks(monkeypatch):
-    from rltrain.sync import integrity
+    from rltrain.weights import checksum as integrity
 
     t = torch.randint(-2**31, 2**31 - 1, (7 * COLS + 5,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
     monkeypatch.setattr(integrity, "ROWS", 2)  # 7 rows in blocks of 2, 2, 2, 1

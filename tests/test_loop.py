@@ -11,7 +11,7 @@ import pytest
 
 from multiproc import run_torchrun
 from rltrain.loop import _check_versions
-from rltrain.sync.disk import StaleWeightsError
+from rltrain.weights.versions import StaleWeightsError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         assert row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and "engine_rss" not in row["memory"]["rank1"]["rollout"]
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
         assert row["logp_diff_engine_trainer"] < 1e-3
-    # Versions 2 and 3 kept (keep_weight_versions=2), published atomically: no temp dirs left.
+    # Versions 2 and 3 kept (sync.keep_weight_versions=2), published atomically: no temp dirs left.
     assert sorted(p.name for p in (run_dir / "weights").iterdir()) == ["weight_v000002", "weight_v000003"]
     assert (run_dir / "weights" / "weight_v000003" / "model.safetensors").is_file()
     for png in ("reward.png", "phase_time.png", "memory.png"):

@@ -226,7 +226,7 @@ def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: s
             from rltrain.sync.weight_sync import WeightSync
 
             cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=disk",
-                                     f"loop.weights_dir={weights_dir}"])
+                                     f"sync.weights_dir={weights_dir}"])
             client = EngineClient(engine_url, request_timeout_s=120)
             ws = WeightSync(cfg, world, t, [client], path)
             ws.push("7")  # raises on a checksum mismatch
@@ -271,7 +271,8 @@ def _hf_logprobs(path, batch) -> torch.Tensor:
 def megatron_runs(tmp_path_factory):
     """TP=2 (with a weight sync to a real engine) and DP=2, each on 4 gloo... 2 ranks."""
     from rltrain.config import EngineConfig
-    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.runtime.net import free_port
 
     root = tmp_path_factory.mktemp("megatron")
     path = make_model(root / "m", seed=11, arch="qwen3")
@@ -358,7 +359,7 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: l
             from rltrain.sync.weight_sync import WeightSync
 
             cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                     "sync.bucket_mb=1", f"loop.weights_dir={root}/w"])
+                                     "sync.bucket_mb=1", f"sync.weights_dir={root}/w"])
             clients = [EngineClient(u, request_timeout_s=120) for u in urls]
             ws = WeightSync(cfg, world, t, clients, path)
             ws.push("5")  # raises unless each engine's checksum over what it owns matches

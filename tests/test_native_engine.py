@@ -120,8 +120,8 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_
     from the kept mapping, and the engine copies what the buffer holds now, not what it held."""
     from safetensors.torch import load_file
 
-    from rltrain.engine import tensor_payload
-    from rltrain.sync.integrity import combine, entry
+    from rltrain.weights import bucket as tensor_payload
+    from rltrain.weights.checksum import combine, entry
 
     state = {}
     for f in sorted(big_model.glob("*.safetensors")):
@@ -152,8 +152,8 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
     naming the fix, and the session's end forgets the slots."""
     from safetensors.torch import load_file
 
-    from rltrain.engine import tensor_payload
-    from rltrain.sync.integrity import combine, entry
+    from rltrain.weights import bucket as tensor_payload
+    from rltrain.weights.checksum import combine, entry
 
     assert native.client.server_info()["weight_buffer_slots"] >= 3
     state = {}
@@ -198,8 +198,8 @@ def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big
     casting path and loads."""
     from safetensors.torch import load_file
 
-    from rltrain.engine import tensor_payload
-    from rltrain.sync.integrity import combine, entry
+    from rltrain.weights import bucket as tensor_payload
+    from rltrain.weights.checksum import combine, entry
 
     state = {}
     for f in sorted(big_model.glob("*.safetensors")):
@@ -232,7 +232,8 @@ def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_mode
 
     from conftest import engine_config
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, free_port, secret_environment, server_command
+    from rltrain.engine.launcher import EngineProcess, secret_environment, server_command
+    from rltrain.runtime.net import free_port
 
     cfg = engine_config("native", api_key="s3cret-key")
     root = tmp_path / "weights"

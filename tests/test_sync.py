@@ -94,7 +94,7 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
     world = World(backend="gloo", timeout=60)
     clients = [EngineClient(u, request_timeout_s=120) for u in urls]
     overrides = [f"model.path={trainer_model}", "data.path=synthetic:addition", f"sync.transport={transport}", "sync.bucket_mb=1",
-                 f"loop.weights_dir={weights_dir}",
+                 f"sync.weights_dir={weights_dir}",
                  "sync.delta_full_every=3"]
     if transport == "delta":
         overrides.append("loop.colocate=false")
@@ -155,8 +155,8 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                     out["v2_error"] = f"{type(e).__name__}: {e}"
                 return out
             if fault == "tamper":  # the engine ends up with other weights than the trainer sent
-                from rltrain.engine import tensor_payload
-                from rltrain.sync.integrity import entry
+                from rltrain.weights import bucket as tensor_payload
+                from rltrain.weights.checksum import entry
 
                 sums = {n: entry(x) for n, x in t.export_weights()}  # a collective: both ranks
                 if world.rank == 0:
@@ -359,8 +359,8 @@ def test_shards_written_here_read_back_by_safetensors_with_the_digest_of_their_b
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from rltrain.sync.disk import file_digest
-    from rltrain.sync.hf_files import write_safetensors
+    from rltrain.runtime.files import file_digest
+    from rltrain.weights.hf_files import write_safetensors
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -389,8 +389,8 @@ def test_weight_files_are_read_mapped_and_checked_against_their_manifest(tmp_pat
     """The engine's disk load: every tensor back bit for bit from memory-mapped shards; a published
     version's files are checked against its manifest as they are read (corrupt, missing or extra
     file: refused); a file whose header does not describe its data is a clear error."""
-    from rltrain.sync.disk import CorruptWeightsError, publish, read_weights
-    from rltrain.sync.hf_files import HostStaging, map_safetensors, write_checkpoint, write_safetensors
+    from rltrain.weights.versions import CorruptWeightsError, publish, read_weights
+    from rltrain.weights.hf_files import HostStaging, map_safetensors, write_checkpoint, write_safetensors
 
     g = torch.Generator().manual_seed(0)
     tensors = {"b": torch.randn(3, 5, generator=g).to(torch.bfloat16), "ids": torch.arange(6).reshape(2, 3),
@@ -430,8 +430,8 @@ def test_weight_files_are_read_mapped_and_checked_against_their_manifest(tmp_pat
 
 
 def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
-    from rltrain.sync.delta import DeltaOrderError, DeltaPublisher, reconstruct
-    from rltrain.sync.disk import CorruptWeightsError, publish
+    from rltrain.weights.delta import DeltaOrderError, DeltaPublisher, reconstruct
+    from rltrain.weights.versions import CorruptWeightsError, publish
 
     g = torch.Generator().manual_seed(0)
     state = {f"w{i}": torch.randn(256, 256, generator=g) for i in range(16)}
@@ -487,7 +487,7 @@ def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, m
     try:
         for i, model in enumerate(models):
             cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                     f"loop.weights_dir={weights_dir}"])
+                                     f"sync.weights_dir={weights_dir}"])
             t = TorchTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
             t.create()
             sync = WeightSync(cfg, world, t, [client], engine_model)

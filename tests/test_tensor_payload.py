@@ -5,8 +5,8 @@ import types
 import pytest
 import torch
 
-from rltrain.engine import tensor_payload
-from rltrain.engine.tensor_payload import Layout, bucket_layout, flatten_bucket, unflatten_bucket
+from rltrain.weights import bucket as tensor_payload
+from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, unflatten_bucket
 
 
 def _mixed() -> list[tuple[str, torch.Tensor]]:
@@ -34,13 +34,13 @@ def test_mixed_dtypes_round_trip_bit_exactly_into_fresh_and_reused_buffers():
             assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
     # Passing the layout and its Layout, as a sender that keeps them does, gives the same tensors.
     layout = bucket_layout(named)
-    again = unflatten_bucket(flatten_bucket(named, layout=layout, split=Layout(layout[0])))
+    again = unflatten_bucket(flatten_bucket(named, layout=layout, views=BucketViews(layout[0])))
     assert all(torch.equal(got, want) for (_, got), (_, want) in zip(again, named))
 
 
 def test_views_come_one_split_per_run_of_a_dtype():
     metadata, _ = bucket_layout(_mixed())
-    layout = Layout(metadata)
+    layout = BucketViews(metadata)
     assert [run[0] for run in layout.runs] == [torch.bfloat16, torch.float32, torch.int64, torch.float32, torch.uint8,
                                                 torch.float32]
     assert layout.tensor_bytes == sum(m.end_idx - m.start_idx for m in metadata)
@@ -64,4 +64,4 @@ def test_metadata_that_do_not_fit_the_buffer_are_refused(metadata, match):
 def test_a_buffer_that_is_not_bytes_is_refused():
     metadata, _ = bucket_layout([("x", torch.zeros(4))])
     with pytest.raises(ValueError, match="1-D uint8"):
-        Layout(metadata).views(torch.zeros(4))
+        BucketViews(metadata).views(torch.zeros(4))

@@ -26,7 +26,8 @@ import torch
 
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
-from rltrain.engine.launcher import EngineProcess, free_port, server_command
+from rltrain.engine.launcher import EngineProcess, server_command
+from rltrain.runtime.net import free_port
 from rltrain.engine.protocol import SamplingParams
 
 

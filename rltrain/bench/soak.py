@@ -52,7 +52,8 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
     from rltrain.trainer.native import TorchTrainer
 
@@ -118,7 +119,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
 def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,trainer") -> tuple[list[str], bool]:
     import torch.multiprocessing as mp
 
-    from rltrain.engine.launcher import free_port
+    from rltrain.runtime.net import free_port
 
     with tempfile.TemporaryDirectory(prefix="rltrain-soak-") as tmp:
         model = Path(tmp) / "model"

@@ -39,8 +39,8 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
     import transformers
 
-    from rltrain.models.hf_names import module_weights
-    from rltrain.sync.hf_files import write_checkpoint
+    from rltrain.weights.names import module_weights
+    from rltrain.weights.hf_files import write_checkpoint
 
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
     cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
@@ -114,7 +114,7 @@ def raw_ipc_seconds(nbytes: int, chunk: int = 512 << 20) -> tuple[float, float]:
 def raw_safetensors_gbps(tensors: dict[str, torch.Tensor], path: Path) -> tuple[float, float]:
     from safetensors.torch import load_file, save_file
 
-    from rltrain.sync.hf_files import fsync_file
+    from rltrain.runtime.files import fsync_file
 
     host = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     nbytes = sum(v.numel() * v.element_size() for v in host.values())
@@ -131,7 +131,7 @@ def raw_safetensors_gbps(tensors: dict[str, torch.Tensor], path: Path) -> tuple[
 
 
 def _broadcast_rank(rank: int, port: int, nbytes: int, out: str, backend: str) -> None:
-    from rltrain.engine.weight_group import UnregisteredGroup
+    from rltrain.runtime.weight_group import UnregisteredGroup
 
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -173,7 +173,7 @@ def raw_all_gather_seconds(nbytes: int, world_size: int, device: torch.device, c
 def raw_broadcast_gbps(nbytes: int, backend: str = "gloo") -> float:
     import torch.multiprocessing as mp
 
-    from rltrain.engine.launcher import free_port
+    from rltrain.runtime.net import free_port
 
     port = free_port()
     with tempfile.NamedTemporaryFile() as f:
@@ -206,7 +206,7 @@ def routing_table() -> list[tuple[int, float, float]]:
     """(ep, GB to each EP rank routed, unrouted) for a Qwen3-30B-A3B-shaped MoE, from metadata."""
     import transformers
 
-    from rltrain.models.hf_names import checkpoint_specs
+    from rltrain.weights.names import checkpoint_specs
     from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
 
     cfg = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, free_port, server_command
+    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
     from rltrain.sync.weight_sync import WeightSync
     from rltrain.trainer.native import TorchTrainer
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             results = {}
             for verify in (False, True):
                 cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                         f"sync.verify={str(verify).lower()}", f"loop.weights_dir={root / 'weights' / transport}",
+                                         f"sync.verify={str(verify).lower()}", f"sync.weights_dir={root / 'weights' / transport}",
                                          "sync.delta_full_every=1000000", f"sync.bucket_mb={a.bucket_mb}", f"loop.colocate={str(transport != 'delta').lower()}"])
                 ws = WeightSync(cfg, world, trainer, [client], str(path))
                 times = []

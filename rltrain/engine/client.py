@@ -285,7 +285,7 @@ class EngineClient:
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> dict:
-        """One serialized payload per engine TP rank (see `rltrain.engine.tensor_payload`)."""
+        """One serialized payload per engine TP rank (see `rltrain.weights.bucket`)."""
         return self._lean_post(
             "/update_weights_from_tensor",
             {

@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,13 @@ from typing import Any
 import torch
 
 from rltrain.engine.client import EngineClient, EngineError
+from rltrain.runtime.net import free_port
 
 log = logging.getLogger("rltrain.engine")
 
 
 class EngineCrashed(RuntimeError):
     """The engine process exited; the message carries the tail of its log."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def resolve_backend(backend: str) -> str:

@@ -19,15 +19,14 @@ Every transport consumes the same plan. It is built from the trainer's weight me
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
-log = logging.getLogger("rltrain.sync")
+from rltrain.weights.names import EXPERT
 
-EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+log = logging.getLogger("rltrain.sync")
 
 
 class SyncPlanError(ValueError):
@@ -174,10 +173,3 @@ def _first_fit_decreasing(weights: list[WeightSpec], targets: dict[str, tuple[in
         buckets.extend(b for b, _ in mine)
     return buckets
 
-
-def num_experts(hf_config: Any) -> int:
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        v = getattr(hf_config, key, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return 0

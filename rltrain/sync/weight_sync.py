@@ -33,28 +33,15 @@ from typing import Any, Iterator
 
 import torch
 
-from rltrain.engine import tensor_payload
+from rltrain.weights import bucket as tensor_payload
 from rltrain.engine.client import EngineError
-from rltrain.sync.delta import DeltaPublisher, reconstruct
-from rltrain.sync.disk import (
-    CorruptWeightsError,
-    StaleWeightsError,
-    prune,
-    publish,
-    read_manifest,
-    verify,
-    version_dir,
-    weights_dir,
-)
-from rltrain.sync.hf_files import HostStaging, write_checkpoint
-from rltrain.sync.integrity import WeightMismatchError, combine, entry
-from rltrain.sync.plan import (
-    EngineTopology,
-    SyncPlan,
-    WeightSpec,
-    build_plan,
-    num_experts,
-)
+from rltrain.weights.delta import DeltaPublisher, reconstruct
+from rltrain.weights.hf_files import CorruptWeightsError
+from rltrain.weights.names import checkpoint_names, num_experts
+from rltrain.weights.versions import StaleWeightsError, prune, publish, read_manifest, verify, version_dir
+from rltrain.weights.hf_files import HostStaging, write_checkpoint
+from rltrain.weights.checksum import WeightMismatchError, combine, entry
+from rltrain.sync.plan import EngineTopology, SyncPlan, WeightSpec, build_plan
 
 log = logging.getLogger("rltrain.sync")
 SHARD_BYTES = 2 << 30
@@ -71,7 +58,7 @@ class WeightSync:
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self.transport = cfg.sync.transport
         self.leader = world.env.is_node_leader
-        self.root = weights_dir(cfg)
+        self.root = cfg.weights_dir
         weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in trainer.weight_specs()]
         engine_names, aliases = checkpoint_names(engine_model_path)
         experts = num_experts(AutoConfig.from_pretrained(engine_model_path))
@@ -160,7 +147,7 @@ class WeightSync:
                 timings["publish"], timings["prune_wait"] = t1 - t0, clock() - t1
                 # Deleting old versions (unlinking GBs of cached pages, 0.7 s for 8.8 GB on the
                 # H200's disk) runs while the engine loads and the next step trains.
-                self._pruner = threading.Thread(target=prune, args=(target, self.cfg.loop.keep_weight_versions, False),
+                self._pruner = threading.Thread(target=prune, args=(target, self.cfg.sync.keep_weight_versions, False),
                                                 name="rltrain-prune", daemon=True)
                 self._pruner.start()
         except (OSError, ValueError) as e:
@@ -256,7 +243,7 @@ class WeightSync:
                         layout, split, by_slot = self._layout(i, named)
                         slot = i % len(self._ring) if self._ring else None
                         out = self._buffer(slot, layout[1], named[0][1].device) if slot is not None else None
-                        flat = tensor_payload.flatten_bucket(named, out=out, layout=layout, split=split)
+                        flat = tensor_payload.flatten_bucket(named, out=out, layout=layout, views=split)
                         del named
                         # An engine that finds a reused buffer already mapped does not wait for the
                         # producer's event (torch's IPC cache): the sender waits for the fill instead.
@@ -310,7 +297,7 @@ class WeightSync:
         kept = self._layouts.get(i)
         if kept is None or [n for n, _ in named] != [m.name for m in kept[0][0]]:
             layout = tensor_payload.bucket_layout(named)
-            kept = self._layouts[i] = (layout, tensor_payload.Layout(layout[0]), {})
+            kept = self._layouts[i] = (layout, tensor_payload.BucketViews(layout[0]), {})
         return kept
 
     def _buffer(self, slot: int, size: int, device: torch.device) -> torch.Tensor:
@@ -341,8 +328,8 @@ class WeightSync:
         del flat
 
     def _open_group(self, client: Any, receiver: int) -> Any:
-        from rltrain.engine.launcher import free_port
-        from rltrain.engine.weight_group import UnregisteredGroup
+        from rltrain.runtime.net import free_port
+        from rltrain.runtime.weight_group import UnregisteredGroup
 
         port = free_port()
         backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
@@ -369,7 +356,7 @@ class WeightSync:
             received.result()
 
     def close(self) -> None:
-        from rltrain.engine.weight_group import close_weight_update_group
+        from rltrain.runtime.weight_group import close_weight_update_group
 
         self._wait_pruned()
         for r, pg in enumerate(self._groups):
@@ -457,25 +444,3 @@ def _probe(client: Any) -> _Probe:
     if not isinstance(rep, dict) or "dtype" not in rep:
         return _Probe(None, False, synchronous, slots, verifies)
     return _Probe(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies)
-
-
-def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:
-    """The weight names of the checkpoint the engine was started from (headers only) and, for
-    tied embeddings, the alias of the output head."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
-
-    root = Path(model_path)
-    names: set[str] = set()
-    for f in sorted(root.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            names.update(h.keys())
-    if not names:
-        raise FileNotFoundError(f"no *.safetensors in {model_path}: cannot check what the engine holds")
-    aliases = {}
-    config = AutoConfig.from_pretrained(model_path)
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in names:
-        embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
-        if embed:
-            aliases["lm_head.weight"] = embed
-    return names, aliases

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
-from rltrain.models.hf_names import checkpoint_specs, module_weights, to_checkpoint
+from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoint
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 from rltrain.trainer.sharding import (HostPark, capture, current_group, free_storage, full_tensor, full_tensors,
                                       load, rebind, reshard, shard)
@@ -576,7 +576,7 @@ class TorchTrainer:
     def save_pretrained(self, path: str) -> None:
         """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,
         loadable by `from_pretrained`. Sharded, a collective."""
-        from rltrain.sync.hf_files import write_checkpoint
+        from rltrain.weights.hf_files import write_checkpoint
 
         write_checkpoint(path, self.model_path, self.export_weights(), write=not dist.is_initialized() or dist.get_rank() == 0)
 

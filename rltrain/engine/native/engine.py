@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from rltrain.engine.protocol import SamplingParams
-from rltrain.models.hf_names import checkpoint_index, write
-from rltrain.sync.disk import read_weights
-from rltrain.sync.integrity import combine, entry
-from rltrain.sync.plan import EXPERT, num_experts
 from rltrain.runtime.ledger import measure_cuda_context
 from rltrain.runtime.memory import PinnedUpload, all_pinned_host_bytes, free_cuda_caches, pinned_like, trim_host_heap
+from rltrain.weights.bucket import BucketViews
+from rltrain.weights.checksum import combine, entry
+from rltrain.weights.names import EXPERT, checkpoint_index, num_experts, write
+from rltrain.weights.versions import read_weights
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -476,11 +476,9 @@ class NativeEngine:
         return n
 
     def _bucket_plan(self, metadata: list[Any]) -> tuple[Any, list[torch.Tensor] | None]:
-        """(the bucket's `Layout`, each tensor's destination as a 1-D view of its parameter, or
+        """(the bucket's `BucketViews`, each tensor's destination as a 1-D view of its parameter, or
         None when some tensor needs a cast or an index: those go through `_copy_into`)."""
-        from rltrain.engine.tensor_payload import Layout
-
-        layout = Layout(metadata)
+        layout = BucketViews(metadata)
         dsts: list[torch.Tensor] | None = []
         for m in metadata:
             target, index = self._checked_target(m.name, m.shape)

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from rltrain.engine import tensor_payload
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
 from rltrain.engine.protocol import SamplingParams
-from rltrain.engine.weight_group import close_weight_update_group, open_weight_update_group
+from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
+from rltrain.weights.bucket import deserialize
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -190,7 +190,7 @@ class NativeServer:
             data = dict(kept)  # (`_slot` fills in the buffer)
         else:
             try:
-                data = tensor_payload.deserialize(raw)
+                data = deserialize(raw)
             except Exception as err:
                 raise BadRequest(f"cannot deserialize the tensor payload: {err}") from None
             if isinstance(data, dict) and "buffer" in data and data.get("flattened_tensor") is None \

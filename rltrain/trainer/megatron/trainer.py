@@ -435,7 +435,7 @@ class MegatronTrainer(TorchTrainer):
                 yield hf_name, t
 
     def save_pretrained(self, path: str) -> None:
-        from rltrain.sync.hf_files import write_checkpoint
+        from rltrain.weights.hf_files import write_checkpoint
 
         write_checkpoint(path, self.model_path, self.export_weights(), write=dist.get_rank() == 0)
 

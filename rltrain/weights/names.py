@@ -13,19 +13,60 @@ turns a module tensor into its checkpoint tensors; we use it in both directions:
   reshapes, slices, concatenations and transposes, with no per-architecture tables here.
 
 Models without conversions (Llama, Qwen2/3 dense) map names one to one at no cost.
+
+Experts: a routed expert's weights carry its index in the checkpoint name (`EXPERT`), which is
+how the sync plan routes them and how an engine rank knows what it owns; `num_experts` reads the
+count from an HF config under any of its spellings.
 """
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+try:
+    from transformers.core_model_loading import revert_weight_conversion
+except ImportError:  # transformers < 5: checkpoints and modules share the layout
+    revert_weight_conversion = None
+
+EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+def num_experts(hf_config: Any) -> int:
+    """Routed experts of a model (0: dense)."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        v = getattr(hf_config, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return 0
+
+
+def checkpoint_names(model_path: str) -> tuple[set[str], dict[str, str]]:
+    """The weight names of an HF checkpoint directory (safetensors headers only) and, for tied
+    embeddings, the alias of the output head (engine name -> the name the trainer sends)."""
+    root = Path(model_path)
+    names: set[str] = set()
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names.update(h.keys())
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}: cannot check what the engine holds")
+    aliases = {}
+    config = AutoConfig.from_pretrained(model_path)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in names:
+        embed = next((n for n in names if n.endswith("embed_tokens.weight")), None)
+        if embed:
+            aliases["lm_head.weight"] = embed
+    return names, aliases
 
 
 def _revert(model: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers < 5: checkpoints and modules share the layout
+    if revert_weight_conversion is None:
         return named
     return revert_weight_conversion(model, named)
 

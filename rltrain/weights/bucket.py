@@ -1,4 +1,4 @@
-"""Tensors handed to an engine by handle: SGLang's `flattened_bucket` payload, serialised.
+"""The flattened-bucket wire format: tensors handed to an engine by handle, as SGLang reads them.
 
 A bucket is one contiguous uint8 buffer plus per-tensor metadata (name, shape, dtype, byte
 range) — the layout SGLang's `FlattenedTensorBucket` reconstructs. The metadata are
@@ -8,11 +8,39 @@ travel as CUDA IPC handles, CPU tensors as shared-memory file names (the `file_s
 strategy; the default fd-passing strategy cannot cross an HTTP request). Only the handle
 crosses the wire; the receiver maps the sender's memory and copies from it.
 
-Buffer lifetime: the sender must keep each bucket's buffer alive until the engine has answered
-the update request. SGLang answers before its copies out of the buffer have run, so against it
-every bucket needs a fresh buffer. The embedded engine answers after its copies are done
+Buffer lifetime. The sender keeps each bucket's buffer alive until the engine has answered the
+update request. SGLang answers before its copies out of the buffer have run, so against it every
+bucket needs a fresh buffer. The embedded engine answers after its copies are done
 (`"weight_updates": "synchronous"` in /get_server_info), so a sender may refill a buffer once
 the request that used it has returned.
+
+Buffer slots and kept mappings (the embedded engine's extension; `"weight_buffer_slots": K` in
+/get_server_info; SGLang's path never uses it). Inside one weight-update session
+(/begin_weight_update ... /end_weight_update) a sender that refills a ring of at most K buffers
+sends each buffer's handle once, as `{"flattened_tensor": buf, "metadata": [...], "buffer": k}`,
+and afterwards `{"flattened_tensor": None, "metadata": [...], "buffer": k}`: the same string every
+sync for a given plan bucket, since the plan never changes. A slot never sent, a slot out of
+range, or a slot outside a session is a 400. Ending the session forgets every slot and unmaps
+the buffers. Who keeps what, and why (each cache is bounded and dropped with what it refers to):
+
+    sender (sync/tensor.py)
+      ring           the refilled buffers, by slot          freed at the session's end
+      layouts        per plan bucket: its metadata, its     the plan is fixed: a bucket's layout
+                     BucketViews and its handle-less        is computed and checked once
+                     payload strings, by slot
+      sent           (receiver, slot) pairs that hold       a handle goes once per session
+                     the slot's current buffer
+    engine server (engine/native/server.py)
+      slots          slot -> the sender's mapped buffer     the handle is opened once per session
+      mapped         the last few buffers sent with a       torch's IPC cache then serves a
+                     handle, kept mapped                    refilled buffer without a re-map
+      decoded        handle-less payload string -> its      the same string every sync
+                     decoded metadata
+    engine model (engine/native/engine.py)
+      bucket plans   layout key -> BucketViews and the      checked against the model once;
+                     1-D parameter views it copies into     dropped when the weights are released
+      bucket keys    id(metadata list) -> layout key        a decoded payload's list is reused
+      targets        weight name -> parameter (+ index)     the module tree is walked once
 """
 
 from __future__ import annotations
@@ -44,7 +72,7 @@ def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[t
     return metadata, offset
 
 
-class Layout:
+class BucketViews:
     """Where a bucket's tensors lie in its buffer, checked once, and every tensor's 1-D view of
     a buffer taken in one `split` per run of one dtype. A view per tensor (`as_strided`, its
     checks and its stride) costs ~10 us on both sides of every bucket of every sync; a bucket
@@ -93,13 +121,13 @@ class Layout:
 
 def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
                    layout: tuple[list[types.SimpleNamespace], int] | None = None,
-                   split: Layout | None = None) -> dict[str, Any]:
+                   views: BucketViews | None = None) -> dict[str, Any]:
     """Copy tensors into one uint8 buffer; returns {"flattened_tensor", "metadata"}.
 
     The buffer is fresh (on the tensors' device), or the front of `out` (uint8, on the tensors' device, large enough;
     on CPU in shared memory) for a sender that reuses buffers: only against an engine that
     answers after its copies are done (the embedded engine; SGLang does not). `layout`: the
-    tensors' `bucket_layout`, and `split` its `Layout`, when the caller kept them."""
+    tensors' `bucket_layout`, and `views` its `BucketViews`, when the caller kept them."""
     metadata, size = layout or bucket_layout(named_tensors)
     if out is None:
         flat = torch.empty(size, dtype=torch.uint8, device=named_tensors[0][1].device)
@@ -111,11 +139,11 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Ten
         if out.dtype != torch.uint8 or out.numel() < size:
             raise ValueError(f"buffer of {out.numel()} {out.dtype} elements cannot hold a bucket of {size} bytes")
         flat = out[:size]
-    views = (split or Layout(metadata)).views(flat)
+    dsts = (views or BucketViews(metadata)).views(flat)
     # One fused copy per dtype on CUDA (multi-tensor apply) rather than one launch per tensor.
     with torch.no_grad():
         for dtype in {m.dtype for m in metadata}:
-            pairs = [(v, t.reshape(-1)) for v, m, (_, t) in zip(views, metadata, named_tensors) if m.dtype == dtype]
+            pairs = [(v, t.reshape(-1)) for v, m, (_, t) in zip(dsts, metadata, named_tensors) if m.dtype == dtype]
             torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
     return {"flattened_tensor": flat, "metadata": metadata}
 
@@ -123,7 +151,7 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Ten
 def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Views (no copies) of every tensor in a bucket; metadata that do not fit the buffer are refused."""
     metadata = bucket["metadata"]
-    views = Layout(metadata).views(bucket["flattened_tensor"])
+    views = BucketViews(metadata).views(bucket["flattened_tensor"])
     return [(m.name, v.view(m.shape)) for m, v in zip(metadata, views)]
 
 

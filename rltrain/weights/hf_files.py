@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import shutil
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
@@ -27,22 +27,10 @@ from typing import Any, Iterable
 import torch
 import xxhash
 
+from rltrain.runtime.files import fsync_file, map_file
+
 INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
-
-
-def fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -90,25 +78,11 @@ class CorruptWeightsError(ValueError):
     """A published weight version does not match its manifest."""
 
 
-def map_file(path: Path) -> mmap.mmap | None:
-    """A read-only memory map of a file's bytes (None for an empty file), its pages mapped in one
-    call rather than one fault each (faults are dear in a VM: hashing this way was half the cost
-    of reading in chunks, and a fault per 4 KiB page made the engine's load of a 8.8 GB version
-    take 1.6 s, on the H200's machine)."""
-    with open(path, "rb") as fh:
-        if not os.fstat(fh.fileno()).st_size:
-            return None
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fh.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-
-
 def map_safetensors(path: Path, xxh3: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file as host tensors over one memory map of it (`map_file`).
     Read-only: the tensors must not be written. With `xxh3`, the file's bytes are checked against
     it first, from the same map (CorruptWeightsError). Raises ValueError on a file whose header
     does not describe its data."""
-    import warnings
-
     m = map_file(path)
     size = len(m) if m is not None else 0
     if size < 8:

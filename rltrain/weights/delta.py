@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import xxhash
 
-from rltrain.sync.disk import CorruptWeightsError, read_manifest
-from rltrain.sync.hf_files import INDEX, write_checkpoint
+from rltrain.weights.hf_files import INDEX, CorruptWeightsError, write_checkpoint
+from rltrain.weights.versions import read_manifest
 
 DELTA_FILE = "delta.bin"
 

@@ -6,15 +6,14 @@ A version is a directory `<weights_dir>/weight_v{N:06d}`, written into a tempora
 `from_pretrained`; `delta`: see delta.py) and the xxh3 of every file, which the receiving side
 checks before an engine loads anything (the embedded engine as it reads the files, `read_weights`;
 for SGLang the node's leader first, `verify`): a corrupt or truncated shard is refused and the
-engine keeps serving the version it has. Versions beyond `loop.keep_weight_versions` are pruned, and so
-are versions numbered above the new one (left by an earlier run that went further).
-With several nodes, `weights_dir` must be on a filesystem all nodes see.
+engine keeps serving the version it has. Versions beyond `sync.keep_weight_versions` are pruned, and
+so are versions numbered above the new one (left by an earlier run that went further).
+With several nodes, `sync.weights_dir` must be on a filesystem all nodes see.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -22,10 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import xxhash
 
-from rltrain.sync.hf_files import CorruptWeightsError  # noqa: F401 (callers import it from here)
-from rltrain.sync.hf_files import fsync_dir, fsync_file, map_file, map_safetensors
+from rltrain.runtime.files import file_digest, fsync_file, replace_dir
+from rltrain.weights.hf_files import CorruptWeightsError, map_safetensors
 
 MANIFEST = "rltrain_version.json"
 
@@ -34,22 +32,8 @@ class StaleWeightsError(RuntimeError):
     """An engine serves a weight version other than the one just published."""
 
 
-def weights_dir(cfg: Any) -> Path:
-    return Path(cfg.loop.weights_dir) if cfg.loop.weights_dir else cfg.run_dir / "weights"
-
-
 def version_dir(root: Path, version: str) -> Path:
     return root / f"weight_v{int(version):06d}"
-
-
-def file_digest(path: Path) -> str:
-    """xxh3 of a file's bytes, hashed from a memory map (`map_file`: no copy into Python buffers)."""
-    h = xxhash.xxh3_64()
-    m = map_file(path)
-    if m is not None:
-        with m:
-            h.update(m)
-    return h.hexdigest()
 
 
 def publish(target: Path, keep: int | None, write: Callable[[Path], dict[str, Any]]) -> Path:
@@ -65,10 +49,7 @@ def publish(target: Path, keep: int | None, write: Callable[[Path], dict[str, An
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({**fields, "files": files}, indent=1))
         fsync_file(manifest)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-        fsync_dir(target.parent)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -129,8 +110,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def verify(path: Path) -> dict[str, Any]:
     """Check every file of a published version against its manifest; returns the manifest.
-    Files are hashed in parallel (xxhash releases the GIL): hashing one 8.8 GB version file by
-    file was 0.9 s, ~10% of writing it, on the H200's machine."""
+    Files are hashed in parallel (xxhash releases the GIL)."""
     manifest = read_manifest(path)
     files = manifest.get("files", {})
     for name in files:
