@@ -106,13 +106,15 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
         sync = weight_sync.WeightSync(cfg, world, t, clients, engine_model)
         out = {"v1": sync.push("1"), "buckets": len(sync.plan.buckets), "routed": sync.plan.routed,
                "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))], "moved": sync.plan.bytes_moved,
-               "slotted": sync.slotted}
+               "slotted": getattr(sync.transport, "slotted", False)}
         if transport == "delta" or fault:
             with torch.no_grad():  # a sparse update: 1% of one matrix
                 w = t.model.get_input_embeddings().weight.to_local()
                 w.view(-1)[:: 100] += 0.5
             if fault == "corrupt":
-                real = weight_sync.publish
+                from rltrain.sync import disk
+
+                real = disk.publish
 
                 def corrupting(target, keep, write):  # storage corrupts a byte after a good write
                     out = real(target, keep, write)
@@ -122,7 +124,7 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                     f.write_bytes(bytes(data))
                     return out
 
-                weight_sync.publish = corrupting
+                disk.publish = corrupting
             if fault == "full" and world.rank == 0:  # the disk fills up while version 2 is written
                 import resource
                 import signal

@@ -94,6 +94,10 @@ class SyncPlan:
     def buckets_for(self, target: int) -> list[Bucket]:
         return [b for b in self.buckets if target in b.targets]
 
+    def last_bucket(self, target: int) -> int:
+        """Index of the last bucket `target` receives (-1: none): the one that carries the version."""
+        return max((i for i, b in enumerate(self.buckets) if target in b.targets), default=-1)
+
 
 def build_plan(weights: Iterable[WeightSpec], topology: EngineTopology, bucket_bytes: int,
                engine_names: Iterable[str] | None = None, aliases: dict[str, str] | None = None) -> SyncPlan:

@@ -1,0 +1,123 @@
+"""The contracts between rltrain's components, as `typing.Protocol`s.
+
+Each protocol names exactly the members its callers use — the loop, the sync, the checkpointer
+and the memory ledger — and nothing else; the classes behind them are checked against them by
+the type checker where `setup.py` wires them together:
+
+    World       runtime.world.World                 the reloadable world, its bridge and groups
+    Trainer     trainer.fsdp.FSDPTrainer,           the policy: create, train, offload/onload,
+                trainer.megatron.trainer.            release and re-create, export weights,
+                MegatronTrainer                      checkpoint state
+    NodeEngine  engine.launcher.NodeEngine          this node's engine, in the loop's verbs
+    Transport   sync/transport.py                   one way of moving weights (sync only)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from rltrain.batch import TrainBatch
+from rltrain.runtime.bridge import Bridge
+from rltrain.runtime.env import DistEnv
+
+# (checkpoint name, source name in the trainer, full shape, dtype) of one weight
+WeightSpecRow = tuple[str, str, torch.Size, torch.dtype]
+# Every tensor a trainer holds, by kind ("weights", "grads", "optimizer", "spare"), wherever it is
+HeldTensors = dict[str, list[torch.Tensor]]
+# One rank's shard of a released trainer, in host memory (trainer-specific layout)
+Snapshot = dict[str, Any]
+
+
+class Group(Protocol):
+    """A subgroup that survives the world's destroy/rebuild (`GroupHandle`)."""
+
+    @property
+    def pg(self) -> Any: ...  # torch's ProcessGroup of the current generation
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+
+class World(Protocol):
+    """The surface of `runtime.world.World` its callers use."""
+
+    env: DistEnv
+    bridge: Bridge
+    device: torch.device
+    generation: int
+    nccl_bytes: int
+    cuda_context: tuple[int | None, int | None]
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_up(self) -> bool: ...
+
+    def new_group(self, ranks: list[int] | tuple[int, ...] | None = None, *, backend: str | None = None,
+                  timeout: timedelta | float | None = None, pg_options: Any = None,
+                  description: str | None = None) -> Any: ...
+
+    def destroy(self, block: bool | None = None) -> None: ...
+
+    def wait_destroyed(self) -> float: ...
+
+    def rebuild(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Trainer(Protocol):
+    """The policy being trained, as the loop, the sync, checkpoints and the ledger use it."""
+
+    device: torch.device
+    model_path: str
+    timings: dict[str, float]  # seconds of the parts of the last offload / onload (benchmarks)
+
+    @property
+    def released(self) -> bool: ...
+
+    # lifecycle (the loop)
+    def create(self, load_weights: bool = True) -> None: ...
+
+    def onload(self) -> None: ...
+
+    def offload(self) -> None: ...
+
+    def trim(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    def snapshot(self) -> Snapshot: ...
+
+    def restore_snapshot(self, snap: Snapshot) -> None: ...
+
+    # the RL update (the loop)
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+
+    # weights (the sync)
+    def weight_specs(self) -> list[WeightSpecRow]: ...
+
+    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    # checkpoints
+    def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+    def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None: ...
+
+    def host_state(self) -> dict[str, Any]: ...
+
+    def load_host_state(self, state: dict[str, Any]) -> None: ...
+
+    # the memory ledger
+    def held_tensors(self) -> HeldTensors: ...

@@ -1,0 +1,111 @@
+"""`sync.transport=distributed`: per bucket, the node's leader broadcasts one flat buffer over a
+weight-update group it made once with each engine through /init_weights_update_group (NCCL on
+GPU, gloo on CPU), inside a weight-update session per version.
+
+The trainer's end of each group is built outside torch's group registry
+(`runtime.weight_group.UnregisteredGroup`): the world's destroy between steps must not take it
+down. A MoE model's expert buckets go only to the EP ranks that own them (the plan's targets).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rltrain.engine.client import EngineError
+from rltrain.runtime.net import free_port
+from rltrain.runtime.weight_group import UnregisteredGroup, close_weight_update_group
+from rltrain.sync.transport import Named, SyncContext, WeightStream
+
+log = logging.getLogger("rltrain.sync")
+
+
+class DistributedTransport:
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        self.timings: dict[str, float] = {}
+        self._groups: list[UnregisteredGroup] = []
+        self._group_name = f"rltrain_weights_node{ctx.world.env.node_rank}"
+
+    def send(self, version: str, weights: WeightStream) -> int:
+        ctx = self.ctx
+        self.timings = weights.timings = dict.fromkeys(("gather",), 0.0)
+        if not ctx.leader:
+            for _ in weights.buckets():  # join every gather
+                pass
+            return 0
+        sent, failure = 0, None
+        try:
+            if not self._groups:
+                self._groups = [self._open_group(r) for r in range(len(ctx.receivers))]
+            for client in ctx.receivers:  # SGLang requires a weight-update session around the updates
+                client.begin_weight_update()
+        except (EngineError, OSError, RuntimeError, ValueError) as e:
+            failure = e
+        try:
+            for i, bucket, named in weights.buckets():
+                if failure is not None:
+                    continue  # keep joining the gathers; the failure is reported after
+                try:
+                    for r in bucket.targets:  # routed: only the EP ranks that own these weights
+                        self._broadcast(r, named, version if i == ctx.plan.last_bucket(r) else None)
+                    sent += bucket.nbytes * len(bucket.targets)
+                except (EngineError, OSError, RuntimeError, ValueError) as e:
+                    failure = e
+        finally:
+            for client in ctx.receivers:
+                client.end_weight_update()
+        if failure is not None:
+            raise RuntimeError(str(failure)) from failure
+        return sent
+
+    def _name(self, receiver: int) -> str:
+        return f"{self._group_name}_ep{receiver}"
+
+    def _open_group(self, receiver: int) -> UnregisteredGroup:
+        ctx = self.ctx
+        port = free_port()
+        backend = "nccl" if ctx.device.type == "cuda" else "gloo"
+        size = 1 + ctx.engine_tp_size
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(ctx.receivers[receiver].init_weights_update_group, "127.0.0.1", port, 1, size,
+                                 self._name(receiver), backend)
+            pg = UnregisteredGroup("127.0.0.1", port, 0, size, self._name(receiver), backend,
+                                   timeout_s=ctx.request_timeout_s)
+            joined.result()
+        return pg
+
+    def _broadcast(self, receiver: int, named: Named, version: str | None) -> None:
+        client = self.ctx.receivers[receiver]
+        flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(client.update_weights_from_distributed, [n for n, _ in named],
+                                   [str(t.dtype).removeprefix("torch.") for _, t in named],
+                                   [list(t.shape) for _, t in named], self._name(receiver), version,
+                                   version is not None, "flattened_bucket")
+            # If the engine refuses the request it never joins the broadcast: stop waiting then.
+            self._groups[receiver].broadcast(flat, src=0, give_up=lambda: received.done() and received.exception())
+            received.result()
+
+    def engine_restarted(self) -> None:
+        """The engine's ends of the groups died with it: ours are dropped (the next send opens new ones)."""
+        for pg in self._groups:
+            try:
+                pg.abort()
+            except (RuntimeError, OSError) as e:
+                log.warning("dropping the weight-update group of a dead engine: %s", e)
+        self._groups = []
+
+    def close(self) -> None:
+        for r, pg in enumerate(self._groups):
+            # Both ends tear down at once: NCCL's communicator teardown waits for its peer.
+            with ThreadPoolExecutor(1) as pool:
+                left = pool.submit(self.ctx.receivers[r].destroy_weights_update_group, self._name(r))
+                close_weight_update_group(pg)
+                try:
+                    left.result()
+                except EngineError as e:
+                    log.warning("engine did not leave the weight-update group: %s", e)
+        self._groups = []

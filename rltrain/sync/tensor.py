@@ -1,0 +1,165 @@
+"""`sync.transport=tensor`: each bucket handed to the engines by handle (CUDA IPC on GPU, shared
+memory on CPU), `load_format=flattened_bucket`, inside one weight-update session per version.
+
+The requests run on sender threads while the calling thread gathers and flattens the next
+bucket. Against SGLang one request is in flight and every bucket has a fresh buffer (SGLang
+answers before its copies out of the buffer are done). An engine that answers after them
+(`caps.synchronous`, the embedded engine) gets `DEPTH` requests in flight — one's copy overlaps
+the next one's handling — and `DEPTH + 1` buffers refilled in turn: bucket k's buffer was last
+used by bucket k - DEPTH - 1, whose request has returned before bucket k - 1 was sent. Where
+the engines keep buffers by slot number (`caps.slots`, weights/bucket.py), each buffer's handle
+is sent once per session.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from rltrain.engine.client import EngineError
+from rltrain.sync.transport import Named, SyncContext, WeightStream
+from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, serialize
+
+DEPTH = 2  # requests in flight against an engine that answers after its copies
+
+
+class TensorTransport:
+    def __init__(self, ctx: SyncContext):
+        self.ctx = ctx
+        self.reuse_buffers = ctx.caps.synchronous  # refill DEPTH + 1 buffers instead of a fresh one per bucket
+        self.depth = DEPTH if self.reuse_buffers else 1
+        self.slotted = False  # this push: buffers go to the engines by slot number
+        self.timings: dict[str, float] = {}
+        self._timing_lock = threading.Lock()
+        self._ring: list[torch.Tensor | None] = []  # the buffers refilled in turn (this push)
+        self._sent: set[tuple[int, int]] = set()  # (receiver, slot): holds the slot's buffer, this push
+        # By plan index: the bucket's layout, its BucketViews, its handle-less payloads by slot.
+        self._layouts: dict[int, tuple[tuple[list[Any], int], BucketViews, dict[int, str]]] = {}
+
+    def send(self, version: str, weights: WeightStream) -> int:
+        ctx = self.ctx
+        self.timings = weights.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
+        if not ctx.leader:
+            for _ in weights.buckets():  # join every gather
+                pass
+            return 0
+        sent, failure = 0, None
+        for client in ctx.receivers:  # SGLang requires a weight-update session around tensor updates
+            client.begin_weight_update()
+        sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
+        self._ring = [None] * (self.depth + 1 if self.reuse_buffers else 0)
+        self.slotted = bool(self._ring) and ctx.caps.slots >= len(self._ring)
+        self._sent = set()
+        in_flight: collections.deque[Future[None]] = collections.deque()
+        clock = time.perf_counter
+        try:
+            for i, bucket, named in weights.buckets():
+                if failure is not None:
+                    continue  # keep joining the gathers; the failure is reported after
+                try:
+                    tags = {r: version if i == ctx.plan.last_bucket(r) else None for r in bucket.targets}
+                    t0 = clock()
+                    layout, views, by_slot = self._layout(i, named)
+                    slot = i % len(self._ring) if self._ring else None
+                    out = self._buffer(slot, layout[1], named[0][1].device) if slot is not None else None
+                    flat = flatten_bucket(named, out=out, layout=layout, views=views)
+                    del named
+                    # An engine that finds a reused buffer already mapped does not wait for the
+                    # producer's event (torch's IPC cache): the sender waits for the fill instead.
+                    filled = _record(flat["flattened_tensor"]) if out is not None else None
+                    if self.slotted and out is not None and slot is not None:
+                        payload = self._slotted(flat, out, slot, tags, by_slot)
+                    else:
+                        payload = serialize(flat)
+                    t1 = clock()
+                    # The bucket that sets the version goes only after every other has loaded.
+                    while len(in_flight) >= (1 if any(tags.values()) else self.depth):
+                        in_flight.popleft().result()
+                    self.timings["flatten"] += t1 - t0
+                    self.timings["wait"] += clock() - t1
+                    in_flight.append(sender.submit(self._send_handles, flat, payload, tags, filled))
+                    sent += bucket.nbytes * len(bucket.targets)
+                except (EngineError, OSError, RuntimeError, ValueError) as e:
+                    failure = e
+            while in_flight and failure is None:
+                in_flight.popleft().result()
+        except (EngineError, OSError, RuntimeError, ValueError) as e:
+            failure = e
+        finally:
+            sender.shutdown(wait=True)
+            try:
+                for client in ctx.receivers:
+                    client.end_weight_update()  # the embedded engine unmaps the reused buffers here
+            finally:
+                self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
+        if failure is not None:
+            raise RuntimeError(str(failure)) from failure
+        return sent
+
+    def _slotted(self, flat: dict[str, Any], out: torch.Tensor, slot: int, tags: dict[int, str | None],
+                 by_slot: dict[int, str]) -> str:
+        """The serialized payload with the buffer-slot extension: the buffer's handle only if
+        some target has not been sent this buffer in this session, the slot number always.
+        Without the handle it is the same string every sync (kept in `by_slot`)."""
+        if all((r, slot) in self._sent for r in tags):
+            if slot not in by_slot:
+                by_slot[slot] = serialize({"flattened_tensor": None, "metadata": flat["metadata"], "buffer": slot})
+            return by_slot[slot]
+        self._sent.update((r, slot) for r in tags)
+        return serialize({"flattened_tensor": out, "metadata": flat["metadata"], "buffer": slot})
+
+    def _layout(self, i: int, named: Named) -> tuple[tuple[list[Any], int], BucketViews, dict[int, str]]:
+        """Bucket `i`'s layout, its views and its handle-less payloads by slot, made at its
+        first sync: the plan, and so every bucket's names, shapes and dtypes, is fixed."""
+        kept = self._layouts.get(i)
+        if kept is None or [n for n, _ in named] != [m.name for m in kept[0][0]]:
+            layout = bucket_layout(named)
+            kept = self._layouts[i] = (layout, BucketViews(layout[0]), {})
+        return kept
+
+    def _buffer(self, slot: int, size: int, device: torch.device) -> torch.Tensor:
+        """Reused buffer `slot`, grown to hold `size` bytes."""
+        buf = self._ring[slot]
+        if buf is None or buf.numel() < size or buf.device != device:
+            self._ring[slot] = None  # drop the old one before allocating its successor
+            # A new buffer (even at the old one's address) is sent with its handle again.
+            self._sent -= {k for k in self._sent if k[1] == slot}
+            buf = torch.empty(size, dtype=torch.uint8, device=device)
+            if buf.device.type == "cpu":
+                buf.share_memory_()
+            self._ring[slot] = buf
+        return buf
+
+    def _send_handles(self, flat: dict[str, Any], payload: str, tags: dict[int, str | None], filled: Any) -> None:
+        """One bucket to each receiver that owns it (sender thread). `flat` stays referenced
+        until every engine has answered, i.e. finished copying out of it."""
+        t0 = time.perf_counter()
+        if filled is not None:
+            filled.synchronize()
+        for r, tag in tags.items():
+            self.ctx.receivers[r].update_weights_from_tensor([payload] * self.ctx.engine_tp_size,
+                                                             load_format="flattened_bucket",
+                                                             weight_version=tag, flush_cache=tag is not None)
+        with self._timing_lock:
+            self.timings["request"] += time.perf_counter() - t0
+        del flat
+
+    def engine_restarted(self) -> None:
+        self._layouts.clear()  # the payload strings were the dead engine's slots
+
+    def close(self) -> None:
+        pass
+
+
+def _record(t: torch.Tensor) -> torch.cuda.Event | None:
+    """A CUDA event after the work queued so far on `t`'s device (None on CPU: already done)."""
+    if t.device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev

@@ -1,0 +1,122 @@
+"""What a transport is given and what it must do: the contract between `WeightSync` and the
+files `tensor.py`, `distributed.py` and `disk.py`.
+
+`WeightSync` owns what every transport shares — the plan, the stream of the trainer's tensors
+(a collective: every rank gathers every bucket), the verification after the load and the
+agreement of all ranks on errors. A transport only moves one version's tensors from this node's
+leader to its engines (`receivers`), by its own means. It is built once per run from a
+`SyncContext`, and every rank calls `send` (the non-leaders only join the gathers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from rltrain.config import SyncConfig
+from rltrain.engine.client import EngineClient, EngineError
+from rltrain.interfaces import World
+from rltrain.sync.plan import Bucket, SyncPlan
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCaps:
+    """What every engine of this node can do, asked once (`probe`): the weakest engine decides."""
+
+    dtype: torch.dtype | None = None  # of the engine's weights, as its checksum report says
+    checksums: bool = False  # it reports weight checksums
+    synchronous: bool = False  # its update requests answer only after the copies out of the sender's buffers
+    slots: int = 0  # buffers it keeps by slot number within a weight-update session (bucket.py)
+    verifies_files: bool = False  # it checks a disk version's files against the version's manifest
+
+
+def probe(clients: list[EngineClient]) -> EngineCaps:
+    """The capabilities all of `clients` share (SGLang reports none of the embedded engine's)."""
+    caps = [_probe_one(c) for c in clients]
+    if not caps:
+        return EngineCaps()
+    return EngineCaps(dtype=caps[0].dtype, checksums=all(c.checksums for c in caps),
+                      synchronous=all(c.synchronous for c in caps), slots=min(c.slots for c in caps),
+                      verifies_files=all(c.verifies_files for c in caps))
+
+
+def _probe_one(client: EngineClient) -> EngineCaps:
+    try:
+        info = client.server_info()
+    except (EngineError, ValueError, TypeError):
+        info = {}
+    synchronous = info.get("weight_updates") == "synchronous"
+    verifies = info.get("weight_files") == "verified"
+    slots = info.get("weight_buffer_slots", 0) if synchronous else 0
+    slots = slots if isinstance(slots, int) else 0
+    try:
+        rep = client.weights_checksum()
+    except (EngineError, ValueError, TypeError):
+        rep = None
+    if not isinstance(rep, dict) or "dtype" not in rep:
+        return EngineCaps(None, False, synchronous, slots, verifies)
+    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncContext:
+    """Everything a transport is built from."""
+
+    cfg: SyncConfig
+    world: World
+    receivers: list[EngineClient]  # this node's engines, by EP rank; the leader talks to them
+    plan: SyncPlan
+    caps: EngineCaps  # (the leader's probe; defaults on other ranks)
+    device: torch.device  # the trainer's
+    model_path: str  # the trainer's model: config files of a published version
+    weights_dir: Path
+    engine_tp_size: int
+    request_timeout_s: float
+
+    @property
+    def leader(self) -> bool:
+        return self.world.env.is_node_leader
+
+
+class WeightStream:
+    """The trainer's tensors for one push, in checkpoint names: a collective, so every rank
+    iterates what it is handed to the end (also after its own failure), in the same order.
+    `gather(names)` is the trainer's export (the leader checksums each tensor as it passes);
+    `buckets()` walks the plan's buckets, one gather each."""
+
+    def __init__(self, plan: SyncPlan, gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]],
+                 timings: dict[str, float]):
+        self.plan, self.gather, self.timings = plan, gather, timings
+
+    def buckets(self) -> Iterator[tuple[int, Bucket, Named]]:
+        for i, bucket in enumerate(self.plan.buckets):
+            t0 = time.perf_counter()
+            named = list(self.gather(bucket.names))
+            self.timings["gather"] = self.timings.get("gather", 0.0) + time.perf_counter() - t0
+            yield i, bucket, named
+
+
+class Transport(Protocol):
+    """One way of moving a weight version to this node's engines."""
+
+    timings: dict[str, float]  # seconds per part of the last send (benchmarks)
+
+    def send(self, version: str, weights: WeightStream) -> int:
+        """Deliver every planned tensor to the engines that own it, as `version` (the last
+        tensor an engine gets carries the version). Collective. Returns the bytes this rank
+        delivered; raises OSError/RuntimeError/ValueError on failure (the caller agrees)."""
+        ...
+
+    def engine_restarted(self) -> None:
+        """This node's engine was started again: drop what pointed at the dead one."""
+        ...
+
+    def close(self) -> None: ...
+
