@@ -83,3 +83,17 @@ def server(request, model_a, tmp_path_factory):
     yield srv
     srv.client.close()
     srv.process.stop()
+
+
+@pytest.fixture(scope="module")
+def big_model(tmp_path_factory):
+    # ~40 MB of fp32 weights, so freeing them shows clearly in the server's RSS.
+    return make_model(tmp_path_factory.mktemp("big"), seed=3, vocab=8192, hidden=512, layers=2)
+
+
+@pytest.fixture(scope="module")
+def native(big_model, tmp_path_factory):
+    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"))
+    yield srv
+    srv.client.close()
+    srv.process.stop()

@@ -9,26 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import start_engine
 from models import engine_greedy, hf_greedy, make_model
 from rltrain.engine.client import EngineError
 from rltrain.engine.protocol import SamplingParams
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8]]
-
-
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory):
-    # ~40 MB of fp32 weights, so freeing them shows clearly in the server's RSS.
-    return make_model(tmp_path_factory.mktemp("big"), seed=3, vocab=8192, hidden=512, layers=2)
-
-
-@pytest.fixture(scope="module")
-def native(big_model, tmp_path_factory):
-    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"))
-    yield srv
-    srv.client.close()
-    srv.process.stop()
 
 
 def memory(srv) -> dict:
@@ -92,16 +77,6 @@ def test_malformed_bodies_get_400_with_reason(native):
     assert greedy(native.client)
 
 
-def test_tensor_payload_refuses_code(native):
-    import base64
-    import os
-    import pickle
-
-    evil = base64.b64encode(pickle.dumps(os.system)).decode()
-    r = native.client._http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
-    assert r.status_code == 400 and "not allowed" in r.json()["message"]
-
-
 def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(native, big_model, tmp_path):
     before = greedy(native.client)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
@@ -113,113 +88,6 @@ def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(native, big_mo
     assert greedy(native.client) == before  # nothing was half-loaded
     native.client.update_weights_from_disk(str(big_model), weight_version="default")
     assert greedy(native.client) == hf_greedy(big_model, PROMPTS, 5)
-
-
-def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_model):
-    """The sync's buffer reuse against this engine: inside a session a refilled buffer is served
-    from the kept mapping, and the engine copies what the buffer holds now, not what it held."""
-    from safetensors.torch import load_file
-
-    from rltrain.weights import bucket as tensor_payload
-    from rltrain.weights.checksum import combine, entry
-
-    state = {}
-    for f in sorted(big_model.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    name_a, name_b = "model.norm.weight", "model.layers.0.input_layernorm.weight"
-    ring = [torch.empty(1 << 16, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    mapped = []
-    try:
-        native.client.begin_weight_update()
-        for slot, (name, value) in enumerate([(name_a, 1.0), (name_b, 3.0), (name_a, 2.0)]):
-            bucket = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=ring[slot % 2])
-            rep = native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
-            mapped.append(rep["mapped"])
-    finally:
-        native.client.end_weight_update()
-    assert mapped == [True, True, False]
-    expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
-    rep = native.client.weights_checksum()
-    assert rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
-
-
-def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it(native, big_model):
-    """The engine's buffer-slot extension (what the sync uses against it): a buffer's handle
-    comes once with its slot number, later buckets name the slot only and are read from what the
-    buffer holds now; a slot never sent, one out of range, or a slot outside a session is a 400
-    naming the fix, and the session's end forgets the slots."""
-    from safetensors.torch import load_file
-
-    from rltrain.weights import bucket as tensor_payload
-    from rltrain.weights.checksum import combine, entry
-
-    assert native.client.server_info()["weight_buffer_slots"] >= 3
-    state = {}
-    for f in sorted(big_model.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    name_a, name_b = "model.norm.weight", "model.layers.0.input_layernorm.weight"
-    buf = torch.empty(1 << 16, dtype=torch.uint8).share_memory_()
-
-    def send(name, value, slot, handle):
-        md = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=buf)["metadata"]
-        payload = {"flattened_tensor": buf if handle else None, "metadata": md, "buffer": slot}
-        return native.client.update_weights_from_tensor([tensor_payload.serialize(payload)], weight_version="slots")
-
-    with pytest.raises(EngineError, match="begin_weight_update"):
-        send(name_a, 1.0, 0, True)
-    try:
-        native.client.begin_weight_update()
-        with pytest.raises(EngineError, match="slot 1 has no buffer"):
-            send(name_a, 1.0, 1, False)
-        with pytest.raises(EngineError, match=r"expected an int in \[0, "):
-            send(name_a, 1.0, 99, True)
-        assert send(name_a, 1.0, 1, True)["mapped"] is True
-        assert send(name_b, 3.0, 1, False)["mapped"] is False  # the same buffer, refilled
-        assert send(name_a, 2.0, 1, False)["mapped"] is False
-    finally:
-        native.client.end_weight_update()
-    expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
-    try:
-        native.client.begin_weight_update()
-        with pytest.raises(EngineError, match="slot 1 has no buffer"):  # the last session's slots are gone
-            send(name_a, 5.0, 1, False)
-    finally:
-        native.client.end_weight_update()
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
-
-
-def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big_model):
-    """A bucket naming an unknown weight or the wrong shape is refused whole (nothing of it is
-    copied, also when its layout was seen before); a bucket in another dtype goes through the
-    casting path and loads."""
-    from safetensors.torch import load_file
-
-    from rltrain.weights import bucket as tensor_payload
-    from rltrain.weights.checksum import combine, entry
-
-    state = {}
-    for f in sorted(big_model.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    good, other = "model.norm.weight", "model.layers.0.input_layernorm.weight"
-    base = combine({n: entry(t) for n, t in state.items()})
-    send = lambda named: native.client.update_weights_from_tensor(  # noqa: E731
-        [tensor_payload.serialize(tensor_payload.flatten_bucket(named))], weight_version="bad")
-    with pytest.raises(EngineError, match="unknown parameter 'model.nope'"):
-        send([(good, torch.full_like(state[good], 7.0)), ("model.nope", torch.zeros(3))])
-    wrong = torch.zeros(state[other].numel() + 1)
-    for _ in range(2):  # the second time from the kept layout check
-        with pytest.raises(EngineError, match="does not match the model's"):
-            send([(good, torch.full_like(state[good], 7.0)), (other, wrong)])
-    assert native.client.weights_checksum()["checksum"] == base
-    send([(good, torch.full_like(state[good], 0.5, dtype=torch.float64))])
-    expected = dict(state, **{good: torch.full_like(state[good], 0.5)})
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == base
 
 
 def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_model, tmp_path):
