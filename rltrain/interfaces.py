@@ -80,6 +80,7 @@ class Trainer(Protocol):
 
     device: torch.device
     model_path: str
+    pad_id: int  # the tokenizer's padding token (batches and idle passes are padded with it)
     timings: dict[str, float]  # seconds of the parts of the last offload / onload (benchmarks)
 
     @property

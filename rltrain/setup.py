@@ -51,7 +51,7 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     from rltrain.rollout import synthetic
     from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
     from rltrain.rollout.rewards import RewardRunner, load_reward
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
     model_path = Path(cfg.model.path)
@@ -83,15 +83,15 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     rewards = RewardRunner(load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s,
                            cfg.reward.workers)
 
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     if cfg.trainer.backend == "megatron":
         from rltrain.trainer.megatron.trainer import MegatronTrainer
 
         trainer = MegatronTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, world, seed=cfg.run.seed,
-                                  total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
+                                  total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
     else:
-        trainer = TorchTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
-                               total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature)
-    trainer.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        trainer = FSDPTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
+                              total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
     trainer.create()
 
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)

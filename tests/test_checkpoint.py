@@ -152,14 +152,14 @@ def _release_rss(rank: int, world_size: int, model_dir: str) -> dict:
     import psutil
 
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     proc = psutil.Process()
     import transformers  # noqa: F401 - imports are not the trainer's memory
 
     baseline = proc.memory_info().rss
     out = {"baseline": baseline}
-    t = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), model_dir, torch.device("cpu"))
+    t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), model_dir, torch.device("cpu"))
     for cycle in (1, 2):
         t.create(load_weights=cycle == 1)
         one_step(t, fixed_batch(vocab=8192))

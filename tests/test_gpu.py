@@ -102,12 +102,13 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.memory import pinned_host_bytes
-    from rltrain.trainer.native import TorchTrainer, TrainBatch
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
     torch.cuda.synchronize()
     base_alloc = torch.cuda.memory_allocated()
-    t = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
+    t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
     t.create()
     B, L = 8, 32
     batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
@@ -159,7 +160,8 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
-    from rltrain.trainer.native import TorchTrainer, TrainBatch
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -176,7 +178,7 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
         torch.cuda.synchronize()
         base_alloc = torch.cuda.memory_allocated()
         cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="float32")
-        cycled, steady = (TorchTrainer(cfg, AlgoConfig(kl_coef=0.01), str(path), torch.device("cuda")) for _ in range(2))
+        cycled, steady = (FSDPTrainer(cfg, AlgoConfig(kl_coef=0.01), str(path), torch.device("cuda")) for _ in range(2))
         for t in (cycled, steady):
             t.create()
             assert isinstance(t.model.get_input_embeddings().weight, DTensor)
@@ -217,7 +219,8 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     from rltrain.engine.protocol import SamplingParams
     from rltrain.runtime.ledger import MemoryLedger
     from rltrain.runtime.world import World
-    from rltrain.trainer.native import TorchTrainer, TrainBatch
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     world = World(backend="nccl", timeout=60)
     device = world.device
@@ -227,7 +230,7 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     client = EngineClient(engine.url, retries=0)
     client.wait_healthy(300, alive=lambda: engine.alive)
     node = type("Node", (), {"process": engine, "client": client})()
-    trainer = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="bfloat16"), AlgoConfig(), model, device)
+    trainer = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="bfloat16"), AlgoConfig(), model, device)
     trainer.create()
     ledger = MemoryLedger(device, trainer, node, world, world.cuda_context)
     B, L = 8, 64

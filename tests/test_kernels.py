@@ -161,8 +161,8 @@ def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, mon
     the same log-probs, entropies and GRPO step within float32 rounding."""
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.trainer import native
-    from rltrain.trainer.native import TorchTrainer, TrainBatch
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer, LogprobHead
 
     path = make_model(tmp_path / "m", seed=5, vocab=300, hidden=32, layers=2)
     g = torch.Generator().manual_seed(0)
@@ -172,10 +172,11 @@ def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, mon
     results = {}
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(native, "_fusable", lambda head, config: False)
-        t = TorchTrainer(TrainerConfig(lr=1e-3, micro_batch_size=2, dtype="float32"), AlgoConfig(entropy_coef=0.01),
+            monkeypatch.setattr(LogprobHead, "fits", classmethod(lambda cls, head, config: False))
+        t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=2, dtype="float32"), AlgoConfig(entropy_coef=0.01),
                          str(path), torch.device(DEV), temperature=0.8)
         t.create()
+        assert isinstance(t.model.get_output_embeddings(), LogprobHead) == fused
         lp, ent = t.logprobs(batch)
         batch.old_logp = lp
         stats = t.train_step(batch)

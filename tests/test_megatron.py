@@ -156,7 +156,7 @@ def test_conversion_refuses_what_it_cannot_map(tmp_path):
 # ---------------------------------------------------------------------- real processes
 
 def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
-    from rltrain.trainer.native import TrainBatch
+    from rltrain.batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, vocab - 1, (n, L), generator=g)

@@ -89,7 +89,7 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
     from rltrain.engine.client import EngineClient
     from rltrain.runtime.world import World
     from rltrain.sync import weight_sync
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     world = World(backend="gloo", timeout=60)
     clients = [EngineClient(u, request_timeout_s=120) for u in urls]
@@ -101,7 +101,7 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
     cfg = load_config(None, overrides)
     sync = None
     try:
-        t = TorchTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
+        t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
         t.create()
         sync = weight_sync.WeightSync(cfg, world, t, clients, engine_model)
         out = {"v1": sync.push("1"), "buckets": len(sync.plan.buckets), "routed": sync.plan.routed,
@@ -481,7 +481,7 @@ def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, m
     from rltrain.engine.client import EngineClient
     from rltrain.runtime.world import World
     from rltrain.sync.weight_sync import WeightSync
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     world = World(backend="gloo", timeout=120)
     client = EngineClient(url, request_timeout_s=120)
@@ -490,7 +490,7 @@ def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, m
         for i, model in enumerate(models):
             cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", f"sync.transport={transport}",
                                      f"sync.weights_dir={weights_dir}"])
-            t = TorchTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
+            t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
             t.create()
             sync = WeightSync(cfg, world, t, [client], engine_model)
             try:

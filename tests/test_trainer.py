@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from models import make_model
 from multiproc import run_ranks, values
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.trainer.native import TorchTrainer, TrainBatch
+from rltrain.batch import TrainBatch
+from rltrain.trainer.fsdp import FSDPTrainer
 
 
 def fixed_batch(B: int = 8, L: int = 10, vocab: int = 256) -> TrainBatch:
@@ -24,14 +25,14 @@ def fixed_batch(B: int = 8, L: int = 10, vocab: int = 256) -> TrainBatch:
     return TrainBatch(tokens, attn, loss_mask, advantages=adv)
 
 
-def make_trainer(path, micro: int, steps: int = 10) -> TorchTrainer:
+def make_trainer(path, micro: int, steps: int = 10) -> FSDPTrainer:
     cfg = TrainerConfig(lr=1e-2, micro_batch_size=micro, grad_clip=1e9)
-    t = TorchTrainer(cfg, AlgoConfig(entropy_coef=0.01), str(path), torch.device("cpu"), total_steps=steps)
+    t = FSDPTrainer(cfg, AlgoConfig(entropy_coef=0.01), str(path), torch.device("cpu"), total_steps=steps)
     t.create()
     return t
 
 
-def one_step(t: TorchTrainer, batch: TrainBatch) -> dict:
+def one_step(t: FSDPTrainer, batch: TrainBatch) -> dict:
     batch.old_logp, _ = t.logprobs(batch)
     return t.train_step(batch)
 
@@ -86,7 +87,7 @@ def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(
 def test_a_refused_rebind_re_shards_fresh_modules_and_says_so_once(tmp_path, monkeypatch, caplog):
     """Where `sharding.rebind` cannot re-bind (another torch's FSDP2 internals), onload falls back
     to fresh modules filled from the local shards, logs why once, and trains on the same."""
-    import rltrain.trainer.native as native
+    import rltrain.trainer.fsdp as native
     from rltrain.runtime.world import World
     from rltrain.trainer.sharding import rebind
 
@@ -151,8 +152,16 @@ def test_offload_is_a_noop_on_cpu_and_training_continues(tmp_path):
 def test_lr_schedule_warmup_then_cosine(tmp_path):
     path = make_model(tmp_path / "m", seed=5)
     cfg = TrainerConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
-    t = TorchTrainer(cfg, AlgoConfig(), str(path), torch.device("cpu"), total_steps=6)
-    assert [round(t._lr_factor(s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+    from rltrain.trainer.rl_update import lr_factor
+
+    assert [round(lr_factor(cfg, 6, s), 4) for s in range(7)] == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
+    t = FSDPTrainer(cfg, AlgoConfig(), str(path), torch.device("cpu"), total_steps=6)  # the trainer's schedule is it
+    t.create()
+    lrs = []
+    for _ in range(7):
+        lrs.append(round(t.scheduler.get_last_lr()[0], 4))
+        t.scheduler.step()
+    assert lrs == [0.5, 1.0, 1.0, 0.8682, 0.55, 0.2318, 0.1]
 
 
 def _empty_rank(rank: int, world_size: int, path: str) -> dict:

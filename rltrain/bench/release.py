@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     from rltrain.checkpoint import Checkpointer
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
-    from rltrain.trainer.native import TorchTrainer, TrainBatch
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         os.environ.pop(k, None)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for hidden in a.hidden:
             model = build_model(root / f"model{hidden}", hidden, a.layers, 32000, dtype)
-            t = TorchTrainer(TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=str(dtype).removeprefix("torch.")),
+            t = FSDPTrainer(TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=str(dtype).removeprefix("torch.")),
                              AlgoConfig(), str(model), device)
             t.create()
             B, L = 8, 64

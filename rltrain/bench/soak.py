@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
     from rltrain.engine.launcher import EngineProcess, server_command
     from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     device = torch.device(args["device"] if args["device"] == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
@@ -69,7 +69,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
                                      Path(out) / "engine.log")
         client = EngineClient(engine.url, retries=0)
         client.wait_healthy(300, alive=lambda: engine.alive)
-    trainer = TorchTrainer(TrainerConfig(lr=1e-4), AlgoConfig(), args["model"], device)
+    trainer = FSDPTrainer(TrainerConfig(lr=1e-4), AlgoConfig(), args["model"], device)
     trainer.create()
     me = psutil.Process()
     parts = args["parts"]

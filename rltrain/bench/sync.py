@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
     from rltrain.sync.weight_sync import WeightSync
-    from rltrain.trainer.native import TorchTrainer
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     hf_logging.disable_progress_bar()
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under torchrun: the trainer sharded over the GPUs
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         if first and not (path / "config.json").exists():
             build(path, s, dtype, device)
         world.bridge.barrier("model built")
-        trainer = TorchTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
+        trainer = FSDPTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
         trainer.create()
         proc = None
         if first:

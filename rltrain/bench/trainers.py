@@ -57,7 +57,7 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
 
 
 def batch(n: int, L: int, vocab: int):
-    from rltrain.trainer.native import TrainBatch
+    from rltrain.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, vocab - 1, (n, L), generator=g)
@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
 
             t = MegatronTrainer(cfg, algo, str(path), device, world)
         else:
-            from rltrain.trainer.native import TorchTrainer
+            from rltrain.trainer.fsdp import FSDPTrainer
 
-            t = TorchTrainer(cfg, algo, str(path), device)
+            t = FSDPTrainer(cfg, algo, str(path), device)
         phase("create", t.create)
         params = sum(n.numel() for n in t.model.parameters())
         for rep in range(2):  # the first round warms kernels up; the second is reported

@@ -16,7 +16,7 @@ import torch
 from rltrain.engine.protocol import Completion, SamplingParams
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.rewards import RewardRunner
-from rltrain.trainer.native import TrainBatch
+from rltrain.batch import TrainBatch
 
 log = logging.getLogger("rltrain.rollout")
 

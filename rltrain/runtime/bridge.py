@@ -18,13 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import (
-    AllreduceOptions,
-    BroadcastOptions,
-    ProcessGroupGloo,
-    ReduceOp,
-    ScatterOptions,
-)
+from torch.distributed import AllreduceOptions, BroadcastOptions, ProcessGroupGloo, ReduceOp, ScatterOptions
 
 
 def restart_attempt() -> int:

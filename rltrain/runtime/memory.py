@@ -8,15 +8,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rltrain.runtime import internals
+
 _registered: dict[int, int] = {}  # address -> bytes, of the host buffers `pinned_empty` page-locked
 
 
 def free_cuda_caches() -> None:
     """Return the caching allocator's free blocks to the driver, cuBLAS workspaces (allocated
     through the caching allocator, ~64 MiB on an H200) included."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    if torch.cuda.is_available():
+        internals.get("torch._C._cuda_clearCublasWorkspaces")()
     torch.cuda.empty_cache()
 
 
@@ -127,6 +128,6 @@ class PinnedUpload:
         jobs = [(buf[i:i + self.piece], host[i:i + self.piece]) for _, buf, host in batch
                 for i in range(0, host.numel(), self.piece)]
         list(self._threads.map(lambda job: job[0].copy_(job[1]), jobs))  # torch copies release the GIL
-        torch._foreach_copy_([d for d, _, _ in batch], [b for _, b, _ in batch], non_blocking=True)
+        internals.foreach_copy_([d for d, _, _ in batch], [b for _, b, _ in batch], non_blocking=True)
         self._done[k] = torch.cuda.Event()
         self._done[k].record()

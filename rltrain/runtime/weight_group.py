@@ -11,6 +11,7 @@ pinned by the contract tests against a live SGLang server.
 
 from __future__ import annotations
 
+import inspect
 import time
 from datetime import timedelta
 from typing import Any
@@ -18,26 +19,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltrain.runtime import internals
+
 
 def open_weight_update_group(
     master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
     timeout_s: float = 300.0,
 ) -> Any:
     """Join (rank 0: host) the group; returns the ProcessGroup. Blocks until all ranks joined."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import Backend, PrefixStore
 
+    new_process_group_helper = internals.get("torch.distributed.distributed_c10d._new_process_group_helper")
+    world = internals.get("torch.distributed.distributed_c10d._world")
     timeout = timedelta(seconds=timeout_s)
     store = PrefixStore(group_name, tcp_store(master_address, master_port, rank, world_size, timeout))
     kwargs: dict[str, Any] = dict(
         group_size=world_size, group_rank=rank, global_ranks_in_group=[], backend=Backend(backend),
         store=store, group_name=group_name, timeout=timeout,
     )
-    import inspect
-
-    params = inspect.signature(_new_process_group_helper).parameters
+    params = inspect.signature(new_process_group_helper).parameters
     kwargs["backend_options" if "backend_options" in params else "pg_options"] = None
-    pg, _ = _new_process_group_helper(**kwargs)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    pg, _ = new_process_group_helper(**kwargs)
+    world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 

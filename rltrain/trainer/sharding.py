@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from rltrain.runtime import internals
 from rltrain.runtime.memory import pinned_empty, round_up
 
 
@@ -206,7 +207,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
     copies = [(send[off:off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1))
               for *_, off, m in layout if m.numel()]
-    torch._foreach_copy_([d for d, _ in copies], [m for _, m in copies])
+    internals.foreach_copy_([d for d, _ in copies], [m for _, m in copies])
     recv = torch.empty(ranks * size, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
     blocks = recv.view(ranks, size)

@@ -55,6 +55,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from rltrain.runtime import internals
+
 ALIGN = 16  # bytes; every tensor starts aligned so `.view(dtype)` works for any dtype
 
 
@@ -144,7 +146,7 @@ def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Ten
     with torch.no_grad():
         for dtype in {m.dtype for m in metadata}:
             pairs = [(v, t.reshape(-1)) for v, m, (_, t) in zip(dsts, metadata, named_tensors) if m.dtype == dtype]
-            torch._foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
+            internals.foreach_copy_([v for v, _ in pairs], [t for _, t in pairs])
     return {"flattened_tensor": flat, "metadata": metadata}
 
 

@@ -29,9 +29,11 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from rltrain.runtime import internals
+
 try:
-    from transformers.core_model_loading import revert_weight_conversion
-except ImportError:  # transformers < 5: checkpoints and modules share the layout
+    revert_weight_conversion = internals.get("transformers.core_model_loading.revert_weight_conversion")
+except internals.InternalMissing:  # transformers < 5: checkpoints and modules share the layout
     revert_weight_conversion = None
 
 EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")

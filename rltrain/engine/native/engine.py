@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rltrain.engine.protocol import SamplingParams
+from rltrain.runtime import internals
 from rltrain.runtime.ledger import measure_cuda_context
 from rltrain.runtime.memory import PinnedUpload, all_pinned_host_bytes, free_cuda_caches, pinned_like, trim_host_heap
 from rltrain.weights.bucket import BucketViews
@@ -466,7 +467,7 @@ class NativeEngine:
                 n = self._copy_into([(m.name, v.view(m.shape)) for m, v in zip(metadata, views)], wait=False)
             else:
                 t0 = time.perf_counter()
-                torch._foreach_copy_(dsts, views, non_blocking=True)
+                internals.foreach_copy_(dsts, views, non_blocking=True)
                 self._queued(layout.tensor_bytes, t0, t0)
                 n = len(views)
             self.weights_valid = True
@@ -547,7 +548,7 @@ class NativeEngine:
                 self._upload = PinnedUpload()
             self._upload.copy(staged)
         if direct:  # one fused launch per group of tensors on CUDA instead of one copy each
-            torch._foreach_copy_([d for d, _ in direct], [t for _, t in direct], non_blocking=True)
+            internals.foreach_copy_([d for d, _ in direct], [t for _, t in direct], non_blocking=True)
         for target, index, t, plain in plan:
             if not plain:
                 write(target.data, index, t.to(device=target.device, dtype=target.dtype, non_blocking=True))

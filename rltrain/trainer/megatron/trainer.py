@@ -1,7 +1,8 @@
 """`trainer.backend: megatron` — megatron-core's GPTModel, DDP and optimizer behind the Trainer protocol.
 
-What it shares with the torch-native trainer (it subclasses it): the RL loss, micro-batching,
-metrics and learning-rate schedule. What is its own:
+It is a peer of the FSDP2 trainer (trainer/fsdp.py): both implement interfaces.Trainer and share
+the RL update (trainer/rl_update.py: micro-batching, the loss, statistics, the learning-rate
+schedule), and nothing else. What is its own:
   model      GPTModel (local layer spec) built from the HF config, weights converted from the HF
              checkpoint and sharded over tensor parallel (convert.py); megatron-core DDP over
              the data-parallel group, gradients summed (losses use global token counts)
@@ -34,12 +35,22 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
+from transformers import AutoConfig
 
-from rltrain.runtime.memory import free_cuda_caches, pinned_like
+from rltrain.algo.losses import PolicyLossConfig
+from rltrain.batch import TrainBatch, pad_rows, pad_width
+from rltrain.config import AlgoConfig, TrainerConfig
+from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow, World
+from rltrain.runtime.dtypes import resolve_dtype
+from rltrain.runtime.memory import free_cuda_caches, pinned_like, trim_host_heap
+from rltrain.trainer import rl_update
 from rltrain.trainer.megatron.convert import (
     dims,
     expert_of,
@@ -55,7 +66,9 @@ from rltrain.trainer.megatron.convert import (
     tp_unshard,
 )
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
-from rltrain.trainer.native import TorchTrainer, TrainBatch, tensors_in
+from rltrain.trainer.rl_update import LogProbs
+from rltrain.trainer.state import GC_EVERY, held, tensors_in, timed
+from rltrain.weights.hf_files import write_checkpoint
 
 log = logging.getLogger("rltrain.trainer")
 
@@ -86,16 +99,22 @@ class _Schedule:
         self._apply()
 
 
-class MegatronTrainer(TorchTrainer):
-    rebinds = False  # its parallel state is rebuilt with the world (`_assemble`)
+class MegatronTrainer:
+    """The megatron-core trainer (interfaces.Trainer); the shared RL update is rl_update.py."""
 
-    def __init__(self, cfg: Any, algo: Any, model_path: str, device: torch.device, world: Any, seed: int = 0,
-                 total_steps: int = 1, temperature: float = 1.0):
-        from transformers import AutoConfig
-
-        super().__init__(cfg, algo, model_path, device, seed=seed, total_steps=total_steps, temperature=temperature)
+    def __init__(self, cfg: TrainerConfig, algo: AlgoConfig, model_path: str, device: torch.device, world: World,
+                 seed: int = 0, total_steps: int = 1, temperature: float = 1.0, pad_id: int = 0):
         if not dist.is_initialized():
             raise RuntimeError("trainer.backend=megatron needs torch.distributed (run under torchrun)")
+        self.cfg, self.algo = cfg, algo
+        self.total_steps = total_steps
+        self.temperature = temperature  # log-probs are taken at the sampling temperature
+        self.timings: dict[str, float] = {}  # seconds of the parts of the last offload / onload
+        self.model_path = model_path
+        self.device = device
+        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.seed = seed
+        self.pad_id = pad_id
         self.world = world
         self.tp = cfg.tensor_parallel_size
         self.ep = cfg.expert_parallel_size
@@ -105,14 +124,33 @@ class MegatronTrainer(TorchTrainer):
         if self.ep > 1 and (not self.dims.experts or self.dims.experts % self.ep):
             raise ValueError(f"trainer.expert_parallel_size={self.ep} needs a MoE model whose expert count it "
                              f"divides (this model has {self.dims.experts} experts)")
+        self.model: Any = None  # megatron DDP over the GPTModel
+        self.ref_model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: _Schedule | None = None
+        self.steps = 0
         self.groups: MegatronGroups | None = None
         self._generation: int | None = None  # the world generation the modules were built on
         self._pgs: Any = None  # megatron ProcessGroupCollection of that generation
+        self._parked: dict[str, Any] | None = None  # the captured state while offloaded
         self._host: _HostMirror | None = None  # page-locked buffers offloads copy into (GPU)
+        self._rebuilds = 0  # re-assemblies after a world rebuild (a full gc every GC_EVERY)
+        self._specs: list[WeightSpecRow] | None = None
+
+    sharded = True  # its collectives always run over the world's groups
 
     @property
-    def sharded(self) -> bool:
-        return True
+    def released(self) -> bool:
+        return self.model is None and self._parked is None
+
+    @property
+    def offloaded(self) -> bool:
+        return self._parked is not None
+
+    def _groups(self) -> MegatronGroups:
+        if self.groups is None:
+            raise RuntimeError("the megatron trainer is not created yet")
+        return self.groups
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -127,25 +165,23 @@ class MegatronTrainer(TorchTrainer):
     def _seed(self) -> None:
         from megatron.core import tensor_parallel
 
-        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=self.groups.tp_rank,
-                                                        ep_rank=self.groups.ep_rank, etp_rank=self.groups.tp_rank)
+        g = self._groups()
+        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=g.tp_rank, ep_rank=g.ep_rank,
+                                                        etp_rank=g.tp_rank)
 
     def _hf_shards(self) -> dict[str, torch.Tensor]:
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
         hf: dict[str, torch.Tensor] = {}
         for f in sorted(Path(self.model_path).glob("*.safetensors")):
             hf.update(load_file(str(f)))
         if not hf:
             raise FileNotFoundError(f"no *.safetensors in {self.model_path}")
-        state = hf_to_mcore_shards(hf, self.dims, self.groups.tp_rank, self.tp, self.groups.ep_rank, self.ep)
-        return to_stage(state, self.dims, self.pp, self.groups.pp_rank)
+        g = self._groups()
+        state = hf_to_mcore_shards(hf, self.dims, g.tp_rank, self.tp, g.ep_rank, self.ep)
+        return to_stage(state, self.dims, self.pp, g.pp_rank)
 
     def _gpt(self) -> Any:
         return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep, self.pp,
-                         self.groups.pp_rank)
+                         self._groups().pp_rank)
 
     def _assemble(self, state: dict[str, Any]) -> None:
         """Modules, DDP and optimizer over the world's current groups, filled from `state`
@@ -154,7 +190,7 @@ class MegatronTrainer(TorchTrainer):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self._drop()
-        pgs = self._pgs = self.groups.collection()
+        pgs = self._pgs = self._groups().collection()
         gpt = self._gpt()
         if state["model"] is not None:
             _fill(gpt, state["model"])
@@ -170,7 +206,8 @@ class MegatronTrainer(TorchTrainer):
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], pg_collection=pgs, use_gloo_process_groups=False)
         if state.get("optimizer") is not None:
             _load_optimizer(self.optimizer, state["optimizer"])
-        self.scheduler = _Schedule(self.optimizer, self.cfg.lr, self._lr_factor)
+        self.scheduler = _Schedule(self.optimizer, self.cfg.lr,
+                                   lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step))
         if "scheduler" in state:
             self.load_host_state(state)
         self.ref_model = None
@@ -180,28 +217,59 @@ class MegatronTrainer(TorchTrainer):
             _fill(ref, state["reference"])
             self.ref_model = ref
         self._generation = self.world.generation
-        self._group = self.groups.tp_group()
-        self._module_tensors = None
+
+    def _drop(self) -> None:
+        self.model = self.ref_model = self.optimizer = self.scheduler = None
+
+    def release(self) -> None:
+        """Drop model, reference, optimizer and allocator caches entirely (and the host mirror).
+        Re-create with `create(load_weights=False)` + a checkpoint, or `restore_snapshot`."""
+        self._drop()
+        self._parked = None
+        self._host = None
+        gc.collect()
+        if self.device.type == "cuda":
+            free_cuda_caches()
+        else:
+            trim_host_heap()
 
     def offload(self) -> None:
         """Weights, optimizer state (and the reference) to page-locked host memory; the modules
         are dropped (megatron's parallel state is rebuilt with the world: see `_assemble`)."""
         if self.device.type == "cpu" or self.offloaded or self.released:
             return
-        with self._timed("offload: copy to host"):
+        with timed(self.timings, "offload: copy to host", self.device):
             self._parked = self._capture(to_host=True, with_reference=True)
-        with self._timed("offload: free modules"):
-            self._free()
+        with timed(self.timings, "offload: free modules", self.device):
             self._drop()
-        with self._timed("offload: return memory to the device"):
+        with timed(self.timings, "offload: return memory to the device", self.device):
             self._reclaim()
+
+    def trim(self) -> None:
+        """Hand the allocator's cached blocks (the last step's activations) back to the device."""
+        if self.device.type == "cuda":
+            free_cuda_caches()
+
+    def onload(self) -> None:
+        """Back on the device over the world's current groups: an offloaded trainer is rebuilt
+        from its capture; one whose groups were destroyed since (a world rebuild) is re-assembled
+        over the new ones with its state moved in."""
+        if self._parked is not None:
+            parked, self._parked = self._parked, None
+            self._rebuild(parked)
+        if self.model is not None and self._generation != self.world.generation:
+            self._rebuild(self._capture(to_host=False, with_reference=True))
+            self._rebuilds += 1
+            if self._rebuilds % GC_EVERY == 0:  # the dropped modules sit in reference cycles
+                gc.collect()
 
     def _capture(self, to_host: bool, with_reference: bool) -> dict[str, Any]:
         """Weights, optimizer state (and the reference) of this rank: cloned on the device, or
         copied to host memory — on GPU into page-locked buffers kept from the previous offload
-        (pinning ~30 GB afresh per offload took 18 s for a 2B model on the H200, measured)."""
-        state = {"model": _weights(_unwrap(self.model)), "optimizer": _optimizer_state(self.optimizer),
-                 "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None}
+        (pinning afresh per offload costs seconds)."""
+        state: dict[str, Any] = {
+            "model": _weights(_unwrap(self.model)), "optimizer": _optimizer_state(self.optimizer),
+            "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None}
         if to_host and self.device.type == "cuda":
             if self._host is None:
                 self._host = _HostMirror()
@@ -218,42 +286,64 @@ class MegatronTrainer(TorchTrainer):
             self.ref_model.requires_grad_(False)
             _fill(self.ref_model, self._hf_shards())
 
-    def _stale(self) -> bool:
-        return self.model is not None and self._generation != self.world.generation
-
     def _reclaim(self) -> None:
         # megatron's DDP keeps its parameter and gradient buffers in reference cycles: without a
-        # collection pass they stayed allocated (38 GiB of a 2B model, measured on the H200).
+        # collection pass they stay allocated.
         gc.collect()
         free_cuda_caches()
 
-    def release(self) -> None:
-        super().release()
-        self._host = None
+    def snapshot(self) -> Snapshot:
+        """A host-memory copy of this rank's state, the reference re-read from its checkpoint instead."""
+        return self._capture(to_host=True, with_reference=False)
 
-    def _spare_host_buffers(self) -> list[torch.Tensor]:
-        return list(self._host._buffers) if self._host is not None else []
+    def restore_snapshot(self, snap: Snapshot) -> None:
+        """Re-create a released trainer from `snapshot()`, over the world's current groups."""
+        self._rebuild(snap)
 
-    # ------------------------------------------------------------------ compute
+    def held_tensors(self) -> HeldTensors:
+        """Every tensor this trainer holds, by kind, wherever it is (also while offloaded); the
+        host mirror's buffers are spare host memory."""
+        parked = self._parked or {}
+        return held((self.model, self.ref_model), self.optimizer,
+                    parked_weights=[parked.get("model"), parked.get("reference")],
+                    parked_optimizer=parked.get("optimizer"),
+                    spare=list(self._host.buffers) if self._host is not None else [])
 
-    def _data_group(self) -> Any:
+    # ------------------------------------------------------------------ the RL update (rl_update.Backend)
+
+    def data_group(self) -> Any:
         return self._pgs.dp
 
-    def _forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs:
         B, L = mb.tokens.shape
         positions = torch.arange(L, device=mb.tokens.device).expand(B, L)
         logits = model(mb.tokens, positions, attention_mask=None)  # causal; the batch is right-padded
         return self._logp_from_logits(logits, mb.tokens, with_entropy)
 
-    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool,
-                          **vocab: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logp_from_logits(self, logits: torch.Tensor, tokens: torch.Tensor, with_entropy: bool) -> LogProbs:
         """The output layer's logits are this TP rank's vocabulary shard (parallel_output): the
         kernels combine the shards' softmax statistics over the TP group; the padding columns
         (vocabulary padded to a multiple of TP) are left out."""
         shard = logits.shape[-1]
-        start = self.groups.tp_rank * shard
-        return super()._logp_from_logits(logits, tokens, with_entropy, group=self._pgs.tp if self.tp > 1 else None,
-                                         vocab_start=start, valid=max(0, min(shard, self.dims.vocab - start)))
+        start = self._groups().tp_rank * shard
+        return rl_update.logp_from_logits(logits, tokens, self.temperature, with_entropy,
+                                          group=self._pgs.tp if self.tp > 1 else None, vocab_start=start,
+                                          valid=max(0, min(shard, self.dims.vocab - start)))
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def apply_gradients(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        # Sums gradients over data parallel, and over tensor parallel those of replicated weights
+        # that see only this rank's heads (q/k layernorm). Losses already carry global token counts.
+        finalize_model_grads([self.model], None, pg_collection=self._pgs)
+        ok, grad_norm, _ = self.optimizer.step()  # clips to trainer.grad_clip
+        if not ok:
+            log.warning("non-finite gradients: optimizer step skipped")
+        return float(grad_norm) if grad_norm is not None else float("nan")
 
     def _pool(self, batch: TrainBatch) -> tuple[TrainBatch, slice]:
         """Every sample of this rank's model replica — its tensor- and pipeline-parallel ranks —
@@ -261,23 +351,40 @@ class MegatronTrainer(TorchTrainer):
         size = self.tp * self.pp
         if size == 1:
             return batch, slice(0, len(batch))
-        group = self.groups.mp_group()
+        group = self._groups().mp_group()
         parts: list[Any] = [None] * size
         dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=group)
         start = sum(len(p) for p in parts[: dist.get_rank(group)])
         width = max(p.tokens.shape[1] for p in parts)
-        pooled = TrainBatch(**{k: (torch.cat([_pad(getattr(p, k), width) for p in parts])
-                                   if getattr(parts[0], k) is not None else None) for k in batch.__dict__})
+        pooled = TrainBatch(**{k: (torch.cat([pad_width(getattr(p, k), width) for p in parts])
+                                   if v is not None else None) for k, v in parts[0].fields().items()})
         return pooled, slice(start, start + len(batch))
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         pooled, mine = self._pool(batch)
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
+        was_training = model.training
+        model.eval()
         if self.pp == 1:
-            lp, ent = super().logprobs(pooled, reference)
+            lp, ent = rl_update.logprobs(self, model, pooled)
         else:
-            lp, ent = self._pipeline_logprobs(pooled, reference)
+            lp, ent = self._pipeline_logprobs(model, pooled)
+        model.train(was_training)
         L = batch.tokens.shape[1]
         return lp[mine, :L], ent[mine, :L]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL step over the pooled samples of this rank's model replica."""
+        assert self.scheduler is not None
+        step = self._pipeline_optimizer_step if self.pp > 1 else (
+            lambda mini, loss_cfg: rl_update.optimizer_step(self, self.model, mini, loss_cfg))
+        metrics = rl_update.train_step(self, self._pool(batch)[0], self.seed * 100003 + self.steps, step)
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.steps += 1
+        return metrics
 
     # ------------------------------------------------------------------ pipeline parallel
 
@@ -290,7 +397,7 @@ class MegatronTrainer(TorchTrainer):
 
         size = self.cfg.micro_batch_size
         n, L = batch.tokens.shape
-        chunks = [_pad_rows(batch.slice(slice(i, i + size)), size, self.pad_id) for i in range(0, n, size)]
+        chunks = [pad_rows(batch.slice(slice(i, i + size)), size, self.pad_id) for i in range(0, n, size)]
         if not chunks:
             return []
         positions = torch.arange(L, device=self.device).expand(size, L)
@@ -306,68 +413,43 @@ class MegatronTrainer(TorchTrainer):
             pg_collection=self._pgs)
 
     @torch.no_grad()
-    def _pipeline_logprobs(self, batch: TrainBatch, reference: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        model = self.ref_model if reference else self.model
-        if model is None:
-            raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
-        was_training = model.training
-        model.eval()
-
+    def _pipeline_logprobs(self, model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
         def record(mb: TrainBatch, logits: torch.Tensor) -> Any:
             lp, ent = self._logp_from_logits(logits, mb.tokens, with_entropy=True)
+            assert ent is not None
             return torch.zeros((), device=self.device), torch.tensor(1), torch.stack([lp, ent])
 
         records = self._pipeline(model, batch, True, record)
-        model.train(was_training)
         n, L = batch.tokens.shape
         out = torch.empty(2, n, L, device=self.device)
-        if self.groups.pp_rank == self.pp - 1 and n:
+        if self._groups().pp_rank == self.pp - 1 and n:
             out.copy_(torch.cat(records, dim=1)[:, :n])
         dist.broadcast(out, group=self._pgs.pp, group_src=self.pp - 1)  # every stage returns them
         return out[0].cpu(), out[1].cpu()
 
-    def _optimizer_step(self, mini: TrainBatch, loss_cfg: Any) -> dict[str, float]:
-        if self.pp == 1:
-            return super()._optimizer_step(mini, loss_cfg)
-        normalizer, total_tokens = self._normalizers(mini)
-        self._zero_grad()
+    def _pipeline_optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+        normalizer, total_tokens = rl_update.normalizers(self, mini)
+        self.zero_grad()
         self.model.train()
 
         def loss(mb: TrainBatch, logits: torch.Tensor) -> Any:
             logp, ent = self._logp_from_logits(logits, mb.tokens, with_entropy=True)
-            value, stats = self._micro_loss(mb, logp, ent, loss_cfg, normalizer)
+            assert ent is not None
+            value, stats = rl_update.micro_loss(self.algo, mb, logp, ent, loss_cfg, normalizer)
             return value, torch.tensor(1), stats
 
         records = self._pipeline(self.model, mini, False, loss)
-        grad_norm = self._apply_gradients()
-        self._zero_grad()
-        acc = torch.zeros(len(self._STATS), dtype=torch.float64, device=self.device)
-        if self.groups.pp_rank == self.pp - 1 and records:
+        grad_norm = self.apply_gradients()
+        self.zero_grad()
+        acc = torch.zeros(len(rl_update.STATS), dtype=torch.float64, device=self.device)
+        if self._groups().pp_rank == self.pp - 1 and records:
             acc += torch.stack(records).sum(0).to(self.device)
         dist.broadcast(acc, group=self._pgs.pp, group_src=self.pp - 1)  # the statistics live on the last stage
-        return self._step_stats(acc, total_tokens, grad_norm)
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return super().train_step(self._pool(batch)[0])
-
-    def _zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-
-    def _apply_gradients(self) -> float:
-        from megatron.core.distributed import finalize_model_grads
-
-        # Sums gradients over data parallel, and over tensor parallel those of replicated weights
-        # that see only this rank's heads (q/k layernorm). Losses already carry global token counts.
-        finalize_model_grads([self.model], None, pg_collection=self._pgs)
-        ok, grad_norm, _ = self.optimizer.step()  # clips to trainer.grad_clip
-        if not ok:
-            log.warning("non-finite gradients: optimizer step skipped")
-        return float(grad_norm) if grad_norm is not None else float("nan")
+        return rl_update.step_stats(self, acc, total_tokens, grad_norm)
 
     # ------------------------------------------------------------------ weights
 
-    def weight_specs(self) -> list[tuple[str, str, torch.Size, torch.dtype]]:
+    def weight_specs(self) -> list[WeightSpecRow]:
         """(HF name, megatron name, full shape, dtype) of every weight; no collectives."""
         if self._specs is None:
             specs = []
@@ -396,11 +478,12 @@ class MegatronTrainer(TorchTrainer):
         if self.pp > 1:
             yield from self._export_stages(sources, local, wanted)
             return
+        g = self._groups()
         for src in sources:
             e = expert_of(src)
             if e is not None and self.ep > 1:  # the expert-parallel rank that holds it broadcasts it
                 owner = e // per_rank
-                mine = local[local_expert_name(src, e % per_rank)] if owner == self.groups.ep_rank else None
+                mine = local[local_expert_name(src, e % per_rank)] if owner == g.ep_rank else None
                 yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.ep, owner), wanted)
             else:
                 yield from self._pieces(src, self._tp_full(src, local[src]), wanted)
@@ -409,9 +492,10 @@ class MegatronTrainer(TorchTrainer):
                        wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
         """Pipeline parallel: the stage that holds a weight gathers it over its TP group and
         broadcasts it to the other stages."""
+        pp_rank = self._groups().pp_rank
         for src in sources:
             owner = stage_of(src, self.dims, self.pp)
-            mine = self._tp_full(src, local[stage_name(src, self.dims, self.pp)]) if owner == self.groups.pp_rank else None
+            mine = self._tp_full(src, local[stage_name(src, self.dims, self.pp)]) if owner == pp_rank else None
             yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.pp, owner), wanted)
 
     def _tp_full(self, src: str, part: torch.Tensor) -> torch.Tensor:
@@ -419,7 +503,7 @@ class MegatronTrainer(TorchTrainer):
         if self.tp == 1 or not is_tp_sharded(src):
             return part.detach()
         parts = [torch.empty_like(part) for _ in range(self.tp)]
-        dist.all_gather(parts, part.contiguous(), group=self.groups.tp_group())
+        dist.all_gather(parts, part.contiguous(), group=self._groups().tp_group())
         return tp_unshard(src, parts)
 
     def _broadcast_full(self, src: str, mine: torch.Tensor | None, group: Any, owner: int) -> torch.Tensor:
@@ -435,8 +519,6 @@ class MegatronTrainer(TorchTrainer):
                 yield hf_name, t
 
     def save_pretrained(self, path: str) -> None:
-        from rltrain.weights.hf_files import write_checkpoint
-
         write_checkpoint(path, self.model_path, self.export_weights(), write=dist.get_rank() == 0)
 
     # ------------------------------------------------------------------ checkpoints
@@ -447,9 +529,9 @@ class MegatronTrainer(TorchTrainer):
         with the distributed optimizer, per DP rank. The tensors are the live ones, so a load
         fills the trainer in place. A checkpoint restores at the same TP and DP sizes only (the
         keys name them; another layout fails the load listing the keys it lacks)."""
-        tp, dp = self.groups.tp_rank, self.groups.dp_rank
-        layout = f"pp{self.groups.pp_rank}of{self.pp}/tp{tp}of{self.tp}"
-        experts = f"{layout}/ep{self.groups.ep_rank}of{self.ep}"  # expert weights differ per EP rank
+        g = self._groups()
+        layout = f"pp{g.pp_rank}of{self.pp}/tp{g.tp_rank}of{self.tp}"
+        experts = f"{layout}/ep{g.ep_rank}of{self.ep}"  # expert weights differ per EP rank
         model = {f"{experts if expert_of(n) is not None else layout}/{n}": p
                  for n, p in _weights(_unwrap(self.model)).items()}
         _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
@@ -457,11 +539,21 @@ class MegatronTrainer(TorchTrainer):
         tensors_in(_optimizer_state(self.optimizer, clone=False), tensors)
         tag = experts if self.ep > 1 else layout
         if self.cfg.distributed_optimizer:
-            tag = f"{tag}/dp{dp}of{self.groups.layout.dp}"
+            tag = f"{tag}/dp{g.dp_rank}of{g.layout.dp}"
         return model, {f"{tag}/optimizer/{i}": t for i, t in enumerate(tensors)}
 
     def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         pass  # loaded in place (see distributed_state_dict)
+
+    def host_state(self) -> dict[str, Any]:
+        """The small state that is not tensors of the model: schedule and step count."""
+        assert self.scheduler is not None
+        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        assert self.scheduler is not None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
 
 
 def _unwrap(model: Any) -> Any:
@@ -544,19 +636,19 @@ class _HostMirror:
     """Page-locked host copies of a nested state, reused while its tensors keep their shapes."""
 
     def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
+        self.buffers: list[torch.Tensor] = []
 
     def copy_in(self, state: Any) -> Any:
         tensors: list[torch.Tensor] = []
         tensors_in(state, tensors)
-        fits = len(tensors) == len(self._buffers) and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self._buffers, tensors))
+        fits = len(tensors) == len(self.buffers) and all(
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors))
         if not fits:
-            self._buffers = pinned_like(tensors)
-        for b, t in zip(self._buffers, tensors):
+            self.buffers = pinned_like(tensors)
+        for b, t in zip(self.buffers, tensors):
             b.copy_(t.detach(), non_blocking=True)
         torch.cuda.synchronize()
-        it = iter(self._buffers)
+        it = iter(self.buffers)
         return _map(state, lambda _: next(it))
 
 
@@ -573,25 +665,6 @@ def _map(obj: Any, fn: Any) -> Any:
 def _to(obj: Any, device: Any) -> Any:
     """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
     return _map(obj, lambda t: t.detach().clone() if device is None else t.detach().to(device, copy=True))
-
-
-def _pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
-    """`batch` with idle rows (padding tokens, empty loss mask) up to `rows`: pipeline stages
-    exchange fixed-shape activations."""
-    extra = rows - len(batch)
-    if extra <= 0:
-        return batch
-    fields = {}
-    for k, v in batch.__dict__.items():
-        if isinstance(v, torch.Tensor):
-            fill = pad_id if k == "tokens" else (1 if k == "attention_mask" else 0)
-            v = torch.cat([v, torch.full((extra, *v.shape[1:]), fill, dtype=v.dtype)])
-        fields[k] = v
-    return TrainBatch(**fields)
-
-
-def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 and t.shape[1] < width else t
 
 
 __all__ = ["MegatronTrainer"]

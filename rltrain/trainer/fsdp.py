@@ -1,0 +1,478 @@
+"""`trainer.backend: native` — a transformers causal LM, AdamW, FSDP2 data parallel.
+
+Data parallelism. Under torch.distributed the model is sharded with FSDP2 (`fully_shard`) over
+the world's *current* default group, gloo on CPU and NCCL on GPU; every rank trains on its own
+samples (the RL update is trainer/rl_update.py). FSDP binds a module to its group, and the world
+destroys that group between steps: `onload` re-binds the modules to the rebuilt group, or
+re-shards fresh ones from the local shards where it cannot (`sharding.py`).
+
+Offload keeps the modules and parks their storages in one page-locked host buffer
+(`sharding.HostPark`); release drops everything, and the trainer is re-created from a checkpoint
+(`create(load_weights=False)` + the checkpoint) or from a host snapshot (`restore_snapshot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rltrain.algo.losses import PolicyLossConfig
+from rltrain.batch import TrainBatch
+from rltrain.config import AlgoConfig, TrainerConfig
+from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow
+from rltrain.kernels import linear_logprobs_entropy
+from rltrain.runtime import internals
+from rltrain.runtime.dtypes import resolve_dtype
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.trainer import rl_update
+from rltrain.trainer.rl_update import LogProbs
+from rltrain.trainer.sharding import (
+    HostPark,
+    capture,
+    current_group,
+    free_storage,
+    full_tensor,
+    full_tensors,
+    load,
+    rebind,
+    reshard,
+    shard,
+)
+from rltrain.trainer.state import GC_EVERY, held, timed
+from rltrain.weights.hf_files import write_checkpoint
+from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoint
+
+log = logging.getLogger("rltrain.trainer")
+
+GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: above a sync bucket (512 MiB)
+
+
+class LogprobHead(torch.nn.Linear):
+    """The model's bias-free linear LM head, which can return (log-prob, entropy) of given next
+    tokens instead of logits: `with head.scoring(targets, temperature): model(...)` makes the
+    model's `logits` output those two, stacked on the last dimension, computed by the fused
+    kernel in chunks of tokens (no logits of the whole micro-batch). It holds the original
+    head's weight parameter (tied embeddings stay tied, names stay `lm_head.weight`), and under
+    FSDP2 its weight is the gathered one inside the model's forward, as for the plain head."""
+
+    def __init__(self, head: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = head.in_features, head.out_features
+        self.weight = head.weight
+        self.register_parameter("bias", None)
+        self._targets: torch.Tensor | None = None
+        self._temperature = 1.0
+
+    @classmethod
+    def fits(cls, head: Any, config: Any) -> bool:
+        """A plain bias-free linear head; models that post-process logits (soft-capping) keep theirs."""
+        return (type(head) is torch.nn.Linear and head.bias is None
+                and not getattr(config, "final_logit_softcapping", None))
+
+    @contextlib.contextmanager
+    def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
+        self._targets, self._temperature = targets, temperature
+        try:
+            yield
+        finally:
+            self._targets = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._targets is None:
+            return super().forward(hidden)
+        return torch.stack(linear_logprobs_entropy(hidden, self.weight, self._targets, self._temperature), dim=-1)
+
+
+class FSDPTrainer:
+    """The torch-native trainer (interfaces.Trainer). Under torch.distributed the model (and the
+    reference model) is sharded with FSDP2 over the world's current default group; without it,
+    a plain module."""
+
+    # False: after a world rebuild, re-shard fresh modules from the local shards instead of
+    # re-binding the kept ones (the fallback that a refused rebind takes; the tests run it so).
+    rebinds = True
+
+    def __init__(self, cfg: TrainerConfig, algo: AlgoConfig, model_path: str, device: torch.device, seed: int = 0,
+                 total_steps: int = 1, temperature: float = 1.0, pad_id: int = 0):
+        self.cfg, self.algo = cfg, algo
+        self.total_steps = total_steps
+        # Log-probs are taken at the sampling temperature, as the engine reports them.
+        self.temperature = temperature
+        self.timings: dict[str, float] = {}  # seconds of the parts of the last offload / onload
+        self.model_path = model_path
+        self.device = device
+        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.seed = seed
+        self.pad_id = pad_id
+        self.model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.steps = 0
+        self._group: Any = None  # the process group the modules are sharded over
+        self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
+        self._reshards = 0  # re-shards of fresh modules (a full gc every GC_EVERY)
+        self._rebind_refused = False  # rebind said no once: said in the log once
+        self._hf_config = AutoConfig.from_pretrained(model_path)
+        self._specs: list[WeightSpecRow] | None = None
+        # From `_specs`: checkpoint name -> module tensor, and the module tensors stored converted.
+        self._sources: tuple[dict[str, str], set[str]] | None = None
+        self._module_tensors: dict[str, torch.Tensor] | None = None  # of `self.model`; cleared with it
+
+    @property
+    def sharded(self) -> bool:
+        return dist.is_initialized()
+
+    @property
+    def released(self) -> bool:
+        return self.model is None
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._park is not None and self._park.parked)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def create(self, load_weights: bool = True) -> None:
+        """Build model, reference model and optimizer. `load_weights=False`: architecture only,
+        for a re-creation that restores its state from a checkpoint next."""
+        self._module_tensors = None
+        self.model = self._build("checkpoint" if load_weights else "empty")
+        self.ref_model = self._build_reference()
+        self._new_optimizer()
+        self._group = current_group()
+        self._park = None
+
+    def _build(self, init: str) -> torch.nn.Module:
+        """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
+        random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
+        if init == "checkpoint":
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+        else:
+            # Skip the random init: the state is restored next, and initialising a large model on
+            # the host costs seconds. fork_rng: whatever init remains must not move the global
+            # RNG of a re-created run.
+            where = torch.device("meta") if init == "meta" else self.device
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                    internals.no_init_weights(), where:
+                model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype)
+        head = model.get_output_embeddings()
+        if LogprobHead.fits(head, model.config):
+            model.set_output_embeddings(LogprobHead(head))
+        if self.sharded:
+            shard(model, self.device)
+        if init == "meta":
+            model.to_empty(device=self.device)
+        return model
+
+    def _build_reference(self) -> torch.nn.Module | None:
+        if self.algo.kl_coef <= 0:
+            return None
+        # The reference is always the initial checkpoint, also after a re-creation.
+        ref = self._build("checkpoint").eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _new_optimizer(self) -> None:
+        model = self._live_model()
+        model.train()
+        if self.cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
+                                           eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step))
+
+    def _live_model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise RuntimeError("the trainer is released: create() or restore_snapshot() it first")
+        return self.model
+
+    def release(self) -> None:
+        """Drop model, reference, optimizer (with grads and state) and allocator caches entirely.
+        Re-create with `create(load_weights=False)` + a checkpoint, or `restore_snapshot`."""
+        self._free()
+        self._drop()
+        self._park = None
+        gc.collect()
+        if self.device.type == "cuda":
+            free_cuda_caches()
+        else:
+            trim_host_heap()
+
+    def _drop(self) -> None:
+        self.model = self.ref_model = self.optimizer = self.scheduler = None
+        self._module_tensors = None
+
+    def _free(self) -> None:
+        """Empty the modules' storage (see sharding.free_storage); call only right before `_drop`."""
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                free_storage(module)
+
+    # ------------------------------------------------------------------ memory ledger
+
+    def held_tensors(self) -> HeldTensors:
+        """Every tensor this trainer holds, by kind, wherever it is; the offload buffer (which
+        holds the weights and optimizer state while offloaded) is spare host memory."""
+        spare = [self._park.buffer] if self._park is not None and self._park.buffer is not None else []
+        return held((self.model, self.ref_model), self.optimizer, spare=spare)
+
+    # ------------------------------------------------------------------ offload
+
+    def offload(self) -> None:
+        """Params and optimizer state (and the reference) to pinned host memory, and every GPU
+        byte returned. Gradients are freed after each optimizer step, so there are none to move.
+        A no-op on a CPU device. The modules are kept, their storages emptied in place
+        (`sharding.HostPark`); `onload` refills them and, after a world rebuild, re-binds them
+        to the new group."""
+        if self.device.type == "cpu" or self.offloaded or self.released:
+            return
+        for module in (self.model, self.ref_model):
+            if module is not None and self.sharded:
+                reshard(module)  # the root keeps its gathered parameters after a forward without backward
+        with timed(self.timings, "offload: copy to host", self.device):
+            if self._park is None:
+                self._park = HostPark()
+            state = self.held_tensors()
+            self._park.park(state["weights"] + state["grads"] + state["optimizer"])
+        with timed(self.timings, "offload: return memory to the device", self.device):
+            free_cuda_caches()
+
+    def trim(self) -> None:
+        """Hand the allocator's cached blocks (the last step's activations) back to the device,
+        keeping the state. The loop calls it after the train step when the trainer is put away
+        after the step anyway: the engine takes its weights back next, and on a full GPU it would
+        not fit beside the trainer's cache."""
+        if self.device.type == "cuda":
+            free_cuda_caches()
+
+    def _stale(self) -> bool:
+        """Whether the modules were built on groups the world has destroyed since."""
+        return self.sharded and self.model is not None and self._group is not current_group()
+
+    def onload(self) -> None:
+        """Back on the device, sharded over the current default group. A sharded trainer whose
+        group was destroyed since (a world rebuild) is re-bound to the new group (offloaded or
+        not), or, where FSDP2 cannot be re-bound, re-sharded from its local shards."""
+        if self._park is not None and self._park.parked:
+            with timed(self.timings, "onload: copy to device", self.device):
+                self._park.unpark()
+        if not self._stale():
+            return
+        if self.rebinds:
+            with timed(self.timings, "onload: re-bind to the new group", self.device):
+                why = self._rebind(current_group())
+            if why is None:
+                self._group = current_group()
+                return
+            if not self._rebind_refused:
+                log.warning("trainer: re-sharding fresh modules after each world rebuild (slower): %s", why)
+                self._rebind_refused = True
+        self._reshard_fresh()
+
+    def _rebind(self, group: Any) -> str | None:
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                why = rebind(module, group)
+                if why is not None:
+                    return why
+        return None
+
+    def _reshard_fresh(self) -> None:
+        old = (self.model, self.ref_model)
+        self._rebuild(self._capture(to_host=False, with_reference=True))
+        for module in old:  # copied into the new modules (the optimizer state was re-wrapped, not copied)
+            if module is not None:
+                free_storage(module)
+        del old
+        self._reshards += 1
+        if self._reshards % GC_EVERY == 0:
+            gc.collect()
+
+    def _capture(self, to_host: bool, with_reference: bool) -> Snapshot:
+        pin = to_host and self.device.type == "cuda"
+        state: Snapshot = {"model": capture(self._live_model(), self.optimizer, to_host, pin), **self.host_state()}
+        if with_reference and self.ref_model is not None:
+            state["reference"] = capture(self.ref_model, None, to_host, pin)
+        return state
+
+    def _rebuild(self, state: Snapshot) -> None:
+        """Fresh modules sharded over the current group, filled from a capture."""
+        self._drop()
+        with timed(self.timings, "onload: build and shard modules", self.device):
+            self.model = self._build("meta")
+            self._new_optimizer()
+        with timed(self.timings, "onload: copy to device", self.device):
+            load(self.model, self.optimizer, state["model"])
+        self.load_host_state(state)
+        if "reference" in state:
+            self.ref_model = self._build("meta").eval()
+            self.ref_model.requires_grad_(False)
+            load(self.ref_model, None, state["reference"])
+        else:
+            self.ref_model = self._build_reference()
+        self._group = current_group()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ the RL update (rl_update.Backend)
+
+    def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs:
+        head = model.get_output_embeddings()
+        if not isinstance(head, LogprobHead):
+            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
+            return rl_update.logp_from_logits(out.logits, mb.tokens, self.temperature, with_entropy)
+        targets = torch.nn.functional.pad(mb.tokens[:, 1:], (0, 1))  # the last position's is a dummy
+        with head.scoring(targets, self.temperature):
+            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
+        logp, ent = (torch.nn.functional.pad(x[:, :-1], (1, 0)) for x in out.logits.unbind(-1))
+        return logp, ent if with_entropy else None
+
+    def data_group(self) -> Any:
+        return None  # every rank holds different samples
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def apply_gradients(self) -> float:
+        assert self.optimizer is not None
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self._live_model().parameters(), self.cfg.grad_clip))
+        if not torch.isfinite(grad_norm):
+            log.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
+        else:
+            self.optimizer.step()
+        return float(grad_norm)
+
+    def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs [B, L] (and entropy) of the policy, or of the reference model.
+        Sharded: a collective (every rank calls it, with however many samples it has)."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
+        was_training = model.training
+        model.eval()
+        out = rl_update.logprobs(self, model, batch)
+        if self.sharded:
+            reshard(model)  # no backward follows: do not keep the root's gathered parameters
+        model.train(was_training)
+        return out
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL step: `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step each."""
+        model = self._live_model()
+        assert self.scheduler is not None
+
+        def step(mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+            return rl_update.optimizer_step(self, model, mini, loss_cfg)
+
+        metrics = rl_update.train_step(self, batch, self.seed * 100003 + self.steps, step)
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.steps += 1
+        return metrics
+
+    # ------------------------------------------------------------------ weights and state
+
+    def weight_specs(self) -> list[WeightSpecRow]:
+        """(checkpoint name, module name, full shape, dtype) of every weight, tied ones once; no
+        collectives. Checkpoint names are what engines load (per-expert MoE names included).
+        Computed once: the architecture never changes, and every bucket of every sync asks."""
+        if self._specs is None:
+            self._specs = checkpoint_specs(self._live_model())
+        return self._specs
+
+    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, full tensor) of every weight (or of `names`, in their order of module
+        tensors), in the training dtype, on the trainer's device, detached. Sharded, a collective:
+        every rank iterates it to the end with the same `names`. (Not a no_grad generator: that
+        enters and leaves no_grad around every item, on every bucket of every sync; the gather
+        runs under no_grad and what it yields is detached.)"""
+        model = self._live_model()
+        if self._module_tensors is None:  # walking the module tree is dear per bucket
+            self._module_tensors = dict(module_weights(model))
+        if self._sources is None:
+            specs = self.weight_specs()
+            self._sources = ({ck: src for ck, src, _, _ in specs}, {src for ck, src, _, _ in specs if ck != src})
+        module_tensors = self._module_tensors
+        source_of, converted = self._sources
+        if names is None:
+            sources, wanted = list(module_tensors), None
+        else:
+            wanted = set(names)
+            unknown = sorted(n for n in wanted if n not in source_of)
+            if unknown:
+                raise KeyError(f"no trainer weight is named {unknown[:5]}")
+            sources = list(dict.fromkeys(source_of[n] for n in names))
+        # On GPUs one all-gather per chunk of parameters; on the CPU one per parameter (full_tensors).
+        budget = GATHER_BYTES if self.device.type == "cuda" else 0
+        for chunk in _gather_chunks(sources, module_tensors, budget):
+            with torch.no_grad():
+                fulls = full_tensors([module_tensors[src] for src in chunk])
+            for src in chunk:
+                full = fulls.pop(0).detach()  # popped: each is freed once its consumer lets go
+                if src not in converted:
+                    yield src, full
+                    continue
+                for name, t in to_checkpoint(model, src, full):
+                    if wanted is None or name in wanted:
+                        yield name, t
+
+    def save_pretrained(self, path: str) -> None:
+        """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,
+        loadable by `from_pretrained`. Sharded, a collective."""
+        write_checkpoint(path, self.model_path, self.export_weights(), write=not dist.is_initialized() or dist.get_rank() == 0)
+
+    # -------------------------------------------------------------- checkpoint state
+
+    def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """FQN-keyed model and optimizer state (sharded DTensors) for torch.distributed.checkpoint."""
+        return get_state_dict(self._live_model(), self.optimizer)
+
+    def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        set_state_dict(self._live_model(), self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    def host_state(self) -> dict[str, Any]:
+        """The small state that is not tensors of the model: schedule and step count."""
+        assert self.scheduler is not None
+        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+
+    def load_host_state(self, state: dict[str, Any]) -> None:
+        assert self.scheduler is not None
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.steps = int(state["steps"])
+
+    def snapshot(self) -> Snapshot:
+        """A host-memory copy (pinned on GPU) of this rank's shard of everything needed to
+        re-create the trainer; the reference model is re-read from its checkpoint instead."""
+        return self._capture(to_host=True, with_reference=False)
+
+    def restore_snapshot(self, snap: Snapshot) -> None:
+        """Re-create a released trainer from `snapshot()`, sharded over the current group."""
+        self._rebuild(snap)
+
+
+def _gather_chunks(sources: list[str], tensors: dict[str, torch.Tensor], budget: int = GATHER_BYTES) -> Iterator[list[str]]:
+    """`sources` in order, in runs of at most `budget` bytes of whole tensors (one tensor at least,
+    so budget 0 gives one run per tensor): the same runs on every rank, from the global shapes."""
+    run: list[str] = []
+    size = 0
+    for src in sources:
+        t = tensors[src]
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > budget:
+            yield run
+            run, size = [], 0
+        run.append(src)
+        size += nbytes
+    if run:
+        yield run

@@ -1,0 +1,201 @@
+"""The RL update both trainer backends share, as functions over a small backend interface.
+
+A backend (`trainer/fsdp.py`, `trainer/megatron/trainer.py`) supplies the model's forward to
+per-token log-probs, its gradient step and the group its data-parallel ranks form; everything
+else of a step is here, the same for both:
+
+    train_step      `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step each
+    optimizer_step  the micro-batches of one mini-batch, forward + loss + backward, then the step
+    micro_batches   this rank's micro-batches, plus idle ones up to the busiest rank's count
+    normalizers     the loss normaliser over the whole mini-batch on every rank
+    micro_loss      the policy loss (algo/losses.py) with entropy and KL terms, and its statistics
+    step_stats      token-weighted statistics summed over the data-parallel ranks
+    logprobs        old / reference log-probs of a batch, micro-batched, without gradients
+    lr_factor       warmup and the constant or cosine schedule
+
+Losses are normalised by the global token (or sequence) count of the mini-batch and gradients are
+summed over ranks, so a step is exactly the full-batch gradient wherever the samples are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
+from rltrain.batch import TrainBatch, idle_batch
+from rltrain.config import AlgoConfig, TrainerConfig
+from rltrain.kernels import logprobs_entropy
+
+STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old")  # the order of `micro_loss`'s statistics
+
+LogProbs = tuple[torch.Tensor, torch.Tensor | None]  # [B, L] log-probs, and entropies when asked
+
+
+class Backend(Protocol):
+    """What the shared update needs of a trainer backend."""
+
+    cfg: TrainerConfig
+    algo: AlgoConfig
+    device: torch.device
+    pad_id: int
+
+    @property
+    def sharded(self) -> bool: ...  # whether the ranks run collectives together (micro-batch counts agreed)
+
+    def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs: ...
+
+    def data_group(self) -> Any: ...  # the group whose ranks hold different samples (None: the world)
+
+    def zero_grad(self) -> None: ...
+
+    def apply_gradients(self) -> float: ...  # clip and step (skipped on a non-finite norm); the norm
+
+
+def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
+    return PolicyLossConfig(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
+                            tis_cap=algo.tis_cap, aggregation=algo.loss_agg)
+
+
+def lr_factor(cfg: TrainerConfig, total_steps: int, step: int) -> float:
+    warm = cfg.warmup_steps
+    if warm and step < warm:
+        return (step + 1) / warm
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    total = max(total_steps - warm, 1)
+    progress = min(max(step - warm, 0) / total, 1.0)
+    floor = cfg.min_lr_ratio
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_step(backend: Backend, batch: TrainBatch, seed: int,
+               optimizer_step: Callable[[TrainBatch, PolicyLossConfig], dict[str, float]]) -> dict[str, float]:
+    """One RL step's statistics averaged over its optimizer steps, and `train_tokens_per_s`.
+    `seed` orders the mini-batches (the caller's seed and step count). The caller steps its
+    learning-rate schedule and adds `lr`."""
+    algo = backend.algo
+    cfg = loss_config(algo)
+    n = len(batch)
+    g = torch.Generator().manual_seed(seed)
+    sums: dict[str, float] = {}
+    t0 = time.perf_counter()
+    tokens_trained = 0
+    for _ in range(algo.ppo_epochs):
+        order = torch.randperm(n, generator=g) if algo.mini_batches > 1 else torch.arange(n)
+        # An empty batch still runs every optimizer step: the rank joins the collectives.
+        for chunk in order.tensor_split(algo.mini_batches):
+            mini = batch.slice(chunk)
+            stats = optimizer_step(mini, cfg)
+            tokens_trained += int(mini.attention_mask.sum())
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+    updates = algo.ppo_epochs * algo.mini_batches
+    metrics = {k: v / updates for k, v in sums.items()}
+    metrics["train_tokens_per_s"] = tokens_trained / max(time.perf_counter() - t0, 1e-9)
+    return metrics
+
+
+def optimizer_step(backend: Backend, model: Any, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+    normalizer, total_tokens = normalizers(backend, mini)
+    backend.zero_grad()
+    acc = torch.zeros(len(STATS), dtype=torch.float64)
+    for mb, _ in micro_batches(backend, mini):
+        mb = mb.to(backend.device)
+        logp, ent = backend.forward_logp(model, mb, with_entropy=True)
+        assert ent is not None
+        loss, stats = micro_loss(backend.algo, mb, logp, ent, loss_cfg, normalizer)
+        loss.backward()
+        acc += stats.cpu()
+    grad_norm = backend.apply_gradients()
+    backend.zero_grad()  # no gradients live between steps
+    return step_stats(backend, acc, total_tokens, grad_norm)
+
+
+def micro_batches(backend: Backend, batch: TrainBatch) -> Iterator[tuple[TrainBatch, bool]]:
+    """(micro-batch, is real). Sharded, every rank must run as many forward/backward passes as
+    the busiest one (each pass runs collectives): the others add idle passes."""
+    size = backend.cfg.micro_batch_size
+    mine = math.ceil(len(batch) / size)
+    total = mine
+    if backend.sharded:
+        count = torch.tensor([mine], device=backend.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        total = int(count)
+    for i in range(mine):
+        yield batch.slice(slice(i * size, (i + 1) * size)), True
+    for _ in range(total - mine):
+        yield idle_batch(batch, backend.pad_id), False
+
+
+def normalizers(backend: Backend, mini: TrainBatch) -> tuple[float, float]:
+    """(loss normaliser, total loss tokens) over the whole mini-batch on every rank: the same
+    loss everywhere as if the mini-batch were in one place."""
+    counts = torch.tensor([float(mini.loss_mask.sum()), float(len(mini))], device=backend.device)
+    if dist.is_initialized():
+        dist.all_reduce(counts, group=backend.data_group())
+    normalizer = counts[0].item() if backend.algo.loss_agg == "token-mean" else counts[1].item()
+    return normalizer, max(counts[0].item(), 1.0)
+
+
+def micro_loss(algo: AlgoConfig, mb: TrainBatch, logp: torch.Tensor, ent: torch.Tensor, loss_cfg: PolicyLossConfig,
+               normalizer: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of one micro-batch and its token-weighted statistics (in `STATS` order)."""
+    assert mb.old_logp is not None and mb.advantages is not None
+    pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
+    loss = pg
+    kl_sum = torch.zeros((), device=logp.device)
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * aggregate(ent, mb.loss_mask, algo.loss_agg, normalizer)
+    if algo.kl_coef and mb.ref_logp is not None:
+        kl = kl_penalty(logp, mb.ref_logp, algo.kl_estimator)  # computed once: loss term and metric
+        if algo.kl_in == "loss":
+            loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
+        kl_sum = (kl.detach() * mb.loss_mask).sum()
+    w = mb.loss_mask.sum()
+    acc = torch.stack([loss.detach(), pg.detach(), kl_sum, (ent.detach() * mb.loss_mask).sum(),
+                       stats["clip_frac"].detach() * w, stats["approx_kl_old"].detach() * w]).double()
+    return loss, acc
+
+
+def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_norm: float) -> dict[str, float]:
+    """Token-weighted statistics summed over the data-parallel ranks."""
+    acc = acc.to(device=backend.device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(acc, group=backend.data_group())
+    loss_sum, pg_sum, kl, ent, clip, akl = acc.tolist()
+    return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
+            "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+
+
+@torch.no_grad()
+def logprobs(backend: Backend, model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [B, L] of `model` on `batch`, on the host. A collective
+    when sharded (every rank calls it, with however many samples it has)."""
+    L = batch.tokens.shape[1]
+    outs, ents = [torch.zeros(0, L)], [torch.zeros(0, L)]
+    for mb, real in micro_batches(backend, batch):
+        lp, ent = backend.forward_logp(model, mb.to(backend.device), with_entropy=True)
+        if real:
+            assert ent is not None
+            outs.append(lp.cpu())
+            ents.append(ent.cpu())
+    return torch.cat(outs), torch.cat(ents)
+
+
+def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
+                     **vocab: Any) -> LogProbs:
+    """[B, L] log-probs of `tokens` under next-token `logits` [B, L, V] (0 at position 0), by
+    rltrain.kernels (fused on CUDA: no float32 copy or log-softmax of the logits). `vocab`: the
+    vocabulary-parallel arguments of `logprobs_entropy` (megatron, TP-sharded logits)."""
+    # Every position, the last with a dummy target, so the logits stay one contiguous view
+    # (slicing off the last position would copy them); that position is dropped after.
+    targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))
+    logp, ent = logprobs_entropy(logits, targets, temperature, **vocab)
+    logp = torch.nn.functional.pad(logp[:, :-1], (1, 0))
+    return logp, torch.nn.functional.pad(ent[:, :-1], (1, 0)) if with_entropy else None

@@ -1,0 +1,79 @@
+"""What a trainer holds, for the memory ledger and for offload, and how long its parts take.
+
+Both backends report their tensors the same way (`held`: weights, gradients, optimizer state
+and spare host buffers, each storage counted once by the ledger) and time the parts of an
+offload or onload into the same `timings` dict (the benchmarks print it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rltrain.interfaces import HeldTensors
+
+# Re-assemblies of a trainer's modules between full garbage collections: dropped modules hold the
+# destroyed group through their mesh or DDP buffers in reference cycles, and a Gloo group keeps
+# its sockets and threads until it is freed. A full collection frees them (a young-generation
+# one does not) but costs ~0.1-0.3 s, so one every GC_EVERY bounds the growth.
+GC_EVERY = 8
+
+
+def tensors_in(obj: Any, out: list[torch.Tensor]) -> None:
+    """Append every tensor in a nested dict/list/tuple to `out`."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            tensors_in(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            tensors_in(v, out)
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a (possibly megatron-wrapped or chained) optimizer."""
+    if optimizer is None:
+        return []
+    if hasattr(optimizer, "chained_optimizers"):
+        return [o for c in optimizer.chained_optimizers for o in torch_optimizers(c)]
+    inner = getattr(optimizer, "optimizer", None)
+    return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
+
+
+def held(modules: Iterable[Any], optimizer: Any, parked_weights: Any = None, parked_optimizer: Any = None,
+         spare: list[torch.Tensor] | None = None) -> HeldTensors:
+    """Every tensor of `modules` (parameters and buffers; gradients, megatron's main_grad too) and
+    of `optimizer` (its state; megatron's fp32 main parameters too), plus state parked in host
+    memory and spare host buffers, by kind."""
+    weights: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    optim: list[torch.Tensor] = []
+    for module in modules:
+        if module is not None:
+            # (nn.Module's own methods: megatron's DDP has a `buffers` list of its own)
+            weights += [*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module)]
+            for p in torch.nn.Module.parameters(module):
+                grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
+    for opt in torch_optimizers(optimizer):
+        optim += [p for group in opt.param_groups for p in group["params"]]
+        tensors_in(list(opt.state.values()), optim)
+    tensors_in(parked_weights, weights)
+    tensors_in(parked_optimizer, optim)
+    return {"weights": weights, "grads": grads, "optimizer": optim, "spare": list(spare or [])}
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], what: str, device: torch.device) -> Iterator[None]:
+    """Seconds of a part of offload/onload, device work included, into `timings[what]`."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[what] = time.perf_counter() - t0
