@@ -11,9 +11,11 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
-from rltrain.config import Config, ConfigError, dump_config, load_config, write_resolved_config
+from rltrain.config import Config, ConfigError, dump_config, load_config
 from rltrain.runtime.env import DistEnv
+from rltrain.runtime.files import atomic_write_text
 
 COMMANDS = ("train", "show-config")
 log = logging.getLogger("rltrain")
@@ -70,6 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(dump_config(cfg))
         return 0
     return train(cfg, env)
+
+
+def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
+    """Write `config.yaml` into the run directory atomically (temp file, fsync, rename)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = run_dir / "config.yaml"
+    atomic_write_text(target, dump_config(cfg))
+    return target
 
 
 def train(cfg: Config, env: DistEnv) -> int:

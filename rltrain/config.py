@@ -19,8 +19,6 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from rltrain.runtime.files import atomic_write_text
-
 
 class ConfigError(ValueError):
     """A config key or value that cannot be used; the message says which and what to do."""
@@ -390,14 +388,6 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 def dump_config(cfg: Config) -> str:
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
-
-
-def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
-    """Write `config.yaml` into the run directory atomically (temp file, fsync, rename)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    target = run_dir / "config.yaml"
-    atomic_write_text(target, dump_config(cfg))
-    return target
 
 
 # --------------------------------------------------------------------------- internals

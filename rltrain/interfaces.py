@@ -74,6 +74,8 @@ class World(Protocol):
 
     def close(self) -> None: ...
 
+    def communicator_bytes(self) -> int: ...
+
 
 class Trainer(Protocol):
     """The policy being trained, as the loop, the sync, checkpoints and the ledger use it."""

@@ -3,24 +3,40 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from rltrain.between_steps import BetweenSteps, TrainerCycle
+from rltrain.checkpoint import Checkpointer, CheckpointError, Restored, find_resumable
+from rltrain.config import Config
+from rltrain.engine.launcher import NodeEngine
+from rltrain.interfaces import Trainer, World
+from rltrain.metrics import last_recorded_step
+from rltrain.rollout import synthetic
+from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
+from rltrain.rollout.rewards import RewardRunner, load_reward
+from rltrain.sync.weight_sync import WeightSync
+from rltrain.trainer.fsdp import FSDPTrainer
 
 log = logging.getLogger("rltrain.setup")
 
 
 @dataclass
 class RunParts:
-    tokenizer: Any
-    sampler: Any
-    rewards: Any
-    trainer: Any
-    engine: Any
-    checkpointer: Any
+    tokenizer: Any  # a transformers tokenizer
+    sampler: PromptSampler
+    rewards: RewardRunner
+    trainer: Trainer
+    cycle: TrainerCycle  # the trainer between steps
+    engine: NodeEngine
+    sync: WeightSync
     start_step: int
     initial_version: str | None
-    sync: Any
 
     def close(self) -> None:
         self.rewards.close()
@@ -28,7 +44,7 @@ class RunParts:
         self.engine.shutdown()
 
 
-def _on_rank0(world: Any, what: str, fn: Any) -> None:
+def _on_rank0(world: World, what: str, fn: Callable[[], object]) -> None:
     """Run `fn` on rank 0; every rank learns whether it worked (no rank waits on a failed one)."""
     error = None
     if world.rank == 0:
@@ -41,18 +57,7 @@ def _on_rank0(world: Any, what: str, fn: Any) -> None:
         raise RuntimeError(errors[0])
 
 
-def setup_run(cfg: Any, world: Any) -> RunParts:
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from rltrain.checkpoint import Checkpointer
-    from rltrain.engine.launcher import NodeEngine
-    from rltrain.sync.weight_sync import WeightSync
-    from rltrain.rollout import synthetic
-    from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
-    from rltrain.rollout.rewards import RewardRunner, load_reward
-    from rltrain.trainer.fsdp import FSDPTrainer
-
+def setup_run(cfg: Config, world: World) -> RunParts:
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
     model_path = Path(cfg.model.path)
     if cfg.model.build == "tiny-addition":
@@ -83,44 +88,45 @@ def setup_run(cfg: Any, world: Any) -> RunParts:
     rewards = RewardRunner(load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s,
                            cfg.reward.workers)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    if cfg.trainer.backend == "megatron":
-        from rltrain.trainer.megatron.trainer import MegatronTrainer
-
-        trainer = MegatronTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, world, seed=cfg.run.seed,
-                                  total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
-    else:
-        trainer = FSDPTrainer(cfg.trainer, cfg.algo, str(model_path), world.device, seed=cfg.run.seed,
-                              total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
+    trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     trainer.create()
-
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler)
+    cycle = TrainerCycle(trainer, checkpointer, BetweenSteps.of(cfg), cfg.loop.colocate, cfg.checkpoint.interval,
+                         (cfg.loop.steps, cfg.loop.stop_after))
 
     # The embedded engine loads weight versions only from the sync directory (and its own model).
-    engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path or str(model_path), world, cfg.run_dir,
-                               weights_roots=[str(cfg.weights_dir)])
-    engine.client.vocab_size = model_cfg.vocab_size
-    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path or str(model_path))
+    engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path, world, cfg.run_dir,
+                               weights_roots=[str(cfg.weights_dir)], colocate=cfg.loop.colocate,
+                               vocab_size=model_cfg.vocab_size)
+    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path)
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
+        assert restored.version is not None, "a checkpoint records the weight version it was saved at"
         sync.push(restored.version)
-    initial = engine.client.weight_version()
+    initial = engine.weight_version()
     log.info("engine %s serves weight version %s; %d prompts, %d per step", engine.url, initial, len(prompts),
              cfg.data.prompts_per_step)
-    return RunParts(tokenizer, sampler, rewards, trainer, engine, checkpointer,
-                    restored.step if restored else 0, initial, sync)
+    return RunParts(tokenizer, sampler, rewards, trainer, cycle, engine, sync,
+                    restored.step if restored else 0, initial)
 
 
-def checkpoint_dir(cfg: Any) -> Path:
+def _trainer(cfg: Config, world: World, model_path: str, pad_id: int) -> Trainer:
+    if cfg.trainer.backend == "megatron":
+        from rltrain.trainer.megatron.trainer import MegatronTrainer  # megatron-core is optional
+
+        return MegatronTrainer(cfg.trainer, cfg.algo, model_path, world.device, world, seed=cfg.run.seed,
+                               total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
+    return FSDPTrainer(cfg.trainer, cfg.algo, model_path, world.device, seed=cfg.run.seed, total_steps=cfg.loop.steps,
+                       temperature=cfg.rollout.temperature, pad_id=pad_id)
+
+
+def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
 
 
-def _resume(cfg: Any, checkpointer: Any, trainer: Any, sampler: Any) -> Any:
+def _resume(cfg: Config, checkpointer: Checkpointer, trainer: Trainer, sampler: PromptSampler) -> Restored | None:
     """checkpoint.resume: auto (newest complete, corrupt ones skipped), none, or a directory."""
-    from rltrain.checkpoint import CheckpointError, find_resumable
-    from rltrain.metrics import last_recorded_step
-
     mode = cfg.checkpoint.resume
     if mode == "none":
         return None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rltrain.config import ConfigError, build_config, load_config, write_resolved_config
+from rltrain.cli import write_resolved_config
+from rltrain.config import ConfigError, build_config, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

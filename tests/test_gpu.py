@@ -214,10 +214,10 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
-    from rltrain.runtime.net import free_port
+    from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
     from rltrain.engine.protocol import SamplingParams
     from rltrain.runtime.ledger import MemoryLedger
+    from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
     from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -229,10 +229,10 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
                                                 port), f"http://127.0.0.1:{port}", Path(log_dir) / "engine.log")
     client = EngineClient(engine.url, retries=0)
     client.wait_healthy(300, alive=lambda: engine.alive)
-    node = type("Node", (), {"process": engine, "client": client})()
+    node = NodeEngine(client, engine.url, engine, world)
     trainer = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="bfloat16"), AlgoConfig(), model, device)
     trainer.create()
-    ledger = MemoryLedger(device, trainer, node, world, world.cuda_context)
+    ledger = MemoryLedger(device, trainer.held_tensors, node.memory_report, world.communicator_bytes, world.cuda_context)
     B, L = 8, 64
     batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
                        advantages=torch.randn(B, L))

@@ -19,7 +19,7 @@ def test_storage_bytes_counts_each_storage_once():
 
 def test_the_ledger_sizes_the_trainers_weights_and_optimizer_state(model_a):
     trainer = make_trainer(model_a, micro=4)
-    ledger = MemoryLedger(torch.device("cpu"), trainer)
+    ledger = MemoryLedger(torch.device("cpu"), trainer.held_tensors)
     before = ledger.read()
     weights = sum(t.untyped_storage().nbytes() for t in [*trainer.model.parameters(), *trainer.model.buffers()])
     assert before["trainer_host"] * GIB == weights  # no optimizer state before the first step

@@ -17,13 +17,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
+from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient, EngineError
+from rltrain.interfaces import World
 from rltrain.runtime.net import free_port
 
 log = logging.getLogger("rltrain.engine")
@@ -51,7 +55,7 @@ def resolve_backend(backend: str) -> str:
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
 
 
-def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1",
+def server_command(cfg: EngineConfig, model_path: str, port: int, host: str = "127.0.0.1",
                    weights_roots: list[str] | tuple[str, ...] = ()) -> list[str]:
     """The command line that starts the configured engine server (config: `EngineConfig`).
     `weights_roots`: the only directories the embedded engine loads weight versions from (besides
@@ -80,7 +84,7 @@ def server_command(cfg: Any, model_path: str, port: int, host: str = "127.0.0.1"
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         if cfg.deterministic:
             cmd.append("--enable-deterministic-inference")
-        if getattr(cfg, "api_key", ""):
+        if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
     else:
         raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, native or sglang")
@@ -91,9 +95,9 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def secret_environment(cfg: Any) -> dict[str, str]:
+def secret_environment(cfg: EngineConfig) -> dict[str, str]:
     """What the engine server gets through its environment rather than its command line."""
-    return {API_KEY_VARIABLE: cfg.api_key} if getattr(cfg, "api_key", "") else {}
+    return {API_KEY_VARIABLE: cfg.api_key} if cfg.api_key else {}
 
 
 def engine_environment() -> dict[str, str]:
@@ -174,20 +178,38 @@ class EngineProcess:
 
 
 class NodeEngine:
-    """This rank's view of its node's engine: a client, and on local rank 0 the process too."""
+    """This rank's view of its node's engine, in the loop's verbs: a client, and on local rank 0
+    the process too. The phase verbs are collectives over the bridge (every rank of the job calls
+    them): the node's leader talks to the engine, the others wait for it.
 
-    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None, start: Any = None,
-                 max_restarts: int = 0):
+        release_memory   every rank done generating, then the leader frees the KV cache and
+                         the weights                                             [colocated]
+        resume_weights   the leader takes the weights' memory back (garbage until the sync
+                         rewrites every parameter), then every rank goes on      [colocated]
+        resume_kv        the leader takes the KV cache back (after the world's NCCL memory is
+                         freed: the caller waits for that), then every rank goes on [colocated]
+        recover          after a rollout: restart what died (or stop the job with its log tail)
+
+    Not colocated (`loop.colocate=false`), the engine keeps its memory and only the barriers run.
+    """
+
+    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None, world: World | None = None,
+                 colocate: bool = True, start: Callable[[], EngineProcess] | None = None, max_restarts: int = 0):
         self.client = client
         self.url = url
         self.process = process
+        self.world = world
+        self.colocate = colocate
         self._start = start  # () -> a new healthy EngineProcess (local rank 0)
         self.max_restarts, self.restarts = max_restarts, 0
+        self._reports_memory = True  # False once the engine said it has no /memory (SGLang)
 
     @classmethod
-    def launch(cls, cfg: Any, model_path: str, world: Any, run_dir: Path,
-               weights_roots: list[str] | tuple[str, ...] = ()) -> "NodeEngine":
-        """Collective over the bridge: local rank 0 starts and health-checks, every rank connects."""
+    def launch(cls, cfg: EngineConfig, model_path: str, world: World, run_dir: Path,
+               weights_roots: list[str] | tuple[str, ...] = (), colocate: bool = True,
+               vocab_size: int | None = None) -> NodeEngine:
+        """Collective over the bridge: local rank 0 starts and health-checks, every rank connects.
+        `vocab_size`: the model's, so that the client refuses token ids outside it."""
         env = world.env
         log_path = run_dir / "engine" / f"node{env.node_rank}.log"
 
@@ -195,15 +217,70 @@ class NodeEngine:
             return cls._start_healthy(cfg, model_path, log_path, weights_roots)
 
         process, url = _started_everywhere(world, start if env.is_node_leader else None, "engine launch")
+        assert url is not None
         client = EngineClient(url, request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
-                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries, api_key=cfg.api_key)
-        return cls(client, url, process, start, cfg.max_restarts)
+                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries, api_key=cfg.api_key,
+                              vocab_size=vocab_size)
+        return cls(client, url, process, world, colocate, start, cfg.max_restarts)
 
-    def recover(self, world: Any) -> bool:
+    def _world(self) -> World:
+        if self.world is None:
+            raise RuntimeError("this NodeEngine was made without a world: launch() it to use the phase verbs")
+        return self.world
+
+    # ------------------------------------------------------------------ the loop's verbs
+
+    def release_memory(self) -> None:
+        """Every rank of the node must be done generating before its engine lets go of its
+        memory: a release under a slower rank's requests fails them all."""
+        world = self._world()
+        world.bridge.barrier(phase="rollout done")
+        if self.colocate and world.env.is_node_leader:
+            self.client.release(["kv_cache", "weights"])
+
+    def resume_weights(self) -> None:
+        world = self._world()
+        if self.colocate and world.env.is_node_leader:
+            self.client.resume(["weights"])
+        world.bridge.barrier(phase="engine resume weights")
+
+    def resume_kv(self) -> None:
+        world = self._world()
+        if self.colocate and world.env.is_node_leader:
+            self.client.resume(["kv_cache"])
+        world.bridge.barrier(phase="engine resume kv")
+
+    def weight_version(self) -> str | None:
+        return self.client.weight_version()
+
+    def memory_report(self) -> dict[str, Any]:
+        """The engine's own memory figures (bytes) on the rank that owns its process ({} on the
+        others, or once it has died): its /memory report where it has one (the embedded engine;
+        SGLang reports sizes, not what is allocated now), and its process's RSS."""
+        if self.process is None or not self.process.alive:
+            return {}
+        rep: Any = {}
+        if self._reports_memory:
+            try:
+                rep = self.client.memory_report()
+            except Exception as e:  # noqa: BLE001 - a memory report never fails a step
+                self._reports_memory = getattr(e, "status", None) != 404  # SGLang: no /memory, do not ask again
+                log.debug("engine memory report unavailable: %s", e)
+        if not isinstance(rep, dict):
+            rep = {}
+        if "rss_bytes" not in rep:
+            try:
+                rep["rss_bytes"] = psutil.Process(self.process.proc.pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return rep
+
+    def recover(self) -> bool:
         """Collective over the bridge, after a rollout: has any node's engine process died? Those
         nodes start theirs again and their ranks talk to the new one; True then (the caller sends
         the weights again and retries what failed). A death beyond `max_restarts` raises
         EngineCrashed on every rank, with the dead engine's log tail."""
+        world = self._world()
         env = world.env
         report = None
         try:
@@ -227,12 +304,14 @@ class NodeEngine:
         if mine:
             if died:
                 self.process = process
+                self._reports_memory = True
+            assert url is not None
             self.url = url
             self.client.repoint(url)
         return True
 
     @staticmethod
-    def _start_healthy(cfg: Any, model_path: str, log_path: Path, weights_roots: list[str] | tuple[str, ...] = (),
+    def _start_healthy(cfg: EngineConfig, model_path: str, log_path: Path, weights_roots: list[str] | tuple[str, ...] = (),
                        attempts: int = 2) -> EngineProcess:
         for attempt in range(attempts):
             port = free_port()
@@ -267,7 +346,8 @@ class NodeEngine:
             self.process.stop()
 
 
-def _started_everywhere(world: Any, start: Any, phase: str, nodes: set[int] | None = None
+def _started_everywhere(world: World, start: Callable[[], EngineProcess] | None, phase: str,
+                        nodes: set[int] | None = None
                         ) -> tuple[EngineProcess | None, str | None]:
     """Collective over the bridge: ranks given `start` (node leaders) start their engine; every
     rank learns its node's URL. A failure anywhere raises on every rank; engines that did start

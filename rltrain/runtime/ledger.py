@@ -26,16 +26,16 @@ Figures are GiB. A CPU run has the host part only (and the trainer's tensors und
 
 from __future__ import annotations
 
-import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import psutil
 import torch
 
 from rltrain.runtime.memory import all_pinned_host_bytes
 
-log = logging.getLogger("rltrain.ledger")
+HeldTensors = dict[str, list[torch.Tensor]]  # kind -> tensors (interfaces.HeldTensors)
 
 GIB = 2**30
 DEVICE_PARTS = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
@@ -113,18 +113,25 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -
 
 
 class MemoryLedger:
-    """Reads the ledger of this rank. `engine` (a NodeEngine) and `world` may be None."""
+    """Reads the ledger of this rank from one report per component, each optional:
 
-    def __init__(self, device: torch.device, trainer: Any = None, engine: Any = None, world: Any = None,
+        trainer       () -> the trainer's tensors by kind (`Trainer.held_tensors`)
+        engine        () -> the engine's own figures in bytes (`NodeEngine.memory_report`: weight_bytes,
+                      kv_cache_bytes, other_bytes, context_bytes, rss_bytes, host_pinned_bytes, device)
+        communicators () -> bytes the world's NCCL communicators hold now (`World.communicator_bytes`)
+        cuda_context  (what this process's CUDA context took, what the device held before it)
+    """
+
+    def __init__(self, device: torch.device, trainer: Callable[[], HeldTensors] | None = None,
+                 engine: Callable[[], dict[str, Any]] | None = None, communicators: Callable[[], int] | None = None,
                  cuda_context: tuple[int | None, int | None] = (None, None)):
-        self.device, self.trainer, self.engine, self.world = device, trainer, engine, world
+        self.device, self.trainer, self.engine, self.communicators = device, trainer, engine, communicators
         self.cuda_context, self.device_baseline = cuda_context
         self.process = psutil.Process()
-        self._engine_reports = True  # False once the engine has said it has no /memory (SGLang)
 
     def read(self) -> dict[str, float]:
         parts: dict[str, float] = {}
-        held = self.trainer.held_tensors() if self.trainer is not None else {}
+        held = self.trainer() if self.trainer is not None else {}
         seen: set[tuple[str, int]] = set()
         sizes = {kind: storage_bytes(held.get(kind, ()), seen) for kind in ("weights", "grads", "optimizer")}
         cuda = self.device.type == "cuda"
@@ -135,12 +142,12 @@ class MemoryLedger:
                 parts[f"trainer_{kind}"] = size["device"]
             parts["trainer_other"] = allocated - sum(s["device"] for s in sizes.values())
             parts["allocator_cached"] = reserved - allocated
-            parts["nccl"] = getattr(self.world, "nccl_bytes", 0) if self.world is not None and self.world.is_up else 0
+            parts["nccl"] = self.communicators() if self.communicators is not None else 0
             parts["cuda_context"] = self.cuda_context or 0
             parts["device_baseline"] = self.device_baseline or 0
         spare = storage_bytes(held.get("spare", ()), seen)  # host buffers kept for the next offload
         parts["trainer_host"] = sum(s["host"] + s["pinned"] for s in (*sizes.values(), spare))
-        engine = self._engine_report()
+        engine = self.engine() if self.engine is not None else {}
         if cuda and engine.get("device") == str(self.device):
             parts["engine_weights"] = engine.get("weight_bytes", 0)
             parts["engine_kv_cache"] = engine.get("kv_cache_bytes", 0)
@@ -159,27 +166,6 @@ class MemoryLedger:
         if "host_pinned_bytes" in engine:
             out["engine_pinned"] = engine["host_pinned_bytes"] / GIB
         return out
-
-    def _engine_report(self) -> dict[str, Any]:
-        """The engine's own figures (local rank 0, which owns the process), {} elsewhere or when
-        the engine cannot say (SGLang reports sizes, not what is allocated now)."""
-        if self.engine is None or self.engine.process is None or not self.engine.process.alive:
-            return {}
-        rep: Any = {}
-        if self._engine_reports:
-            try:
-                rep = self.engine.client.memory_report()
-            except Exception as e:  # noqa: BLE001 - a ledger never fails a step
-                self._engine_reports = getattr(e, "status", None) != 404  # SGLang: no /memory, do not ask again
-                log.debug("engine memory report unavailable: %s", e)
-        if not isinstance(rep, dict):
-            rep = {}
-        if "rss_bytes" not in rep:
-            try:
-                rep["rss_bytes"] = psutil.Process(self.engine.process.proc.pid).memory_info().rss
-            except psutil.Error:
-                pass
-        return rep
 
 
 def format_ledger(memory: dict[str, dict[str, dict[str, float]]], step: int | None = None) -> str:

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rltrain.config import WorldConfig
 from rltrain.runtime.bridge import Bridge, BridgeError, restart_attempt
 from rltrain.runtime.env import DistEnv
 from rltrain.runtime.ledger import device_used, measure_cuda_context
@@ -174,7 +175,7 @@ class World:
         self.transitions[-1].seconds.update(store=t_store - t0, bridge=t_bridge - t_store)
 
     @classmethod
-    def from_config(cls, world_cfg: Any, env: DistEnv | None = None) -> "World":
+    def from_config(cls, world_cfg: WorldConfig, env: DistEnv | None = None) -> World:
         return cls(
             env=env,
             backend=world_cfg.backend,
@@ -200,6 +201,11 @@ class World:
     @property
     def groups(self) -> list[GroupHandle]:
         return list(self._groups)
+
+    def communicator_bytes(self) -> int:
+        """Device bytes the current generation's NCCL communicators hold (measured at its build;
+        0 while the world is down, and off GPU)."""
+        return self.nccl_bytes if self.is_up else 0
 
     def store_prefix(self, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation

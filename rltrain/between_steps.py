@@ -1,0 +1,104 @@
+"""What happens to the trainer between steps: one value, decided once from the config.
+
+    KEEP          it stays on the device                       loop.offload_trainer=false
+    OFFLOAD       weights and optimizer state to host memory,  loop.offload_trainer=true (default)
+                  modules kept, onloaded next step
+    RELEASE_DISK  dropped whole after the step's verified      release.train=true, release.source=disk
+                  checkpoint, re-created from it next step
+    RELEASE_HOST  dropped whole after a host-memory snapshot,  release.train=true, release.source=host
+                  re-created from the snapshot next step
+
+`TrainerCycle` carries the trainer through those states for the loop: `bring_back` before the
+step's log-probs, `keep_state` after the train step (the checkpoint when due, the snapshot),
+`put_away` once the weights are synced.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+from rltrain.checkpoint import Checkpointer
+from rltrain.config import Config
+from rltrain.interfaces import Snapshot, Trainer
+
+
+class BetweenSteps(enum.Enum):
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RELEASE_DISK = "release, re-created from the checkpoint"
+    RELEASE_HOST = "release, re-created from a host snapshot"
+
+    @classmethod
+    def of(cls, cfg: Config) -> BetweenSteps:
+        if cfg.release.train:
+            return cls.RELEASE_HOST if cfg.release.source == "host" else cls.RELEASE_DISK
+        return cls.OFFLOAD if cfg.loop.offload_trainer else cls.KEEP
+
+    @property
+    def releases(self) -> bool:
+        return self in (BetweenSteps.RELEASE_DISK, BetweenSteps.RELEASE_HOST)
+
+    @property
+    def leaves_device(self) -> bool:
+        """Whether the trainer gives the device up between steps (so the engine can have it)."""
+        return self is not BetweenSteps.KEEP
+
+
+class TrainerCycle:
+    """The trainer through the loop's steps, as `BetweenSteps` says."""
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer, between: BetweenSteps, colocate: bool,
+                 checkpoint_interval: int, last_steps: tuple[int, ...]):
+        self.trainer, self.checkpointer, self.between = trainer, checkpointer, between
+        self.colocate = colocate
+        # Saved every `interval` steps and at the run's end: loop.steps, or loop.stop_after.
+        self.interval, self.last_steps = checkpoint_interval, last_steps
+        self.saved: Path | None = None  # the newest checkpoint this run wrote
+        self.snapshot: Snapshot | None = None  # RELEASE_HOST: the released trainer's state
+
+    def make_room(self) -> None:
+        """Before the first rollout: out of the engine's way (colocated), as after every step.
+        Offloaded, not released: there is no checkpoint or snapshot to re-create it from yet."""
+        if self.colocate and self.between.leaves_device:
+            self.trainer.offload()
+
+    def bring_back(self) -> None:
+        """On the device, over the world's current groups (re-created first if released)."""
+        if self.trainer.released:
+            if self.between is BetweenSteps.RELEASE_HOST:
+                assert self.snapshot is not None
+                self.trainer.restore_snapshot(self.snapshot)
+            else:
+                assert self.saved is not None
+                self.trainer.create(load_weights=False)
+                self.checkpointer.load(self.saved, self.trainer, restore_rank_state=False)
+        self.trainer.onload()
+
+    def after_train(self) -> None:
+        """The train step's activation cache back to the device before the engine's weights,
+        when the trainer leaves the device after the step anyway."""
+        if self.colocate and self.between.leaves_device:
+            self.trainer.trim()
+
+    def save_due(self, step: int) -> bool:
+        if self.between is BetweenSteps.RELEASE_DISK:
+            return True  # re-creation reads this step's checkpoint
+        last = step + 1 in self.last_steps
+        return self.interval > 0 and ((step + 1) % self.interval == 0 or last)
+
+    def keep_state(self, step: int, extra: dict[str, Any]) -> None:
+        """This step's checkpoint (verified) when due, and the snapshot a host release needs —
+        before the trainer may be released: a failed save raises with the trainer still alive and
+        the previous checkpoint untouched."""
+        if self.save_due(step):
+            self.saved = self.checkpointer.save(step + 1, self.trainer, str(step + 1), extra)
+        if self.between is BetweenSteps.RELEASE_HOST:
+            self.snapshot = self.trainer.snapshot()
+
+    def put_away(self) -> None:
+        if self.between.releases:
+            self.trainer.release()
+        elif self.between is BetweenSteps.OFFLOAD:
+            self.trainer.offload()
