@@ -101,7 +101,7 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.runtime.memory import pinned_host_bytes
+    from rltrain.runtime.pinned import pinned_host_bytes
     from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import run_ranks, values
-from rltrain.runtime.topology import ParallelDims, megatron_group_plan, rank_groups
+from rltrain.bench.topology import ParallelDims, megatron_group_plan, rank_groups
 from rltrain.runtime.world import World, WorldError
 
 CYCLES = 3

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rltrain.runtime.topology import ParallelDims, megatron_group_plan
+from rltrain.bench.topology import ParallelDims, megatron_group_plan
 from rltrain.runtime.world import World
 
 

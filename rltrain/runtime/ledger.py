@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 import torch
 
-from rltrain.runtime.memory import all_pinned_host_bytes
+from rltrain.runtime.pinned import all_pinned_host_bytes
 
 HeldTensors = dict[str, list[torch.Tensor]]  # kind -> tensors (interfaces.HeldTensors)
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rltrain.runtime import internals
-from rltrain.runtime.memory import pinned_empty, round_up
+from rltrain.runtime.memory import round_up
+from rltrain.runtime.pinned import PinnedArena, pinned_like
 
 
 def current_group() -> Any:
@@ -84,31 +85,32 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _copy(t: torch.Tensor, to_host: bool, pin: bool) -> torch.Tensor:
-    t = local(t).detach()
-    if not to_host:
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-    out.copy_(t, non_blocking=pin)
-    return out
-
-
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_host: bool, pin: bool) -> dict[str, Any]:
     """The rank's part of the model (and optimizer) as plain tensors keyed by name.
-    `to_host=False` keeps references to the live storage (no copy)."""
-    state: dict[str, Any] = {
-        "params": {n: _copy(p, to_host, pin) for n, p in model.named_parameters()},
-        "buffers": {n: _copy(b, to_host, pin) for n, b in model.named_buffers()},
-    }
-    if optimizer is not None:
-        sd = optimizer.state_dict()
-        state["optim"] = {
-            "param_groups": sd["param_groups"],
-            "state": {i: {k: (_copy(v, to_host, pin) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                          for k, v in s.items()} for i, s in sd["state"].items()},
-        }
-    if pin:
-        torch.cuda.synchronize()
+    `to_host=False` keeps references to the live storage (no copy); `to_host` copies to host
+    memory, with `pin` into one page-locked buffer of exactly their size."""
+    live = [local(t).detach() for t in (*model.parameters(), *model.buffers())]
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    nparams = len(list(model.parameters()))
+    sd = optimizer.state_dict() if optimizer is not None else None
+    moved = [(i, k) for i, st in sd["state"].items() for k, v in st.items()
+             if isinstance(v, torch.Tensor) and v.dim() > 0] if sd is not None else []
+    if sd is not None:
+        live += [local(sd["state"][i][k]).detach() for i, k in moved]
+    if to_host:
+        hosts = pinned_like(live) if pin else [torch.empty(t.shape, dtype=t.dtype) for t in live]
+        for h, t in zip(hosts, live):
+            h.copy_(t, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize()
+        live = hosts
+    state: dict[str, Any] = {"params": dict(zip(names[:nparams], live[:nparams])),
+                             "buffers": dict(zip(names[nparams:], live[nparams:len(names)]))}
+    if sd is not None:
+        optim_state = {i: dict(st) for i, st in sd["state"].items()}
+        for (i, k), t in zip(moved, live[len(names):]):
+            optim_state[i][k] = t
+        state["optim"] = {"param_groups": sd["param_groups"], "state": optim_state}
     return state
 
 
@@ -282,11 +284,14 @@ class HostPark:
     valid and refills in place. The buffer is kept for the next offload while the sizes match
     (pinning GBs afresh costs seconds). Storages that cannot be resized stay where they are."""
 
-    ALIGN = 512
-
     def __init__(self) -> None:
-        self.buffer: torch.Tensor | None = None
+        self._arena = PinnedArena()
         self.parked: list[tuple[torch.UntypedStorage, int, int]] = []
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The host buffer (kept between offloads; it holds the state while parked)."""
+        return self._arena.buffer
 
     def park(self, tensors: list[torch.Tensor]) -> None:
         """Copy the storages to the host buffer, wait, free them on the device."""
@@ -297,15 +302,11 @@ class HostPark:
                 continue
             seen.add(s.data_ptr())
             storages.append((s, offset, s.nbytes()))
-            offset += round_up(s.nbytes(), self.ALIGN)
-        if self.buffer is None or self.buffer.numel() < offset:
-            # The old one (the first offload, before any step, parks no Adam state) goes first:
-            # never both pinned at once. Exactly sized: torch's pinned allocator would round
-            # 11.4 GiB up to 16 and keep the old buffer cached.
-            self.buffer = None
-            self.buffer = pinned_empty(offset)
+            offset += round_up(s.nbytes(), PinnedArena.ALIGN)
+        # Grown when the state grew (the first offload, before any step, parks no Adam state).
+        buffer = self._arena.reserve(offset)
         for s, off, n in storages:
-            self.buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
+            buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
         torch.cuda.synchronize()
         for s, _, _ in storages:
             s.resize_(0)
@@ -325,9 +326,10 @@ class HostPark:
             block = torch.empty(sum(round_up(n, 512) for n in large), dtype=torch.uint8,
                                 device=self.parked[0][0].device)
             del block
+        buffer = self._arena.reserve(0)
         for s, off, n in self.parked:
             s.resize_(n)
-            _bytes(s).copy_(self.buffer[off:off + n], non_blocking=True)
+            _bytes(s).copy_(buffer[off:off + n], non_blocking=True)
         self.parked = []
 
 

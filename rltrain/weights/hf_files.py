@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from rltrain.runtime.files import fsync_file, map_file
+from rltrain.runtime.pinned import pinned_empty
 
 INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
@@ -132,7 +133,7 @@ class HostStaging:
         if start + nbytes > self.capacity:
             return t.detach().to("cpu").contiguous()  # bigger than the staging buffer: plain copy
         if self._buf is None:
-            self._buf = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+            self._buf = pinned_empty(self.capacity)
         self._used = start + nbytes
         out = self._buf[start : start + nbytes].view(t.dtype).view(t.shape)
         out.copy_(t.detach(), non_blocking=True)

@@ -29,8 +29,10 @@ import torch
 
 from rltrain.engine.protocol import SamplingParams
 from rltrain.runtime import internals
+from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import measure_cuda_context
-from rltrain.runtime.memory import PinnedUpload, all_pinned_host_bytes, free_cuda_caches, pinned_like, trim_host_heap
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
 from rltrain.weights.bucket import BucketViews
 from rltrain.weights.checksum import combine, entry
 from rltrain.weights.names import EXPERT, checkpoint_index, num_experts, write
@@ -77,7 +79,7 @@ class NativeEngine:
             self.device = torch.device("cuda", 0)  # the first visible device (asking torch would touch the GPU)
         # Measured before anything else touches the GPU (the memory ledger shows it).
         self.context_bytes = measure_cuda_context(self.device)[0]
-        torch_dtype = _dtype(dtype, self.device)
+        torch_dtype = resolve_dtype(dtype, self.device)
         self.config = AutoConfig.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype
@@ -623,15 +625,6 @@ def _tags(tags: list[str] | None) -> list[str]:
     if bad:
         raise ValueError(f"unknown memory tags {bad}; expected weights, kv_cache")
     return [t for t in tags if t != "cuda_graph"]
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise ValueError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16") from None
 
 
 def _eos_ids(model: Any) -> set[int]:

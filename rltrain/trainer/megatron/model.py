@@ -23,7 +23,7 @@ from rltrain.trainer.megatron.convert import ConversionError, dims, transformer_
 
 
 @dataclass
-class Layout:
+class RankLayout:
     """rank = pp_rank * (tp * dp) + dp_rank * tp + tp_rank (Megatron's default order)."""
 
     tp: int
@@ -31,7 +31,7 @@ class Layout:
     pp: int = 1
 
     @classmethod
-    def of(cls, world_size: int, tp: int, pp: int = 1) -> "Layout":
+    def of(cls, world_size: int, tp: int, pp: int = 1) -> "RankLayout":
         if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise ValueError(f"trainer.tensor_parallel_size={tp} x trainer.pipeline_parallel_size={pp} must divide "
                              f"the world size {world_size}")
@@ -65,7 +65,7 @@ class MegatronGroups:
     before the engine could take its memory back)."""
 
     def __init__(self, world: Any, tp: int, ep: int = 1, pp: int = 1):
-        L = self.layout = Layout.of(world.world_size, tp, pp)
+        L = self.layout = RankLayout.of(world.world_size, tp, pp)
         self.world = world
         rank = world.rank
         self.tp_rank, self.dp_rank, self.pp_rank = rank % tp, (rank // tp) % L.dp, rank // (tp * L.dp)

@@ -49,7 +49,8 @@ from rltrain.batch import TrainBatch, pad_rows, pad_width
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
-from rltrain.runtime.memory import free_cuda_caches, pinned_like, trim_host_heap
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.pinned import PinnedArena
 from rltrain.trainer import rl_update
 from rltrain.trainer.megatron.convert import (
     dims,
@@ -636,6 +637,7 @@ class _HostMirror:
     """Page-locked host copies of a nested state, reused while its tensors keep their shapes."""
 
     def __init__(self) -> None:
+        self._arena = PinnedArena()
         self.buffers: list[torch.Tensor] = []
 
     def copy_in(self, state: Any) -> Any:
@@ -644,7 +646,8 @@ class _HostMirror:
         fits = len(tensors) == len(self.buffers) and all(
             b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors))
         if not fits:
-            self.buffers = pinned_like(tensors)
+            self.buffers = []
+            self.buffers = self._arena.like(tensors)
         for b, t in zip(self.buffers, tensors):
             b.copy_(t.detach(), non_blocking=True)
         torch.cuda.synchronize()
