@@ -33,9 +33,16 @@ from .reference import reference_linear_logprobs_entropy, reference_logprobs_ent
 CHUNK_BYTES = 1 << 30  # linear_...: rows per chunk such that one chunk of logits is <= 1 GiB
 
 
-def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, *,
-                     group: Any = None, vocab_start: int = 0, valid: int | None = None,
-                     impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    group: Any = None,
+    vocab_start: int = 0,
+    valid: int | None = None,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V(shard)], targets [...] (global token ids) -> (logp, entropy) [...], float32.
     `impl`: "triton" or "torch" (default: triton on CUDA, torch otherwise)."""
     impl = _impl(logits, impl)
@@ -48,10 +55,18 @@ def logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: f
     return logp.view(lead), ent.view(lead)
 
 
-def linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                            temperature: float = 1.0, *, group: Any = None, vocab_start: int = 0,
-                            valid: int | None = None, chunk_tokens: int | None = None,
-                            impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    group: Any = None,
+    vocab_start: int = 0,
+    valid: int | None = None,
+    chunk_tokens: int | None = None,
+    impl: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [..., H], weight [V(shard), H] (the LM head), targets [...] -> (logp, entropy)."""
     impl = _impl(hidden, impl)
     if impl == "torch" and group is None and valid in (None, weight.shape[0]) and vocab_start == 0:
@@ -60,8 +75,9 @@ def linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets:
     flat = hidden.reshape(-1, hidden.shape[-1])
     valid = weight.shape[0] if valid is None else valid
     chunk = chunk_tokens or max(1, CHUNK_BYTES // max(1, weight.shape[0] * weight.element_size()))
-    logp, ent = _LinearLogprobEntropy.apply(flat, weight, targets.reshape(-1), 1.0 / temperature, vocab_start,
-                                            valid, group, impl, chunk)
+    logp, ent = _LinearLogprobEntropy.apply(
+        flat, weight, targets.reshape(-1), 1.0 / temperature, vocab_start, valid, group, impl, chunk
+    )
     return logp.view(lead), ent.view(lead)
 
 
@@ -75,10 +91,11 @@ def _impl(t: torch.Tensor, impl: str | None) -> str:
 
 # ---------------------------------------------------------------------- the two halves
 
+
 def _stats(logits: torch.Tensor, local: torch.Tensor, valid: int, inv_temp: float, impl: str) -> torch.Tensor:
     """[4, rows]: max, sum exp(z - max), sum exp(z - max) z, z[target] (0 off this shard)."""
     if impl == "triton":
-        from . import triton_logprob
+        from . import triton_logprob  # noqa: PLC0415 - triton is optional (CPU installs have none)
 
         return triton_logprob.stats(logits, local, valid, inv_temp)
     z = logits[:, :valid].float() * inv_temp
@@ -89,14 +106,24 @@ def _stats(logits: torch.Tensor, local: torch.Tensor, valid: int, inv_temp: floa
     return torch.stack([m, e.sum(-1), torch.where(e > 0, e * z, 0.0).sum(-1), t])
 
 
-def _grad(logits: torch.Tensor, local: torch.Tensor, valid: int, inv_temp: float, lse: torch.Tensor,
-          mean: torch.Tensor, glogp: torch.Tensor, gent: torch.Tensor, impl: str, out: torch.Tensor | None = None
-          ) -> torch.Tensor:
+def _grad(
+    logits: torch.Tensor,
+    local: torch.Tensor,
+    valid: int,
+    inv_temp: float,
+    lse: torch.Tensor,
+    mean: torch.Tensor,
+    glogp: torch.Tensor,
+    gent: torch.Tensor,
+    impl: str,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     if impl == "triton":
-        from . import triton_logprob
+        from . import triton_logprob  # noqa: PLC0415 - triton is optional (CPU installs have none)
 
-        return triton_logprob.grad(logits, local, valid, inv_temp, lse, mean, glogp.float().contiguous(),
-                                   gent.float().contiguous(), out)
+        return triton_logprob.grad(
+            logits, local, valid, inv_temp, lse, mean, glogp.float().contiguous(), gent.float().contiguous(), out
+        )
     z = logits[:, :valid].float() * inv_temp
     p = torch.exp(z - lse[:, None])
     g = -p * (glogp[:, None] + gent[:, None] * (z - mean[:, None]))
@@ -123,8 +150,16 @@ def _combine(st: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, 
 
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, inv_temp: float, vocab_start: int, valid: int,
-                group: Any, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        inv_temp: float,
+        vocab_start: int,
+        valid: int,
+        group: Any,
+        impl: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         local = (targets - vocab_start).contiguous()
         lse, mean, t = _combine(_stats(logits, local, valid, inv_temp, impl), group)
         ctx.save_for_backward(logits, local, lse, mean)
@@ -142,11 +177,23 @@ class _LogprobEntropy(torch.autograd.Function):
 
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float,
-                vocab_start: int, valid: int, group: Any, impl: str, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        inv_temp: float,
+        vocab_start: int,
+        valid: int,
+        group: Any,
+        impl: str,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         local = (targets - vocab_start).contiguous()
-        parts = [_stats(hidden[i:i + chunk] @ weight.t(), local[i:i + chunk], valid, inv_temp, impl)
-                 for i in range(0, hidden.shape[0], chunk)]
+        parts = [
+            _stats(hidden[i : i + chunk] @ weight.t(), local[i : i + chunk], valid, inv_temp, impl)
+            for i in range(0, hidden.shape[0], chunk)
+        ]
         st = torch.cat(parts, dim=1) if parts else torch.zeros(4, 0, device=hidden.device)
         lse, mean, t = _combine(st, group)
         ctx.save_for_backward(hidden, weight, local, lse, mean)
@@ -163,12 +210,22 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i:i + chunk]
+            h = hidden[i : i + chunk]
             logits = h @ weight.t()  # recomputed; its gradient is written over it
-            g = _grad(logits, local[i:i + chunk], valid, inv_temp, lse[i:i + chunk], mean[i:i + chunk],
-                      glogp[i:i + chunk], gent[i:i + chunk], impl, out=logits)
+            g = _grad(
+                logits,
+                local[i : i + chunk],
+                valid,
+                inv_temp,
+                lse[i : i + chunk],
+                mean[i : i + chunk],
+                glogp[i : i + chunk],
+                gent[i : i + chunk],
+                impl,
+                out=logits,
+            )
             if need_h:
-                torch.mm(g, weight, out=grad_h[i:i + chunk])
+                torch.mm(g, weight, out=grad_h[i : i + chunk])
             if need_w:
                 grad_w.addmm_(g.t(), h)
         return grad_h, grad_w, None, None, None, None, None, None, None

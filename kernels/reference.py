@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 
-def reference_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logprobs_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V], targets [...] -> (log p(target), entropy), each [...], float32 or wider."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logsm = torch.log_softmax(z, dim=-1)
@@ -17,7 +18,8 @@ def reference_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
     return logp, entropy
 
 
-def reference_linear_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_linear_logprobs_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [..., H] @ weight [V, H]^T, then `reference_logprobs_entropy`."""
     return reference_logprobs_entropy(hidden @ weight.t(), targets, temperature)

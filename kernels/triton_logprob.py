@@ -29,8 +29,9 @@ BLOCK = 4096
 
 
 @triton.jit
-def _stats_kernel(logits_ptr, stride, targets_ptr, inv_temp, m_ptr, s_ptr, w_ptr, t_ptr,
-                  valid: tl.constexpr, BLOCK_V: tl.constexpr):
+def _stats_kernel(
+    logits_ptr, stride, targets_ptr, inv_temp, m_ptr, s_ptr, w_ptr, t_ptr, valid: tl.constexpr, BLOCK_V: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     # Per-lane running max / sums, reduced once at the end (no reduction per block).
@@ -58,8 +59,21 @@ def _stats_kernel(logits_ptr, stride, targets_ptr, inv_temp, m_ptr, s_ptr, w_ptr
 
 
 @triton.jit
-def _grad_kernel(logits_ptr, stride, grad_ptr, grad_stride, targets_ptr, inv_temp, lse_ptr, e_ptr, gl_ptr, gh_ptr,
-                 valid: tl.constexpr, width: tl.constexpr, BLOCK_V: tl.constexpr):
+def _grad_kernel(
+    logits_ptr,
+    stride,
+    grad_ptr,
+    grad_stride,
+    targets_ptr,
+    inv_temp,
+    lse_ptr,
+    e_ptr,
+    gl_ptr,
+    gh_ptr,
+    valid: tl.constexpr,
+    width: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     out = grad_ptr + row * grad_stride
@@ -83,19 +97,52 @@ def stats(logits: torch.Tensor, targets: torch.Tensor, valid: int, inv_temp: flo
     rows = logits.shape[0]
     out = torch.empty(4, rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _stats_kernel[(rows,)](logits, logits.stride(0), targets, inv_temp, out[0], out[1], out[2], out[3],
-                               valid=valid, BLOCK_V=min(BLOCK, triton.next_power_of_2(max(valid, 16))), num_warps=8)
+        _stats_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            targets,
+            inv_temp,
+            out[0],
+            out[1],
+            out[2],
+            out[3],
+            valid=valid,
+            BLOCK_V=min(BLOCK, triton.next_power_of_2(max(valid, 16))),
+            num_warps=8,
+        )
     return out
 
 
-def grad(logits: torch.Tensor, targets: torch.Tensor, valid: int, inv_temp: float, lse: torch.Tensor,
-         mean: torch.Tensor, glogp: torch.Tensor, gent: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def grad(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    valid: int,
+    inv_temp: float,
+    lse: torch.Tensor,
+    mean: torch.Tensor,
+    glogp: torch.Tensor,
+    gent: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """d(loss)/d(logits) [rows, width] in `out` (may be `logits` itself: each element is read
     before it is written) or a new tensor of the logits' dtype; columns >= valid get 0."""
     rows, width = logits.shape
     out = torch.empty_like(logits) if out is None else out
     if rows:
-        _grad_kernel[(rows,)](logits, logits.stride(0), out, out.stride(0), targets, inv_temp, lse, mean, glogp, gent,
-                              valid=valid, width=width, BLOCK_V=min(BLOCK, triton.next_power_of_2(max(width, 16))),
-                              num_warps=8)
+        _grad_kernel[(rows,)](
+            logits,
+            logits.stride(0),
+            out,
+            out.stride(0),
+            targets,
+            inv_temp,
+            lse,
+            mean,
+            glogp,
+            gent,
+            valid=valid,
+            width=width,
+            BLOCK_V=min(BLOCK, triton.next_power_of_2(max(width, 16))),
+            num_warps=8,
+        )
     return out

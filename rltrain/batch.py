@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,23 +28,31 @@ class TrainBatch:
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
-    def fields(self) -> dict[str, torch.Tensor | None]:
+    def fields(self) -> dict[str, Any]:
+        """Field name -> tensor (or None), in declaration order: what `TrainBatch(**...)` takes."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def slice(self, idx: slice | torch.Tensor) -> TrainBatch:
-        return TrainBatch(**{k: (v[idx] if v is not None else None) for k, v in self.fields().items()})
+        fields: dict[str, Any] = {k: (v[idx] if v is not None else None) for k, v in self.fields().items()}
+        return TrainBatch(**fields)
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(**{k: (v.to(device) if v is not None else None) for k, v in self.fields().items()})
+        fields: dict[str, Any] = {k: (v.to(device) if v is not None else None) for k, v in self.fields().items()}
+        return TrainBatch(**fields)
 
 
 def idle_batch(like: TrainBatch, pad_id: int) -> TrainBatch:
     """A one-sample batch that contributes nothing (empty loss mask), for a rank's idle pass."""
     zeros = torch.zeros(1, 2)
-    fields: dict[str, torch.Tensor | None] = {k: (zeros if v is not None else None) for k, v in like.fields().items()}
-    fields.update(tokens=torch.full((1, 2), pad_id, dtype=torch.long), attention_mask=torch.ones(1, 2, dtype=torch.long),
-                  loss_mask=zeros, advantages=zeros, old_logp=zeros)
-    return TrainBatch(**fields)  # type: ignore[arg-type]
+    fields: dict[str, Any] = {k: (zeros if v is not None else None) for k, v in like.fields().items()}
+    fields.update(
+        tokens=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones(1, 2, dtype=torch.long),
+        loss_mask=zeros,
+        advantages=zeros,
+        old_logp=zeros,
+    )
+    return TrainBatch(**fields)
 
 
 def pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
@@ -52,13 +61,13 @@ def pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
     extra = rows - len(batch)
     if extra <= 0:
         return batch
-    fields: dict[str, torch.Tensor | None] = {}
+    fields: dict[str, Any] = {}
     for k, v in batch.fields().items():
         if v is not None:
             fill = pad_id if k == "tokens" else (1 if k == "attention_mask" else 0)
             v = torch.cat([v, torch.full((extra, *v.shape[1:]), fill, dtype=v.dtype)])
         fields[k] = v
-    return TrainBatch(**fields)  # type: ignore[arg-type]
+    return TrainBatch(**fields)
 
 
 def pad_width(t: torch.Tensor, width: int) -> torch.Tensor:

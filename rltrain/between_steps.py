@@ -49,8 +49,15 @@ class BetweenSteps(enum.Enum):
 class TrainerCycle:
     """The trainer through the loop's steps, as `BetweenSteps` says."""
 
-    def __init__(self, trainer: Trainer, checkpointer: Checkpointer, between: BetweenSteps, colocate: bool,
-                 checkpoint_interval: int, last_steps: tuple[int, ...]):
+    def __init__(
+        self,
+        trainer: Trainer,
+        checkpointer: Checkpointer,
+        between: BetweenSteps,
+        colocate: bool,
+        checkpoint_interval: int,
+        last_steps: tuple[int, ...],
+    ):
         self.trainer, self.checkpointer, self.between = trainer, checkpointer, between
         self.colocate = colocate
         # Saved every `interval` steps and at the run's end: loop.steps, or loop.stop_after.

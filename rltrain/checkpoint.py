@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 
 from rltrain.runtime.files import atomic_write_text, file_digest, fsync_tree, replace_dir
 
@@ -98,8 +99,12 @@ def find_resumable(root: Path, max_step: int | None = None) -> Path | None:
             log.warning("skipping checkpoint: %s", e)
             continue
         if max_step is not None and step > max_step:
-            log.warning("skipping checkpoint %s: the job ended before step %d was recorded in the metrics "
-                        "(after the save); that step runs again", path, step)
+            log.warning(
+                "skipping checkpoint %s: the job ended before step %d was recorded in the metrics "
+                "(after the save); that step runs again",
+                path,
+                step,
+            )
             continue
         return path
     return None
@@ -140,7 +145,6 @@ class Checkpointer:
 
     def save(self, step: int, trainer: Any, version: str | None, extra: dict[str, Any]) -> Path:
         """Write, verify and publish checkpoint `step`; raise CheckpointError (on every rank) if any part failed."""
-        import torch.distributed.checkpoint as dcp
 
         world = self.world
         final = self.root / step_dir_name(step)
@@ -166,8 +170,16 @@ class Checkpointer:
         if error is None:
             try:
                 buf = io.BytesIO()
-                torch.save({"rng": rng_state(), "trainer": trainer.host_state(), "step": step, "version": version,
-                            "extra": extra}, buf)
+                torch.save(
+                    {
+                        "rng": rng_state(),
+                        "trainer": trainer.host_state(),
+                        "step": step,
+                        "version": version,
+                        "extra": extra,
+                    },
+                    buf,
+                )
                 rank_file = tmp / f"rank{world.rank}.pt"
                 with open(rank_file, "wb") as f:
                     f.write(buf.getvalue())
@@ -180,10 +192,18 @@ class Checkpointer:
         if world.rank == 0:
             try:
                 fsync_tree(tmp)
-                files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": file_digest(p, bits=128)}
-                         for p in sorted(tmp.rglob("*")) if p.is_file()}
-                manifest = {"step": step, "version": version, "world_size": world.world_size,
-                            "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+                files = {
+                    str(p.relative_to(tmp)): {"size": p.stat().st_size, "xxh3_128": file_digest(p, bits=128)}
+                    for p in sorted(tmp.rglob("*"))
+                    if p.is_file()
+                }
+                manifest = {
+                    "step": step,
+                    "version": version,
+                    "world_size": world.world_size,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                    "files": files,
+                }
                 # The checksums were computed by reading the files back after fsync: that read is
                 # the verification; the manifest then certifies them for every later load.
                 atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -202,8 +222,10 @@ class Checkpointer:
         if failed:
             if cleanup is not None and self.world.rank == 0:
                 shutil.rmtree(cleanup, ignore_errors=True)
-            raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed) +
-                                  " — the trainer is kept and the previous checkpoint is untouched")
+            raise CheckpointError(
+                "; ".join(f"rank {r}: {e}" for r, e in failed)
+                + " — the trainer is kept and the previous checkpoint is untouched"
+            )
 
     def _prune(self, newest: Path) -> None:
         if self.keep_last <= 0:
@@ -216,7 +238,6 @@ class Checkpointer:
     def load(self, path: Path, trainer: Any, restore_rank_state: bool = True) -> Restored:
         """Verify (rank 0, shared with all), then restore trainer state and — unless
         `restore_rank_state` is False (re-creation within a run) — RNG and the saved extras."""
-        import torch.distributed.checkpoint as dcp
 
         error = None
         manifest = None
@@ -224,8 +245,10 @@ class Checkpointer:
             try:
                 manifest = verify(path)
                 if manifest["world_size"] != self.world.world_size:
-                    error = (f"{path} was saved by {manifest['world_size']} ranks, this job has {self.world.world_size}; "
-                             "per-rank RNG and data state cannot be mapped")
+                    error = (
+                        f"{path} was saved by {manifest['world_size']} ranks, this job has {self.world.world_size}; "
+                        "per-rank RNG and data state cannot be mapped"
+                    )
             except CheckpointError as e:
                 error = str(e)
         errors = self.world.bridge.all_gather_object(error, phase="checkpoint verify")

@@ -83,14 +83,14 @@ def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
 
 
 def train(cfg: Config, env: DistEnv) -> int:
-    from rltrain.loop import run
-    from rltrain.runtime.world import World
+    from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
+    from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
 
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
     if cfg.trainer.deterministic:
-        import torch
+        import torch  # noqa: PLC0415 - show-config and --help answer without importing torch
 
         # Read by cuBLAS when its first handle is made (below, after the world), and inherited by
         # the engine process.
@@ -105,7 +105,7 @@ def train(cfg: Config, env: DistEnv) -> int:
         if ok:
             world.close()
     if env.rank == 0 and cfg.metrics.plot:
-        from rltrain.plot import write_plots
+        from rltrain.plot import write_plots  # noqa: PLC0415 - show-config and --help answer without importing torch
 
         for p in write_plots(cfg.run_dir):
             log.info("wrote %s", p)

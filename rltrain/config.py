@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -119,7 +119,7 @@ class RolloutConfig:
 class RewardConfig:
     # math, exact_match, format, or module:function (called as fn(response_text, record) -> float)
     function: str = "math"
-    format_regex: Optional[str] = None
+    format_regex: str | None = None
     timeout_s: float = 10.0
     workers: int = 4
     pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
@@ -132,13 +132,13 @@ class AlgoConfig:
     gamma: float = 1.0  # reinforce_plus_plus*
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     kl_coef: float = 0.0
     kl_in: Literal["loss", "reward"] = "loss"
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    tis_cap: Optional[float] = None  # truncated importance sampling cap against engine log-probs
+    tis_cap: float | None = None  # truncated importance sampling cap against engine log-probs
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
 
@@ -180,16 +180,23 @@ class TrainerConfig:
         if self.lr <= 0 or self.micro_batch_size < 1 or self.grad_clip <= 0:
             raise ConfigError("trainer.lr, trainer.grad_clip must be > 0 and trainer.micro_batch_size >= 1")
         if min(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size) < 1:
-            raise ConfigError("trainer.tensor_parallel_size, expert_parallel_size and pipeline_parallel_size must "
-                              "be >= 1")
+            raise ConfigError(
+                "trainer.tensor_parallel_size, expert_parallel_size and pipeline_parallel_size must be >= 1"
+            )
         if self.backend == "native" and (self.expert_parallel_size != 1 or self.pipeline_parallel_size != 1):
-            raise ConfigError("trainer.expert_parallel_size and pipeline_parallel_size > 1 need trainer.backend=megatron")
+            raise ConfigError(
+                "trainer.expert_parallel_size and pipeline_parallel_size > 1 need trainer.backend=megatron"
+            )
         if self.backend == "native" and self.distributed_optimizer:
-            raise ConfigError("trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the native "
-                              "trainer shards optimizer state with FSDP2 anyway")
+            raise ConfigError(
+                "trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the native "
+                "trainer shards optimizer state with FSDP2 anyway"
+            )
         if self.backend == "native" and self.tensor_parallel_size != 1:
-            raise ConfigError("trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
-                              "trainer shards with FSDP2 over all ranks)")
+            raise ConfigError(
+                "trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
+                "trainer shards with FSDP2 over all ranks)"
+            )
         if self.backend == "megatron" and self.gradient_checkpointing:
             raise ConfigError("trainer.gradient_checkpointing is not supported by trainer.backend=megatron yet")
 
@@ -328,18 +335,29 @@ class Config:
     def check(self) -> None:
         """Cross-section checks (each section checks itself first)."""
         if self.release.train and self.release.source == "host" and self.checkpoint.interval == 0:
-            raise ConfigError("release.train with release.source=host keeps the released trainer only in RAM: "
-                              "set checkpoint.interval >= 1 so it is also written to disk")
+            raise ConfigError(
+                "release.train with release.source=host keeps the released trainer only in RAM: "
+                "set checkpoint.interval >= 1 so it is also written to disk"
+            )
         if self.sync.transport == "delta" and self.loop.colocate:
-            raise ConfigError("sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
-                              "disk, but colocated engines read the trainer's memory directly (use tensor)")
+            raise ConfigError(
+                "sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
+                "disk, but colocated engines read the trainer's memory directly (use tensor)"
+            )
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
-            raise ConfigError(f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
-                              f"got {self.rollout.n}")
-        if self.algo.kl_in == "reward" and self.algo.kl_coef and self.algo.advantage not in (
-                "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
-            raise ConfigError("algo.kl_in=reward is the REINFORCE++ form; with "
-                              f"algo.advantage={self.algo.advantage} put the KL in the loss (algo.kl_in=loss)")
+            raise ConfigError(
+                f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
+                f"got {self.rollout.n}"
+            )
+        if (
+            self.algo.kl_in == "reward"
+            and self.algo.kl_coef
+            and self.algo.advantage not in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        ):
+            raise ConfigError(
+                "algo.kl_in=reward is the REINFORCE++ form; with "
+                f"algo.advantage={self.algo.advantage} put the KL in the loss (algo.kl_in=loss)"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -367,7 +385,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(p)!r}: expected a mapping at the top level, got {type(loaded).__name__}")
+            raise ConfigError(
+                f"config file {str(p)!r}: expected a mapping at the top level, got {type(loaded).__name__}"
+            )
         raw = loaded
     for item in overrides:
         key, value = _parse_override(item)
@@ -450,7 +470,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
             f"unknown config key {prefix}{k!r}{_close(str(k), names)} (valid keys in {where}: {', '.join(names)})"
         )
     kwargs = {}
-    for name, f in fields.items():
+    for name in fields:
         if name not in raw:
             continue
         kwargs[name] = _convert(hints[name], raw[name], f"{prefix}{name}")

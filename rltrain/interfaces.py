@@ -62,9 +62,15 @@ class World(Protocol):
     @property
     def is_up(self) -> bool: ...
 
-    def new_group(self, ranks: list[int] | tuple[int, ...] | None = None, *, backend: str | None = None,
-                  timeout: timedelta | float | None = None, pg_options: Any = None,
-                  description: str | None = None) -> Any: ...
+    def new_group(
+        self,
+        ranks: list[int] | tuple[int, ...] | None = None,
+        *,
+        backend: str | None = None,
+        timeout: timedelta | float | None = None,
+        pg_options: Any = None,
+        description: str | None = None,
+    ) -> Group: ...
 
     def destroy(self, block: bool | None = None) -> None: ...
 

@@ -1,14 +1,14 @@
 """The driver loop: every rank runs this, one step per iteration, phases in order.
 
-    ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
-    ENGINE ->      release engine memory (weights, KV cache)               [colocate]
-    TRAIN          world rebuild, trainer back on the device (re-created if released), old/ref
-                   log-probs, advantages, optimizer steps, checkpoint
-    SYNC           engine resumes weights; the trainer gathers its shards and sends the new
-                   version (sync.transport), every engine loads it; version and checksum verified
-    RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
-    PUT AWAY       trainer offloaded or released (between_steps.py)
-    ENGINE <-      engine resumes the KV cache                               [colocate]
+ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
+ENGINE ->      release engine memory (weights, KV cache)               [colocate]
+TRAIN          world rebuild, trainer back on the device (re-created if released), old/ref
+               log-probs, advantages, optimizer steps, checkpoint
+SYNC           engine resumes weights; the trainer gathers its shards and sends the new
+               version (sync.transport), every engine loads it; version and checksum verified
+RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
+PUT AWAY       trainer offloaded or released (between_steps.py)
+ENGINE <-      engine resumes the KV cache                               [colocate]
 """
 
 from __future__ import annotations
@@ -41,11 +41,21 @@ Phase = Callable[[str], AbstractContextManager[None]]
 def run(cfg: Config, world: World) -> dict[str, float]:
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, cycle, sampler = parts.engine, parts.trainer, parts.cycle, parts.sampler
-    clock = PhaseClock(world.device, world.rank, MemoryLedger(world.device, trainer.held_tensors, engine.memory_report,
-                                                              world.communicator_bytes, world.cuda_context))
+    clock = PhaseClock(
+        world.device,
+        world.rank,
+        MemoryLedger(
+            world.device, trainer.held_tensors, engine.memory_report, world.communicator_bytes, world.cuda_context
+        ),
+    )
     writer = MetricsWriter(cfg, world, parts.start_step)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, n=cfg.rollout.n)
+    params = SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        n=cfg.rollout.n,
+    )
     version = parts.initial_version
     last: dict[str, float] = {}
     world.destroy()  # rollout runs with the NCCL world down
@@ -59,15 +69,16 @@ def run(cfg: Config, world: World) -> dict[str, float]:
             with clock.phase("rollout"):
                 step_params = params
                 if cfg.rollout.seeded:
-                    step_params = dataclasses.replace(params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank))
+                    step_params = dataclasses.replace(
+                        params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank)
+                    )
                 prompts = sampler.next_batch(world.rank, world.world_size)
                 rollout = collect(engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
             if engine.recover():  # an engine died: restarted (or the job stops, with its log tail)
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
                     _send_weights_again(parts, world, version)
-                    rollout = retry_failed(rollout, engine.client, prompts, step_params, parts.tokenizer,
-                                           parts.rewards)
+                    rollout = retry_failed(rollout, engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
                     rollout.stats["engine_restarts"] = 1.0
             with clock.phase("rollout"):
                 _check_versions(rollout, version, world.rank)
@@ -141,11 +152,15 @@ def _check_versions(rollout: Rollout, expected: str | None, rank: int) -> None:
         return
     seen = {s.completion.weight_version for g in rollout.groups for s in g}
     if seen - {expected}:
-        raise StaleWeightsError(f"rank {rank}: rollout produced by weight version(s) {sorted(map(str, seen))}, "
-                                f"expected {expected}; the engine did not load the published weights")
+        raise StaleWeightsError(
+            f"rank {rank}: rollout produced by weight version(s) {sorted(map(str, seen))}, "
+            f"expected {expected}; the engine did not load the published weights"
+        )
 
 
-def _prepare(cfg: Config, trainer: Trainer, rollout: Rollout) -> tuple[TrainBatch, torch.Tensor | None, dict[str, float]]:
+def _prepare(
+    cfg: Config, trainer: Trainer, rollout: Rollout
+) -> tuple[TrainBatch, torch.Tensor | None, dict[str, float]]:
     """Old/ref log-probs and advantages for this rank's kept groups (an empty batch if none:
     the rank still joins every collective of the train step)."""
     batch, rewards = build_batch(rollout.groups, trainer.pad_id)
@@ -159,9 +174,15 @@ def _prepare(cfg: Config, trainer: Trainer, rollout: Rollout) -> tuple[TrainBatc
         assert batch.ref_logp is not None
         token_kl = kl_penalty(batch.old_logp, batch.ref_logp, cfg.algo.kl_estimator) * batch.loss_mask
     in_reward = cfg.algo.kl_in == "reward" and cfg.algo.kl_coef > 0
-    batch.advantages = compute_advantages(cfg.algo.advantage, rewards, batch.loss_mask, norm_std=cfg.algo.norm_std,
-                                          token_kl=token_kl if in_reward else None,
-                                          kl_coef=cfg.algo.kl_coef if in_reward else 0.0, gamma=cfg.algo.gamma)
+    batch.advantages = compute_advantages(
+        cfg.algo.advantage,
+        rewards,
+        batch.loss_mask,
+        norm_std=cfg.algo.norm_std,
+        token_kl=token_kl if in_reward else None,
+        kl_coef=cfg.algo.kl_coef if in_reward else 0.0,
+        gamma=cfg.algo.gamma,
+    )
     # How far the engine's log-probs are from the trainer's for the same tokens and weights.
     mask = batch.loss_mask.bool()
     assert batch.rollout_logp is not None

@@ -12,12 +12,15 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from rltrain.runtime.files import atomic_write_text
+from rltrain.runtime.ledger import MemoryLedger
 
 log = logging.getLogger("rltrain.loop")
 
@@ -27,7 +30,6 @@ class PhaseClock:
     with the rank, the phase and the step before the error goes on."""
 
     def __init__(self, device: torch.device, rank: int = 0, ledger: Any = None):
-        from rltrain.runtime.ledger import MemoryLedger
 
         self.device, self.rank = device, rank
         self.ledger = ledger if ledger is not None else MemoryLedger(device)
@@ -90,12 +92,10 @@ class MetricsWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._keep_steps_up_to(start_step)
             if cfg.metrics.progress_bar:
-                from tqdm import tqdm
-
                 self.bar = tqdm(total=cfg.loop.steps, desc="rltrain", dynamic_ncols=True)
             if cfg.metrics.tensorboard:
                 try:
-                    from torch.utils.tensorboard import SummaryWriter
+                    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - tensorboard is optional
 
                     self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"))
                 except ImportError:
@@ -109,17 +109,23 @@ class MetricsWriter:
         kept = [line for step, line in recorded(self.path) if step <= start_step]
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
 
-    def step(self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict,
-             clock: PhaseClock) -> dict[str, float]:
+    def step(
+        self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict, clock: PhaseClock
+    ) -> dict[str, float]:
         thr = self.cfg.reward.pass_threshold
         flat = rewards.reshape(-1) if rewards is not None else torch.zeros(0)
         lengths = [len(s.completion.output_ids) for g in rollout.groups for s in g]
         local = {
-            "n": float(flat.numel()), "reward_sum": float(flat.sum()), "reward_sq": float((flat ** 2).sum()),
-            "passed": float((flat >= thr).sum()), "length_sum": float(sum(lengths)),
+            "n": float(flat.numel()),
+            "reward_sum": float(flat.sum()),
+            "reward_sq": float((flat**2).sum()),
+            "passed": float((flat >= thr).sum()),
+            "length_sum": float(sum(lengths)),
             **{k: v for k, v in rollout.stats.items()},
             "logp_diff_sum": adv_stats.get("logp_diff_engine_trainer", 0.0) * flat.numel(),
-            "times": clock.times, "memory": clock.memory, "step_seconds": clock.step_seconds,
+            "times": clock.times,
+            "memory": clock.memory,
+            "step_seconds": clock.step_seconds,
         }
         gathered = self.world.bridge.all_gather_object(local, phase="metrics")
         if self.world.rank != 0:
@@ -130,11 +136,13 @@ class MetricsWriter:
         rec: dict[str, Any] = {
             "step": step + 1,
             "reward_mean": mean,
-            "reward_std": max(tot("reward_sq") / n - mean ** 2, 0.0) ** 0.5,
+            "reward_std": max(tot("reward_sq") / n - mean**2, 0.0) ** 0.5,
             "pass_rate": tot("passed") / n,
             "response_length": tot("length_sum") / n,
-            "samples": tot("samples"), "samples_trained": tot("n"),
-            "generation_failed": tot("generation_failed"), "reward_failed": tot("reward_failed"),
+            "samples": tot("samples"),
+            "samples_trained": tot("n"),
+            "generation_failed": tot("generation_failed"),
+            "reward_failed": tot("reward_failed"),
             "groups_dropped": tot("groups_dropped"),
             # Generations lost to an engine that died, sampled again after its restart.
             "generation_retried": sum(g.get("generation_retried", 0.0) for g in gathered),
@@ -153,8 +161,12 @@ class MetricsWriter:
             os.fsync(f.fileno())
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{mean:.3f}", pass_rate=f"{rec['pass_rate']:.2f}",
-                                 kl=f"{rec.get('kl', 0.0):.3f}", step_s=f"{rec['time']['step']:.1f}")
+            self.bar.set_postfix(
+                reward=f"{mean:.3f}",
+                pass_rate=f"{rec['pass_rate']:.2f}",
+                kl=f"{rec.get('kl', 0.0):.3f}",
+                step_s=f"{rec['time']['step']:.1f}",
+            )
         if self.tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)):

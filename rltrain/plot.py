@@ -3,11 +3,12 @@ PNGs. `--ledger [STEP]` prints a step's memory ledger as a table instead."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
-from rltrain.runtime.ledger import DEVICE_PARTS
+from rltrain.runtime.ledger import DEVICE_PARTS, format_ledger
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -18,10 +19,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - 0.8 s to import; only when plots are written
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
@@ -61,7 +62,7 @@ HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
 def plot_ledger(row: dict, path: Path) -> Path:
     """One panel per rank: the ledger after each phase of the row's step, stacked — the device's
     parts where there is a GPU (the stack's top is `device_used`), the host's otherwise."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
 
     memory = row["memory"]
     fig, axes = plt.subplots(len(memory), 1, figsize=(9, 3.2 * len(memory)), squeeze=False)
@@ -87,23 +88,26 @@ def plot_ledger(row: dict, path: Path) -> Path:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
 
     plt.close(fig)
     return path
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     ap = argparse.ArgumentParser(prog="python -m rltrain.plot", description=__doc__)
     ap.add_argument("run_dir")
-    ap.add_argument("--ledger", nargs="?", const=-1, type=int, metavar="STEP",
-                    help="print the memory ledger of STEP (default: the last step) instead of plotting")
+    ap.add_argument(
+        "--ledger",
+        nargs="?",
+        const=-1,
+        type=int,
+        metavar="STEP",
+        help="print the memory ledger of STEP (default: the last step) instead of plotting",
+    )
     a = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if a.ledger is not None:
-        from rltrain.runtime.ledger import format_ledger
-
         rows = read_metrics(Path(a.run_dir))
         row = rows[-1] if a.ledger < 0 else next((r for r in rows if r["step"] == a.ledger), None)
         if row is None:

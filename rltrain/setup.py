@@ -6,9 +6,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from rltrain.between_steps import BetweenSteps, TrainerCycle
@@ -28,7 +27,7 @@ log = logging.getLogger("rltrain.setup")
 
 @dataclass
 class RunParts:
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: PreTrainedTokenizerBase
     sampler: PromptSampler
     rewards: RewardRunner
     trainer: Trainer
@@ -63,62 +62,116 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     if cfg.model.build == "tiny-addition":
         # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
         # `exists()` itself raced with rank 0's build: a late rank skipped the collective.)
-        _on_rank0(world, "building the tiny model", lambda: model_path.exists() or synthetic.build_tiny_model(
-            model_path, synthetic.addition_words(), hidden=cfg.model.build_hidden, layers=cfg.model.build_layers,
-            seed=cfg.run.seed))
+        _on_rank0(
+            world,
+            "building the tiny model",
+            lambda: (
+                model_path.exists()
+                or synthetic.build_tiny_model(
+                    model_path,
+                    synthetic.addition_words(),
+                    hidden=cfg.model.build_hidden,
+                    layers=cfg.model.build_layers,
+                    seed=cfg.run.seed,
+                )
+            ),
+        )
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={str(model_path)!r} is not an HF checkpoint directory (no config.json)")
     data_path = cfg.data.path
     if data_path == "synthetic:addition":
         data_path = str(cfg.run_dir / "data" / "addition.jsonl")
-        _on_rank0(world, "writing the synthetic dataset",
-                  lambda: synthetic.write_jsonl(Path(data_path), synthetic.addition_records()))
+        _on_rank0(
+            world,
+            "writing the synthetic dataset",
+            lambda: synthetic.write_jsonl(Path(data_path), synthetic.addition_records()),
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model_cfg = AutoConfig.from_pretrained(model_path)
     if len(tokenizer) > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer of {model_path} has {len(tokenizer)} tokens but the model's vocabulary is "
-                         f"{model_cfg.vocab_size}: tokenizer and model do not match")
-    prompts = tokenize_records(read_records(data_path), tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens,
-                               source=data_path)
+        raise ValueError(
+            f"tokenizer of {model_path} has {len(tokenizer)} tokens but the model's vocabulary is "
+            f"{model_cfg.vocab_size}: tokenizer and model do not match"
+        )
+    prompts = tokenize_records(
+        read_records(data_path), tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, source=data_path
+    )
     if cfg.data.prompts_per_step % world.world_size:
-        raise ValueError(f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the "
-                         f"{world.world_size} ranks")
+        raise ValueError(
+            f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the {world.world_size} ranks"
+        )
     sampler = PromptSampler(prompts, cfg.data.prompts_per_step, cfg.run.seed)
-    rewards = RewardRunner(load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s,
-                           cfg.reward.workers)
+    rewards = RewardRunner(
+        load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s, cfg.reward.workers
+    )
 
     trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     trainer.create()
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler)
-    cycle = TrainerCycle(trainer, checkpointer, BetweenSteps.of(cfg), cfg.loop.colocate, cfg.checkpoint.interval,
-                         (cfg.loop.steps, cfg.loop.stop_after))
+    cycle = TrainerCycle(
+        trainer,
+        checkpointer,
+        BetweenSteps.of(cfg),
+        cfg.loop.colocate,
+        cfg.checkpoint.interval,
+        (cfg.loop.steps, cfg.loop.stop_after),
+    )
 
     # The embedded engine loads weight versions only from the sync directory (and its own model).
-    engine = NodeEngine.launch(cfg.engine, cfg.engine_model_path, world, cfg.run_dir,
-                               weights_roots=[str(cfg.weights_dir)], colocate=cfg.loop.colocate,
-                               vocab_size=model_cfg.vocab_size)
+    engine = NodeEngine.launch(
+        cfg.engine,
+        cfg.engine_model_path,
+        world,
+        cfg.run_dir,
+        weights_roots=[str(cfg.weights_dir)],
+        colocate=cfg.loop.colocate,
+        vocab_size=model_cfg.vocab_size,
+    )
     sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path)
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
         assert restored.version is not None, "a checkpoint records the weight version it was saved at"
         sync.push(restored.version)
     initial = engine.weight_version()
-    log.info("engine %s serves weight version %s; %d prompts, %d per step", engine.url, initial, len(prompts),
-             cfg.data.prompts_per_step)
-    return RunParts(tokenizer, sampler, rewards, trainer, cycle, engine, sync,
-                    restored.step if restored else 0, initial)
+    log.info(
+        "engine %s serves weight version %s; %d prompts, %d per step",
+        engine.url,
+        initial,
+        len(prompts),
+        cfg.data.prompts_per_step,
+    )
+    return RunParts(
+        tokenizer, sampler, rewards, trainer, cycle, engine, sync, restored.step if restored else 0, initial
+    )
 
 
 def _trainer(cfg: Config, world: World, model_path: str, pad_id: int) -> Trainer:
     if cfg.trainer.backend == "megatron":
-        from rltrain.trainer.megatron.trainer import MegatronTrainer  # megatron-core is optional
+        from rltrain.trainer.megatron.trainer import MegatronTrainer  # noqa: PLC0415 - megatron-core is optional
 
-        return MegatronTrainer(cfg.trainer, cfg.algo, model_path, world.device, world, seed=cfg.run.seed,
-                               total_steps=cfg.loop.steps, temperature=cfg.rollout.temperature, pad_id=pad_id)
-    return FSDPTrainer(cfg.trainer, cfg.algo, model_path, world.device, seed=cfg.run.seed, total_steps=cfg.loop.steps,
-                       temperature=cfg.rollout.temperature, pad_id=pad_id)
+        return MegatronTrainer(
+            cfg.trainer,
+            cfg.algo,
+            model_path,
+            world.device,
+            world,
+            seed=cfg.run.seed,
+            total_steps=cfg.loop.steps,
+            temperature=cfg.rollout.temperature,
+            pad_id=pad_id,
+        )
+    return FSDPTrainer(
+        cfg.trainer,
+        cfg.algo,
+        model_path,
+        world.device,
+        seed=cfg.run.seed,
+        total_steps=cfg.loop.steps,
+        temperature=cfg.rollout.temperature,
+        pad_id=pad_id,
+    )
 
 
 def checkpoint_dir(cfg: Config) -> Path:

@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models import make_model  # noqa: E402
-
 from rltrain.config import EngineConfig  # noqa: E402
 from rltrain.engine.client import EngineClient  # noqa: E402
 from rltrain.engine.launcher import EngineProcess, server_command  # noqa: E402
@@ -60,8 +59,9 @@ def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | No
     env = dict(env or {})
     if kind == "sglang":
         env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])
-    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}",
-                               log_dir / f"{kind}.log", env=env)
+    proc = EngineProcess.start(
+        server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env=env
+    )
     client = EngineClient(proc.url, request_timeout_s=120, retries=1)
     try:
         client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)

@@ -12,7 +12,8 @@ Use `with megatron_on_cpu(): ...` around building and running megatron models.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 from unittest import mock
 
 import torch
@@ -103,13 +104,17 @@ def megatron_on_cpu() -> Iterator[None]:
         mock.patch("torch.cuda.stream", lambda s: contextlib.nullcontext()),
         mock.patch("torch.cuda.memory_allocated", lambda device=None: 0),
         mock.patch("torch.cuda.max_memory_allocated", lambda device=None: 0),
-        mock.patch("megatron.core.tensor_parallel.random._get_cuda_rng_state",
-                   lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()),
+        mock.patch(
+            "megatron.core.tensor_parallel.random._get_cuda_rng_state",
+            lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state(),
+        ),
         # The MoE all-to-all dispatcher moves its split sizes to host numpy arrays only when they
         # are CUDA tensors; here they are CPU tensors already, which all_to_all_single refuses.
         mock.patch("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", _to_host),
-        mock.patch("megatron.core.tensor_parallel.random._set_cuda_rng_state",
-                   lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)),
+        mock.patch(
+            "megatron.core.tensor_parallel.random._set_cuda_rng_state",
+            lambda state, device=-1, graph_safe=False: torch.set_rng_state(state),
+        ),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:

@@ -16,9 +16,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -96,7 +97,9 @@ def run_ranks(
                 outcomes.append(RankOutcome(r, p.exitcode, error=f"exited with code {p.exitcode} without a result"))
                 continue
             kind, payload = pickle.loads(f.read_bytes())
-            outcomes.append(RankOutcome(r, p.exitcode, **({"value": payload} if kind == "value" else {"error": payload})))
+            outcomes.append(
+                RankOutcome(r, p.exitcode, **({"value": payload} if kind == "value" else {"error": payload}))
+            )
         return outcomes
 
 
@@ -108,14 +111,34 @@ def values(outcomes: list[RankOutcome]) -> list[Any]:
     return [o.value for o in outcomes]
 
 
-def run_torchrun(cwd: Path, entry: list[str], args: list[str], nproc: int = 2, timeout_s: float = 280,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_torchrun(
+    cwd: Path,
+    entry: list[str],
+    args: list[str],
+    nproc: int = 2,
+    timeout_s: float = 280,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node=nproc <entry> <args>` in its own session: on a timeout the
     whole tree (agent, ranks, engine) is killed, not orphaned, and the test fails with its stderr."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           *entry, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        *entry,
+        *args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
@@ -16,8 +16,9 @@ import pytest
 def tmpfs(path: Path, size_mb: int = 256) -> Iterator[Callable[[], None]]:
     """Mount a tmpfs at `path` for the block; yields `read_only()`, which remounts it read-only."""
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
 

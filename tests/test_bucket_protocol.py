@@ -15,14 +15,14 @@ from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, u
 def _mixed() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     return [
-        ("a", torch.randn(3, 5, generator=g).to(torch.bfloat16)),   # 30 bytes: the next start is padded
+        ("a", torch.randn(3, 5, generator=g).to(torch.bfloat16)),  # 30 bytes: the next start is padded
         ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
-        ("c", torch.randn(2, 3, generator=g)),                        # float32 after bfloat16: a new run
-        ("d", torch.randint(0, 1 << 40, (3,), generator=g)),          # int64
-        ("e", torch.tensor(2.5)),                                     # 0-d
-        ("f", torch.empty(0, 4)),                                     # empty
+        ("c", torch.randn(2, 3, generator=g)),  # float32 after bfloat16: a new run
+        ("d", torch.randint(0, 1 << 40, (3,), generator=g)),  # int64
+        ("e", torch.tensor(2.5)),  # 0-d
+        ("f", torch.empty(0, 4)),  # empty
         ("g", torch.arange(5, dtype=torch.uint8)),
-        ("h", torch.randn(4, 4, generator=g).t()),                    # not contiguous
+        ("h", torch.randn(4, 4, generator=g).t()),  # not contiguous
     ]
 
 
@@ -44,21 +44,32 @@ def test_mixed_dtypes_round_trip_bit_exactly_into_fresh_and_reused_buffers():
 def test_views_come_one_split_per_run_of_a_dtype():
     metadata, _ = bucket_layout(_mixed())
     layout = BucketViews(metadata)
-    assert [run[0] for run in layout.runs] == [torch.bfloat16, torch.float32, torch.int64, torch.float32, torch.uint8,
-                                                torch.float32]
+    assert [run[0] for run in layout.runs] == [
+        torch.bfloat16,
+        torch.float32,
+        torch.int64,
+        torch.float32,
+        torch.uint8,
+        torch.float32,
+    ]
     assert layout.tensor_bytes == sum(m.end_idx - m.start_idx for m in metadata)
 
 
 def _meta(name, shape, dtype, start, end):
-    return types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start, end_idx=end, numel=end - start)
+    return types.SimpleNamespace(
+        name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start, end_idx=end, numel=end - start
+    )
 
 
-@pytest.mark.parametrize("metadata, match", [
-    ([_meta("x", (4,), torch.float32, 2, 18)], "inconsistent"),                     # misaligned for float32
-    ([_meta("x", (4,), torch.float32, 0, 12)], "inconsistent"),                     # range is not the shape
-    ([_meta("x", (4,), torch.float32, 0, 16), _meta("y", (2,), torch.float32, 8, 16)], "overlaps"),
-    ([_meta("x", (64,), torch.float32, 0, 256)], "cannot hold"),                    # beyond the buffer
-])
+@pytest.mark.parametrize(
+    "metadata, match",
+    [
+        ([_meta("x", (4,), torch.float32, 2, 18)], "inconsistent"),  # misaligned for float32
+        ([_meta("x", (4,), torch.float32, 0, 12)], "inconsistent"),  # range is not the shape
+        ([_meta("x", (4,), torch.float32, 0, 16), _meta("y", (2,), torch.float32, 8, 16)], "overlaps"),
+        ([_meta("x", (64,), torch.float32, 0, 256)], "cannot hold"),  # beyond the buffer
+    ],
+)
 def test_metadata_that_do_not_fit_the_buffer_are_refused(metadata, match):
     with pytest.raises(ValueError, match=match):
         unflatten_bucket({"flattened_tensor": torch.zeros(64, dtype=torch.uint8), "metadata": metadata})
@@ -175,7 +186,8 @@ def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big
     good, other = "model.norm.weight", "model.layers.0.input_layernorm.weight"
     base = combine({n: entry(t) for n, t in state.items()})
     send = lambda named: native.client.update_weights_from_tensor(  # noqa: E731
-        [tensor_payload.serialize(tensor_payload.flatten_bucket(named))], weight_version="bad")
+        [tensor_payload.serialize(tensor_payload.flatten_bucket(named))], weight_version="bad"
+    )
     with pytest.raises(EngineError, match="unknown parameter 'model.nope'"):
         send([(good, torch.full_like(state[good], 7.0)), ("model.nope", torch.zeros(3))])
     wrong = torch.zeros(state[other].numel() + 1)

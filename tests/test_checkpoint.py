@@ -24,8 +24,10 @@ VARIABLE = {"time", "memory", "rollout_tokens_per_s", "train_tokens_per_s"}
 
 
 def rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in VARIABLE}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k not in VARIABLE}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def final_weights(run_dir: Path, version: int) -> dict[str, torch.Tensor]:
@@ -183,11 +185,20 @@ def test_release_returns_memory_to_the_pre_trainer_baseline(tmp_path):
 
 # ------------------------------------------------------------------ faults (tests/faults/sitecustomize.py)
 
+
 def _faulty(tmp_path: Path, fault: str, *overrides: str, restarts: int = 0):
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
-           "RLTRAIN_TEST_FAULT": fault}
-    return run_quickstart(tmp_path, "checkpoint.interval=1", "world.timeout_s=60", *overrides,
-                          torchrun_args=(f"--max-restarts={restarts}",), env=env)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
+        "RLTRAIN_TEST_FAULT": fault,
+    }
+    return run_quickstart(
+        tmp_path,
+        "checkpoint.interval=1",
+        "world.timeout_s=60",
+        *overrides,
+        torchrun_args=(f"--max-restarts={restarts}",),
+        env=env,
+    )
 
 
 def _nothing_half_written(run_dir: Path, temporary_allowed: bool = False) -> None:
@@ -202,8 +213,9 @@ def _nothing_half_written(run_dir: Path, temporary_allowed: bool = False) -> Non
         verify(c)  # raises on a partial or corrupt checkpoint
 
 
-@pytest.mark.parametrize("phase,action", [("rollout", "raise"), ("train", "kill"), ("save", "raise"),
-                                          ("world_rebuild", "raise")])
+@pytest.mark.parametrize(
+    "phase,action", [("rollout", "raise"), ("train", "kill"), ("save", "raise"), ("world_rebuild", "raise")]
+)
 def test_a_rank_failing_in_a_phase_ends_every_rank_with_the_phase_named(tmp_path, phase, action):
     """Rank 1 raises (or is SIGKILLed) at step 2: the job ends non-zero, nothing hangs (the
     test's own deadline is far below a hang), the failing phase is named, and every checkpoint and
@@ -227,8 +239,10 @@ def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_unin
     # The survivor names the phase, unless torchrun's SIGTERM (sent on rank 1's death) reaches it
     # first, which happens on a loaded machine: then torchrun names the SIGKILL, in its restart log
     # ("failed (exitcode: -9) local_rank: 1") or in its final report ("exitcode  : -9").
-    assert any(s in r.stderr for s in ("rank 0 failed in phase sync of step 3", "(exitcode: -9) local_rank: 1",
-                                       "exitcode  : -9")), r.stderr[-3000:]
+    assert any(
+        s in r.stderr
+        for s in ("rank 0 failed in phase sync of step 3", "(exitcode: -9) local_rank: 1", "exitcode  : -9")
+    ), r.stderr[-3000:]
     assert "before step 3 was recorded" in r.stderr, r.stderr[-3000:]
     assert "resumed from" in r.stderr and "step 2, weight version 2" in r.stderr, r.stderr[-3000:]
     run_dir = tmp_path / "quickstart"
@@ -239,8 +253,10 @@ def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_unin
 
 
 def _engine_dies(tmp_path: Path, versions: str, *overrides: str):
-    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
-           "RLTRAIN_TEST_ENGINE_DIE": f"{versions}:{tmp_path}"}
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent / "faults"), os.environ.get("PYTHONPATH", "")]),
+        "RLTRAIN_TEST_ENGINE_DIE": f"{versions}:{tmp_path}",
+    }
     return run_quickstart(tmp_path, "world.timeout_s=60", "engine.retries=1", *overrides, env=env)
 
 
@@ -258,8 +274,9 @@ def test_an_engine_dying_mid_rollout_is_restarted_and_its_lost_generations_are_r
     assert got[1]["engine_restarts"] == 1 and got[1]["generation_retried"] > 0, got[1]
     assert got[1]["generation_failed"] == 0 and got[1]["samples_trained"] == 64
     retry_only = {"engine_restarts", "generation_retried"}
-    assert [{k: v for k, v in x.items() if k not in retry_only} for x in got] == \
-        [{k: v for k, v in x.items() if k not in retry_only} for x in rows(straight)]
+    assert [{k: v for k, v in x.items() if k not in retry_only} for x in got] == [
+        {k: v for k, v in x.items() if k not in retry_only} for x in rows(straight)
+    ]
     assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
 
 

@@ -52,7 +52,10 @@ def test_unknown_key_names_the_key_and_the_close_match():
 
 
 def test_a_moved_key_names_its_new_place():
-    for old, new in (("loop.weights_dir=/w", "sync.weights_dir"), ("loop.keep_weight_versions=3", "sync.keep_weight_versions")):
+    for old, new in (
+        ("loop.weights_dir=/w", "sync.weights_dir"),
+        ("loop.keep_weight_versions=3", "sync.keep_weight_versions"),
+    ):
         with pytest.raises(ConfigError, match=f"{old.split('=')[0]} moved to {new}"):
             load_config(None, REQUIRED + [old])
     cfg = load_config(None, REQUIRED + ["sync.weights_dir=/w", "sync.keep_weight_versions=3"])
@@ -115,7 +118,9 @@ def test_resolved_config_is_written_atomically_and_round_trips(tmp_path):
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rltrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "rltrain", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_show_config_prints_the_resolved_config(tmp_path):

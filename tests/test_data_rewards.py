@@ -42,7 +42,9 @@ def test_prompt_longer_than_limit_is_rejected_up_front(tok):
 def test_chat_prompts_need_a_chat_template(tok):
     with pytest.raises(DataError, match="need a tokenizer with a chat template"):
         tokenize_records([{"messages": [{"role": "user", "content": "1 + 2 ="}]}], tok, False, 64)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} ={% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} ={% endif %}"
+    )
     try:
         (p,) = tokenize_records([{"messages": [{"role": "user", "content": "1 + 2"}]}], tok, False, 64)
         assert tok.convert_ids_to_tokens(p.input_ids) == ["1", "+", "2", "="]

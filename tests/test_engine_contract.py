@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from models import engine_greedy, hf_greedy
-from rltrain.weights import bucket as tensor_payload
 from rltrain.engine.client import EngineError
-from rltrain.runtime.net import free_port
 from rltrain.engine.protocol import SamplingParams
+from rltrain.runtime.net import free_port
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
+from rltrain.weights import bucket as tensor_payload
 
 PROMPTS = [[1, 2, 3], [5, 6], [7, 8, 9, 10, 11], [42]]
 
@@ -82,13 +82,17 @@ def test_greedy_logprobs_are_the_models_log_softmax(server, model_a):
 def test_stop_token_ends_generation_with_stop_reason(server):
     first = greedy(server.client, [PROMPTS[0]])[0]
     stop = first[2]
-    c = server.client.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[stop]))[0]
+    c = server.client.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[stop]))[
+        0
+    ]
     assert c.ok and c.finish_reason == "stop" and c.output_ids[-1] == stop
     assert c.output_ids == first[: first.index(stop) + 1]
 
 
 def test_sampling_respects_top_k_one_as_greedy(server):
-    sampled = server.client.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, ignore_eos=True))
+    sampled = server.client.generate(
+        PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, ignore_eos=True)
+    )
     assert [c.output_ids for c in sampled] == greedy(server.client)
 
 
@@ -133,6 +137,7 @@ def test_update_weights_from_distributed_over_gloo(server, model_a, model_b):
     t.join(60)
     pg = joined["pg"]
     try:
+
         def send():
             for _, tensor in state_b:
                 torch.distributed.broadcast(tensor.contiguous(), group=pg, group_src=0)
@@ -141,8 +146,12 @@ def test_update_weights_from_distributed_over_gloo(server, model_a, model_b):
         with server.client.weight_update_session():
             sender.start()
             server.client.update_weights_from_distributed(
-                [n for n, _ in state_b], [str(v.dtype).removeprefix("torch.") for _, v in state_b],
-                [list(v.shape) for _, v in state_b], group_name="wug", weight_version="d-b")
+                [n for n, _ in state_b],
+                [str(v.dtype).removeprefix("torch.") for _, v in state_b],
+                [list(v.shape) for _, v in state_b],
+                group_name="wug",
+                weight_version="d-b",
+            )
         sender.join(60)
         assert not sender.is_alive()
         assert greedy(server.client) == hf_greedy(model_b, PROMPTS, 6)

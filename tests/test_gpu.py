@@ -89,7 +89,9 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
             if i == 0:  # garbage first, overwritten through the same buffer by the third bucket
                 part = [(n, torch.randn_like(t)) for n, t in part]
             bucket = tensor_payload.flatten_bucket(part, out=ring[i % 2])
-            rep = cuda_native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="ipc-r")
+            rep = cuda_native.client.update_weights_from_tensor(
+                [tensor_payload.serialize(bucket)], weight_version="ipc-r"
+            )
             mapped.append(rep["mapped"])
         cuda_native.client.end_weight_update()
         assert mapped == [True, True, False]
@@ -100,9 +102,9 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
 
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model
+    from rltrain.batch import TrainBatch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.pinned import pinned_host_bytes
-    from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
 
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
@@ -111,13 +113,18 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
     t.create()
     B, L = 8, 32
-    batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
-                       advantages=torch.randn(B, L))
+    batch = TrainBatch(
+        torch.randint(1, 8192, (B, L)),
+        torch.ones(B, L, dtype=torch.long),
+        torch.ones(B, L),
+        advantages=torch.randn(B, L),
+    )
     batch.old_logp, _ = t.logprobs(batch)
     t.train_step(batch)
     held = torch.cuda.memory_allocated() - base_alloc
     state = sum(p.numel() * p.element_size() for p in t.model.parameters()) * 3
     assert held >= state
+
     # The step's activations are freed but cached: whole segments with nothing allocated in them.
     # trim hands every such segment back (free pieces of segments that still hold state stay).
     def free_segments() -> int:
@@ -158,9 +165,9 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     from torch.distributed.tensor import DTensor
 
     from models import make_model
+    from rltrain.batch import TrainBatch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
-    from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
 
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
@@ -168,8 +175,12 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
     B, L = 8, 32
     g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(torch.randint(1, 8192, (B, L), generator=g), torch.ones(B, L, dtype=torch.long),
-                       torch.ones(B, L), advantages=torch.randn(B, L, generator=g))
+    batch = TrainBatch(
+        torch.randint(1, 8192, (B, L), generator=g),
+        torch.ones(B, L, dtype=torch.long),
+        torch.ones(B, L),
+        advantages=torch.randn(B, L, generator=g),
+    )
     world = World(backend="nccl", timeout=60)
     # Bitwise comparison below: deterministic kernels (embedding backward uses atomics otherwise;
     # cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8, set by the GPU run's environment).
@@ -212,6 +223,7 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     on the same GPU, a one-rank NCCL world; the ledger after each transition."""
     from pathlib import Path
 
+    from rltrain.batch import TrainBatch
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
     from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
@@ -219,23 +231,31 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     from rltrain.runtime.ledger import MemoryLedger
     from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
-    from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
 
     world = World(backend="nccl", timeout=60)
     device = world.device
     port = free_port()
-    engine = EngineProcess.start(server_command(EngineConfig(backend="native", device="cuda", dtype="bfloat16"), model,
-                                                port), f"http://127.0.0.1:{port}", Path(log_dir) / "engine.log")
+    engine = EngineProcess.start(
+        server_command(EngineConfig(backend="native", device="cuda", dtype="bfloat16"), model, port),
+        f"http://127.0.0.1:{port}",
+        Path(log_dir) / "engine.log",
+    )
     client = EngineClient(engine.url, retries=0)
     client.wait_healthy(300, alive=lambda: engine.alive)
     node = NodeEngine(client, engine.url, engine, world)
     trainer = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="bfloat16"), AlgoConfig(), model, device)
     trainer.create()
-    ledger = MemoryLedger(device, trainer.held_tensors, node.memory_report, world.communicator_bytes, world.cuda_context)
+    ledger = MemoryLedger(
+        device, trainer.held_tensors, node.memory_report, world.communicator_bytes, world.cuda_context
+    )
     B, L = 8, 64
-    batch = TrainBatch(torch.randint(1, 8192, (B, L)), torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
-                       advantages=torch.randn(B, L))
+    batch = TrainBatch(
+        torch.randint(1, 8192, (B, L)),
+        torch.ones(B, L, dtype=torch.long),
+        torch.ones(B, L),
+        advantages=torch.randn(B, L),
+    )
     out = []
     try:
         batch.old_logp, _ = trainer.logprobs(batch)

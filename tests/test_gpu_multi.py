@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices of one host")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices of one host"),
+]
 pytest.importorskip("megatron.core")
 
 from conftest import start_engine  # noqa: E402
@@ -23,9 +25,16 @@ from models import make_model, make_moe_model  # noqa: E402
 from multiproc import run_ranks, values  # noqa: E402
 from test_checkpoint import assert_bitwise_equal, final_weights, rows  # noqa: E402
 from test_loop import run_quickstart  # noqa: E402
+from test_megatron import (
+    _batch,
+    _hf_logprobs,
+    _hf_state,
+    _megatron_rank,
+    _moe_rank,
+    _resume_rank,  # noqa: E402
+    assert_rows_match,
+)
 from test_trainer import _gather_rank  # noqa: E402
-from test_megatron import (_batch, _hf_logprobs, _hf_state, _megatron_rank, _moe_rank, _resume_rank,  # noqa: E402
-                           assert_rows_match)
 
 # cuBLAS repeats bitwise only with a fixed workspace (read when a process makes its first handle).
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -52,10 +61,26 @@ def dense(tmp_path_factory):
     path = make_model(root / "m", seed=11, arch="qwen3")
     engine = _engine(path, root)
     try:
-        tp2 = values(run_ranks(_megatron_rank, 2, str(path), 2, engine.process.url, str(root / "w"), False, 1, "cuda",
-                               deadline_s=400, env=ENV))
-        dp2 = values(run_ranks(_megatron_rank, 2, str(path), 1, None, str(root / "w2"), False, 1, "cuda",
-                               deadline_s=400, env=ENV))
+        tp2 = values(
+            run_ranks(
+                _megatron_rank,
+                2,
+                str(path),
+                2,
+                engine.process.url,
+                str(root / "w"),
+                False,
+                1,
+                "cuda",
+                deadline_s=400,
+                env=ENV,
+            )
+        )
+        dp2 = values(
+            run_ranks(
+                _megatron_rank, 2, str(path), 1, None, str(root / "w2"), False, 1, "cuda", deadline_s=400, env=ENV
+            )
+        )
     finally:
         engine.client.close()
         engine.process.stop()
@@ -90,9 +115,23 @@ def moe(tmp_path_factory):
     path = make_moe_model(root / "moe", seed=2)
     engines = [_engine(path, root / f"ep{r}", "--ep-size", "2", "--ep-rank", str(r)) for r in range(2)]
     try:
-        ep1 = values(run_ranks(_moe_rank, 2, str(path), 1, str(root), None, "distributed", "cuda", deadline_s=400, env=ENV))
-        ep2 = values(run_ranks(_moe_rank, 2, str(path), 2, str(root), [e.process.url for e in engines], "distributed",
-                               "cuda", deadline_s=400, env=ENV))
+        ep1 = values(
+            run_ranks(_moe_rank, 2, str(path), 1, str(root), None, "distributed", "cuda", deadline_s=400, env=ENV)
+        )
+        ep2 = values(
+            run_ranks(
+                _moe_rank,
+                2,
+                str(path),
+                2,
+                str(root),
+                [e.process.url for e in engines],
+                "distributed",
+                "cuda",
+                deadline_s=400,
+                env=ENV,
+            )
+        )
         loaded = [e.client.weights_checksum() for e in engines]
     finally:
         for e in engines:
@@ -124,8 +163,10 @@ def test_megatron_ep2_across_two_gpus_matches_hf_and_routes_experts_over_nccl(mo
     assert s["routed"] and s["versions"] == ["5", "5"]
     assert s["bytes_to"] == [total - experts // 2] * 2
     assert [x["bytes_loaded"] for x in loaded] == s["bytes_to"] and [x["weight_version"] for x in loaded] == ["5", "5"]
-    print(f"\nexpert routing over NCCL, EP=2: bytes to each engine EP rank routed {s['bytes_to']}, "
-          f"unrouted {[total, total]} (experts {experts} of {total} bytes)")
+    print(
+        f"\nexpert routing over NCCL, EP=2: bytes to each engine EP rank routed {s['bytes_to']}, "
+        f"unrouted {[total, total]} (experts {experts} of {total} bytes)"
+    )
 
 
 @pytest.mark.parametrize("tp,dist_opt", [(2, False), (1, True)], ids=["tp2", "dp2-distributed-optimizer"])
@@ -133,15 +174,21 @@ def test_megatron_release_and_resume_across_two_gpus_are_exact(tmp_path, tp, dis
     """Release the trainer (every GPU byte), re-create it from the checkpoint and from a host
     snapshot: the next steps equal the run that never released, bitwise."""
     path = make_model(tmp_path / "m", seed=11, arch="qwen3")
-    for r in values(run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, 1, "cuda", deadline_s=400,
-                              env=ENV)):
+    for r in values(
+        run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, 1, "cuda", deadline_s=400, env=ENV)
+    ):
         assert r["steps"] == 3
         for n, w in r["straight"].items():
             assert torch.equal(r["resumed"][n], w), n
 
 
-DET = ("engine.deterministic=true", "trainer.deterministic=true", "rollout.max_new_tokens=2", "loop.steps=4",
-       "checkpoint.interval=2")
+DET = (
+    "engine.deterministic=true",
+    "trainer.deterministic=true",
+    "rollout.max_new_tokens=2",
+    "loop.steps=4",
+    "checkpoint.interval=2",
+)
 
 
 @pytest.mark.parametrize("backend", ["native", "megatron"])

@@ -16,21 +16,25 @@ def _reference(t: torch.Tensor) -> tuple[int, int]:
     (1-based position * word), modulo 2**64 as signed int64."""
     raw = bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist())
     raw += b"\0" * (-len(raw) % 4)
-    words = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+    words = [int.from_bytes(raw[i : i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
     return _signed64(sum(words)), _signed64(sum((i + 1) * w for i, w in enumerate(words)))
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, COLS - 1, COLS, COLS + 1, 3 * COLS + 17])
 def test_sums_match_the_definition_across_row_boundaries(n):
     g = torch.Generator().manual_seed(n)
-    t = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+    t = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
     assert tensor_sums(t) == _reference(t)
 
 
 def test_sums_wrap_around_and_pad_odd_byte_counts():
     extreme = torch.full((5 * COLS + 3,), 2**31 - 1, dtype=torch.int32)
     assert tensor_sums(extreme) == _reference(extreme)
-    for t in (torch.randn(7, 13).to(torch.bfloat16), torch.arange(11, dtype=torch.uint8), torch.randn(3, dtype=torch.float64)):
+    for t in (
+        torch.randn(7, 13).to(torch.bfloat16),
+        torch.arange(11, dtype=torch.uint8),
+        torch.randn(3, dtype=torch.float64),
+    ):
         assert tensor_sums(t) == _reference(t)
     # Large enough that the weighted sum wraps many times over.
     big = torch.full((1 << 22,), -(2**31), dtype=torch.int32)
@@ -55,6 +59,8 @@ def test_a_swap_or_a_changed_word_changes_the_checksum():
 def test_sums_are_the_same_when_rows_are_widened_in_several_blocks(monkeypatch):
     from rltrain.weights import checksum as integrity
 
-    t = torch.randint(-2**31, 2**31 - 1, (7 * COLS + 5,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    t = torch.randint(
+        -(2**31), 2**31 - 1, (7 * COLS + 5,), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    )
     monkeypatch.setattr(integrity, "ROWS", 2)  # 7 rows in blocks of 2, 2, 2, 1
     assert tensor_sums(t) == _reference(t)

@@ -36,11 +36,14 @@ def _close(a, b, tol):
     assert torch.allclose(a, b, atol=tol, rtol=tol), f"max |diff| {(a - b).abs().max().item():.3g}"
 
 
-@pytest.mark.parametrize("rows,vocab,temperature,dtype", [
-    (5, 37, 1.0, torch.float32),     # odd sizes, one block
-    (3, 257, 0.7, torch.float32),    # temperature
-    (4, 300, 1.0, torch.bfloat16),   # bf16 logits, float32 statistics
-])
+@pytest.mark.parametrize(
+    "rows,vocab,temperature,dtype",
+    [
+        (5, 37, 1.0, torch.float32),  # odd sizes, one block
+        (3, 257, 0.7, torch.float32),  # temperature
+        (4, 300, 1.0, torch.bfloat16),  # bf16 logits, float32 statistics
+    ],
+)
 def test_logprob_entropy_kernel_matches_float64_reference(rows, vocab, temperature, dtype, monkeypatch):
     from rltrain.kernels import triton_logprob
 
@@ -50,8 +53,9 @@ def test_logprob_entropy_kernel_matches_float64_reference(rows, vocab, temperatu
     targets = torch.randint(0, vocab, (rows,), generator=g).to(DEV)
     glogp, gent = torch.randn(rows, generator=g).to(DEV), torch.randn(rows, generator=g).to(DEV)
     lp, ent, (gl,) = _grads(lambda x: logprobs_entropy(x, targets, temperature, impl="triton"), [logits], glogp, gent)
-    rlp, rent, (rgl,) = _grads(lambda x: reference_logprobs_entropy(x.double(), targets, temperature),
-                               [logits], glogp.double(), gent.double())
+    rlp, rent, (rgl,) = _grads(
+        lambda x: reference_logprobs_entropy(x.double(), targets, temperature), [logits], glogp.double(), gent.double()
+    )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     _close(lp, rlp, tol)
     _close(ent, rent, tol)
@@ -69,10 +73,18 @@ def test_fused_linear_kernel_matches_float64_reference_in_chunks(monkeypatch):
     weight = (torch.randn(v, h, generator=g) / 4).to(DEV)
     targets = torch.randint(0, v, (n,), generator=g).to(DEV)
     glogp, gent = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
-    out = _grads(lambda a, b: linear_logprobs_entropy(a, b, targets, 0.9, chunk_tokens=3, impl="triton"),
-                 [hidden, weight], glogp, gent)
-    ref = _grads(lambda a, b: reference_linear_logprobs_entropy(a.double(), b.double(), targets, 0.9),
-                 [hidden, weight], glogp.double(), gent.double())
+    out = _grads(
+        lambda a, b: linear_logprobs_entropy(a, b, targets, 0.9, chunk_tokens=3, impl="triton"),
+        [hidden, weight],
+        glogp,
+        gent,
+    )
+    ref = _grads(
+        lambda a, b: reference_linear_logprobs_entropy(a.double(), b.double(), targets, 0.9),
+        [hidden, weight],
+        glogp.double(),
+        gent.double(),
+    )
     for a, b in zip(out[:2] + tuple(out[2]), ref[:2] + tuple(ref[2])):
         _close(a, b, 1e-4)
 
@@ -111,19 +123,29 @@ def _vocab_parallel_rank(rank: int, world_size: int, impl: str) -> dict:
     start = rank * shard
     valid = max(0, min(shard, vocab - start))
     group = dist.group.WORLD
-    local_w = weight[start:start + shard].float().to(dev)
+    local_w = weight[start : start + shard].float().to(dev)
     lp, ent, (gh, gw) = _grads(
-        lambda a, b: linear_logprobs_entropy(a, b, targets.to(dev), 0.8, group=group, vocab_start=start, valid=valid,
-                                             chunk_tokens=2, impl=impl),
-        [hidden.float().to(dev), local_w], glogp.float().to(dev), gent.float().to(dev))
+        lambda a, b: linear_logprobs_entropy(
+            a, b, targets.to(dev), 0.8, group=group, vocab_start=start, valid=valid, chunk_tokens=2, impl=impl
+        ),
+        [hidden.float().to(dev), local_w],
+        glogp.float().to(dev),
+        gent.float().to(dev),
+    )
     lp, ent, gh, gw = lp.cpu(), ent.cpu(), gh.cpu(), gw.cpu()
     dist.all_reduce(gh, group=group)  # the output layer's input gradient is summed over TP
-    rlp, rent, (rgh, rgw) = _grads(lambda a, b: reference_linear_logprobs_entropy(a, b[:vocab], targets, 0.8),
-                                   [hidden, weight], glogp, gent)
+    rlp, rent, (rgh, rgw) = _grads(
+        lambda a, b: reference_linear_logprobs_entropy(a, b[:vocab], targets, 0.8), [hidden, weight], glogp, gent
+    )
     dist.destroy_process_group()
     diff = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
-    return {"logp": diff(lp, rlp), "ent": diff(ent, rent), "gh": diff(gh, rgh),
-            "gw": diff(gw[:valid], rgw[start:start + valid]), "pad_grad": gw[valid:].abs().max().item() if valid < shard else 0.0}
+    return {
+        "logp": diff(lp, rlp),
+        "ent": diff(ent, rent),
+        "gh": diff(gh, rgh),
+        "gw": diff(gw[:valid], rgw[start : start + valid]),
+        "pad_grad": gw[valid:].abs().max().item() if valid < shard else 0.0,
+    }
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -149,8 +171,11 @@ def test_pyproject_lists_every_package():
     tomllib = pytest.importorskip("tomllib")
     root = Path(__file__).resolve().parents[1]
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "rltrain").rglob("__init__.py")
-             if not p.parent.is_symlink()}
+    found = {
+        ".".join(p.parent.relative_to(root).parts)
+        for p in (root / "rltrain").rglob("__init__.py")
+        if not p.parent.is_symlink()
+    }
     assert found | {"rltrain.kernels"} == listed
     assert Path(sys.modules["rltrain.kernels"].__file__).resolve().parent == root / "kernels"
 
@@ -160,21 +185,30 @@ def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, mon
     head left alone (logits, then the log-softmax path on CPU, the logits kernel on CUDA) gives
     the same log-probs, entropies and GRPO step within float32 rounding."""
     from models import make_model
-    from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.batch import TrainBatch
+    from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.fsdp import FSDPTrainer, LogprobHead
 
     path = make_model(tmp_path / "m", seed=5, vocab=300, hidden=32, layers=2)
     g = torch.Generator().manual_seed(0)
     B, L = 4, 12
-    batch = TrainBatch(torch.randint(1, 300, (B, L), generator=g), torch.ones(B, L, dtype=torch.long),
-                       torch.ones(B, L), advantages=torch.randn(B, L, generator=g))
+    batch = TrainBatch(
+        torch.randint(1, 300, (B, L), generator=g),
+        torch.ones(B, L, dtype=torch.long),
+        torch.ones(B, L),
+        advantages=torch.randn(B, L, generator=g),
+    )
     results = {}
     for fused in (True, False):
         if not fused:
             monkeypatch.setattr(LogprobHead, "fits", classmethod(lambda cls, head, config: False))
-        t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=2, dtype="float32"), AlgoConfig(entropy_coef=0.01),
-                         str(path), torch.device(DEV), temperature=0.8)
+        t = FSDPTrainer(
+            TrainerConfig(lr=1e-3, micro_batch_size=2, dtype="float32"),
+            AlgoConfig(entropy_coef=0.01),
+            str(path),
+            torch.device(DEV),
+            temperature=0.8,
+        )
         t.create()
         assert isinstance(t.model.get_output_embeddings(), LogprobHead) == fused
         lp, ent = t.logprobs(batch)

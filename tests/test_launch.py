@@ -24,8 +24,11 @@ QUICK = ["data.prompts_per_step=8", "metrics.progress_bar=false", "metrics.plot=
 
 def _env() -> dict[str, str]:
     # The launch scripts call torchrun / python3 from PATH: this interpreter's first.
-    return {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-            "PYTHON": sys.executable}
+    return {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "PYTHON": sys.executable,
+    }
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -33,10 +36,20 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 def test_two_agents_as_two_nodes_each_with_its_engine_complete_the_quickstart(tmp_path):
-    cmd = ["bash", str(REPO / "launch" / "local-multinode.sh"), "2", "1", str(REPO / "configs" / "quickstart.yaml"),
-           f"run.dir={tmp_path}", f"model.path={tmp_path / 'base_model'}", "loop.steps=3", *QUICK]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = [
+        "bash",
+        str(REPO / "launch" / "local-multinode.sh"),
+        "2",
+        "1",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}",
+        "loop.steps=3",
+        *QUICK,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -54,6 +67,7 @@ def test_two_agents_as_two_nodes_each_with_its_engine_complete_the_quickstart(tm
 
 # ---------------------------------------------------------------------------------------- Slurm
 
+
 def _cluster_up() -> bool:
     if not shutil.which("sbatch"):
         return False
@@ -65,16 +79,32 @@ def _cluster_up() -> bool:
 
 def slurm(test):
     """Marked `slurm` (select with -m slurm) and skipped without a cluster."""
-    skip = pytest.mark.skipif(not _cluster_up(), reason="no Slurm cluster here (start one: launch/slurm/test-cluster.sh)")
+    skip = pytest.mark.skipif(
+        not _cluster_up(), reason="no Slurm cluster here (start one: launch/slurm/test-cluster.sh)"
+    )
     return pytest.mark.slurm(skip(test))
 
 
 def _submit(tmp_path: Path, run_dir: Path, *overrides: str) -> str:
     env = {**_env(), "RLTRAIN_NPROC_PER_NODE": "2", "RLTRAIN_RUN_DIR": str(run_dir)}
-    r = subprocess.run(["sbatch", "--parsable", f"--chdir={REPO}", f"--output={tmp_path}/slurm-%j.out",
-                        "--job-name=rltrain-test", str(REPO / "launch" / "slurm" / "rltrain.sbatch"),
-                        "configs/quickstart.yaml", f"model.path={tmp_path / 'base_model'}", *QUICK, *overrides],
-                       capture_output=True, text=True, env=env, timeout=30)
+    r = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={REPO}",
+            f"--output={tmp_path}/slurm-%j.out",
+            "--job-name=rltrain-test",
+            str(REPO / "launch" / "slurm" / "rltrain.sbatch"),
+            "configs/quickstart.yaml",
+            f"model.path={tmp_path / 'base_model'}",
+            *QUICK,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout.strip().split(";")[0]
 
@@ -129,8 +159,11 @@ def test_scancel_mid_run_then_resubmission_resumes_from_the_checkpoint(tmp_path)
     assert _steps(run_dir / "quickstart")[-1] < 60, "the first job was not stopped mid-run"
     recorded = _steps(run_dir / "quickstart")[-1]
     # The newest checkpoint of a recorded step (a step saved but not yet recorded runs again).
-    saved = max(s for s in (int(p.name.removeprefix("step_")) for p in ckpts.glob("step_*")
-                            if (p / "manifest.json").is_file()) if s <= recorded)
+    saved = max(
+        s
+        for s in (int(p.name.removeprefix("step_")) for p in ckpts.glob("step_*") if (p / "manifest.json").is_file())
+        if s <= recorded
+    )
 
     again = _submit(tmp_path, run_dir, *args)
     state = _wait(again, time.time() + 300)

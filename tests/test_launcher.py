@@ -88,7 +88,9 @@ def test_crashed_engine_is_reported_with_its_log_tail(model_a, tmp_path):
         node.check_alive()
         os.kill(srv.process.proc.pid, signal.SIGKILL)
         srv.process.proc.wait(30)
-        with pytest.raises(EngineCrashed, match=r"exited \(exit code -9\); last lines of .*native.log:\n(.|\n)*serving"):
+        with pytest.raises(
+            EngineCrashed, match=r"exited \(exit code -9\); last lines of .*native.log:\n(.|\n)*serving"
+        ):
             node.check_alive()
         failed = srv.client.generate([[1, 2]], SamplingParams(max_new_tokens=2))
         assert not failed[0].ok and "Connection refused" in failed[0].error  # failed, not an empty sample

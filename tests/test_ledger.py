@@ -24,8 +24,12 @@ def test_the_ledger_sizes_the_trainers_weights_and_optimizer_state(model_a):
     weights = sum(t.untyped_storage().nbytes() for t in [*trainer.model.parameters(), *trainer.model.buffers()])
     assert before["trainer_host"] * GIB == weights  # no optimizer state before the first step
     one_step(trainer, fixed_batch())
-    state = sum(v.untyped_storage().nbytes() for s in trainer.optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor))
+    state = sum(
+        v.untyped_storage().nbytes()
+        for s in trainer.optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
     assert state > 2 * weights * 0.99  # Adam's two moments (and step counters)
     after = ledger.read()
     assert after["trainer_host"] * GIB == weights + state

@@ -16,12 +16,24 @@ from rltrain.weights.versions import StaleWeightsError
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_quickstart(tmp_path: Path, *overrides: str, torchrun_args: tuple[str, ...] = (),
-                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_torchrun(tmp_path, [*torchrun_args, "-m", "rltrain"], [
-        "--config", str(REPO / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
-        f"model.path={tmp_path / 'base_model'}", "loop.steps=3", "data.prompts_per_step=8",
-        "metrics.progress_bar=false", *overrides], env=env)
+def run_quickstart(
+    tmp_path: Path, *overrides: str, torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return run_torchrun(
+        tmp_path,
+        [*torchrun_args, "-m", "rltrain"],
+        [
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            f"run.dir={tmp_path}",
+            f"model.path={tmp_path / 'base_model'}",
+            "loop.steps=3",
+            "data.prompts_per_step=8",
+            "metrics.progress_bar=false",
+            *overrides,
+        ],
+        env=env,
+    )
 
 
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])
@@ -35,8 +47,17 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     for row in rows:
         assert row["samples"] == 8 * 8 and row["generation_failed"] == 0 and row["reward_failed"] == 0
         assert 0.0 <= row["reward_mean"] <= 1.0 and 0.0 <= row["pass_rate"] <= 1.0
-        for key in ("kl", "entropy", "clip_frac", "grad_norm", "lr", "rollout_tokens_per_s", "train_tokens_per_s",
-                    "response_length", "logp_diff_engine_trainer"):
+        for key in (
+            "kl",
+            "entropy",
+            "clip_frac",
+            "grad_norm",
+            "lr",
+            "rollout_tokens_per_s",
+            "train_tokens_per_s",
+            "response_length",
+            "logp_diff_engine_trainer",
+        ):
             assert key in row, key
         assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
         # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and on the
@@ -45,7 +66,10 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         for rank in ("rank0", "rank1"):
             assert set(row["memory"][rank]) >= {"rollout", "train", "sync", "trainer_offload"}
             assert row["memory"][rank]["train"]["trainer_host"] > 0
-        assert row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and "engine_rss" not in row["memory"]["rank1"]["rollout"]
+        assert (
+            row["memory"]["rank0"]["rollout"]["engine_rss"] > 0
+            and "engine_rss" not in row["memory"]["rank1"]["rollout"]
+        )
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
         assert row["logp_diff_engine_trainer"] < 1e-3
     # Versions 2 and 3 kept (sync.keep_weight_versions=2), published atomically: no temp dirs left.
@@ -54,8 +78,9 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     for png in ("reward.png", "phase_time.png", "memory.png"):
         assert (run_dir / png).stat().st_size > 1000
     assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0.log").is_file()
-    ledger = subprocess.run([sys.executable, "-m", "rltrain.plot", str(run_dir), "--ledger", "2"], capture_output=True,
-                            text=True)
+    ledger = subprocess.run(
+        [sys.executable, "-m", "rltrain.plot", str(run_dir), "--ledger", "2"], capture_output=True, text=True
+    )
     assert ledger.returncode == 0 and "memory ledger (GiB) of step 2" in ledger.stdout, ledger.stderr
     assert "trainer_host" in ledger.stdout and "engine_rss" in ledger.stdout
     if mode == "colocated":
@@ -73,8 +98,12 @@ def test_the_loop_syncs_by_every_transport(tmp_path, transport):
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4] and all(row["sync_bytes"] > 0 for row in rows)
     if transport == "delta":  # versions 1, 3 full; 2, 4 deltas rebuilt next to the engine
-        kinds = [json.loads((tmp_path / "quickstart" / "weights" / f"weight_v{v:06d}" / "rltrain_version.json")
-                            .read_text())["kind"] for v in (3, 4)]
+        kinds = [
+            json.loads((tmp_path / "quickstart" / "weights" / f"weight_v{v:06d}" / "rltrain_version.json").read_text())[
+                "kind"
+            ]
+            for v in (3, 4)
+        ]
         assert kinds == ["full", "delta"]
         assert rows[3]["sync_bytes"] < rows[2]["sync_bytes"]
 

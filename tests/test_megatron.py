@@ -8,7 +8,8 @@ checksum. Conversion is checked exactly, in one process.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,11 @@ def _hf_state(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("arch,vocab,tied", [("qwen2", 256, False), ("qwen3", 255, False), ("llama", 256, True)],
-                         ids=["qwen2-qkv-bias", "qwen3-qk-norm-odd-vocab", "llama-tied"])
+@pytest.mark.parametrize(
+    "arch,vocab,tied",
+    [("qwen2", 256, False), ("qwen3", 255, False), ("llama", 256, True)],
+    ids=["qwen2-qkv-bias", "qwen3-qk-norm-odd-vocab", "llama-tied"],
+)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_hf_megatron_round_trip_is_exact(tmp_path, arch, vocab, tied, tp):
     import transformers
@@ -60,7 +64,6 @@ def test_moe_round_trip_is_exact(tmp_path):
     import transformers
 
     from rltrain.trainer.megatron.convert import dims, from_mcore, hf_to_mcore_shards
-
     from tests.models import make_moe_model
 
     path = make_moe_model(tmp_path / "moe", seed=2)
@@ -78,27 +81,43 @@ def test_moe_round_trip_is_exact(tmp_path):
 def _make_mixtral(path):
     import transformers
 
-    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=1024, tie_word_embeddings=False,
-                                     eos_token_id=255, bos_token_id=0, pad_token_id=0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_id=255,
+        bos_token_id=0,
+        pad_token_id=0,
+    )
     torch.manual_seed(5)
     transformers.MixtralForCausalLM(cfg).save_pretrained(path)
     return path
 
 
 def _mixtral_rank(rank: int, world_size: int, path: str) -> dict:
-    from tests.megatron_shim import megatron_on_cpu
-
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
     from rltrain.trainer.megatron.trainer import MegatronTrainer
+    from tests.megatron_shim import megatron_on_cpu
 
     world = World(backend="gloo", timeout=120)
     try:
         with megatron_on_cpu():
-            t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=2, lr=1e-3, micro_batch_size=2,
-                                              dtype="float32"), AlgoConfig(), path, torch.device("cpu"), world)
+            t = MegatronTrainer(
+                TrainerConfig(backend="megatron", expert_parallel_size=2, lr=1e-3, micro_batch_size=2, dtype="float32"),
+                AlgoConfig(),
+                path,
+                torch.device("cpu"),
+                world,
+            )
             t.create()
             mine = _batch(3, n=4).slice(slice(rank * 2, rank * 2 + 2))
             lp, _ = t.logprobs(mine)
@@ -147,13 +166,15 @@ def test_conversion_refuses_what_it_cannot_map(tmp_path):
         dims(moe, 1)
     with pytest.raises(ConversionError, match="supports"):
         dims(transformers.GPT2Config(), 1)
-    jitter = transformers.MixtralConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                        num_key_value_heads=1, router_jitter_noise=0.1)
+    jitter = transformers.MixtralConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, router_jitter_noise=0.1
+    )
     with pytest.raises(ConversionError, match="jitter"):
         dims(jitter, 1)
 
 
 # ---------------------------------------------------------------------- real processes
+
 
 def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
     from rltrain.batch import TrainBatch
@@ -162,8 +183,8 @@ def _batch(seed: int, n: int = 4, L: int = 12, vocab: int = 256):
     tokens = torch.randint(1, vocab - 1, (n, L), generator=g)
     attn = torch.ones(n, L, dtype=torch.long)
     for b in range(n):  # right padding, uneven lengths
-        attn[b, L - b:] = 0
-        tokens[b, L - b:] = 0
+        attn[b, L - b :] = 0
+        tokens[b, L - b :] = 0
     loss = attn.float()
     loss[:, :4] = 0
     adv = torch.randn(n, 1, generator=g).expand(n, L) * loss
@@ -194,15 +215,36 @@ def _trainer(path: str, world, tp: int, lr: float = 1e-3, dist_opt: bool = False
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
-    t = MegatronTrainer(TrainerConfig(backend="megatron", tensor_parallel_size=tp, lr=lr, micro_batch_size=2,
-                                      dtype="float32", distributed_optimizer=dist_opt, pipeline_parallel_size=pp),
-                        AlgoConfig(), path, world.device, world)
+    t = MegatronTrainer(
+        TrainerConfig(
+            backend="megatron",
+            tensor_parallel_size=tp,
+            lr=lr,
+            micro_batch_size=2,
+            dtype="float32",
+            distributed_optimizer=dist_opt,
+            pipeline_parallel_size=pp,
+        ),
+        AlgoConfig(),
+        path,
+        world.device,
+        world,
+    )
     t.create()
     return t
 
 
-def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: str | None, weights_dir: str,
-                   dist_opt: bool = False, pp: int = 1, device: str = "cpu") -> dict:
+def _megatron_rank(
+    rank: int,
+    world_size: int,
+    path: str,
+    tp: int,
+    engine_url: str | None,
+    weights_dir: str,
+    dist_opt: bool = False,
+    pp: int = 1,
+    device: str = "cpu",
+) -> dict:
     with megatron_world(device) as world:
         t = _trainer(path, world, tp, dist_opt=dist_opt, pp=pp)
         dp_rank = rank // tp
@@ -225,17 +267,34 @@ def _megatron_rank(rank: int, world_size: int, path: str, tp: int, engine_url: s
             from rltrain.engine.client import EngineClient
             from rltrain.sync.weight_sync import WeightSync
 
-            cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", "sync.transport=disk",
-                                     f"sync.weights_dir={weights_dir}"])
+            cfg = load_config(
+                None,
+                [
+                    f"model.path={path}",
+                    "data.path=synthetic:addition",
+                    "sync.transport=disk",
+                    f"sync.weights_dir={weights_dir}",
+                ],
+            )
             client = EngineClient(engine_url, request_timeout_s=120)
             ws = WeightSync(cfg, world, t, [client], path)
             ws.push("7")  # raises on a checksum mismatch
             synced = client.weight_version()
             ws.close()
             client.close()
-        return _cpu({"lp_before": lp_before, "lp_after": lp_after, "lp_cycled": lp_cycled, "stats": stats,
-                     "stats2": stats2, "weights": exported, "dp_rank": dp_rank, "synced": synced,
-                     "held": sorted(n for n, _ in t.model.module.named_parameters())})
+        return _cpu(
+            {
+                "lp_before": lp_before,
+                "lp_after": lp_after,
+                "lp_cycled": lp_cycled,
+                "stats": stats,
+                "stats2": stats2,
+                "weights": exported,
+                "dp_rank": dp_rank,
+                "synced": synced,
+                "held": sorted(n for n, _ in t.model.module.named_parameters()),
+            }
+        )
 
 
 def _cpu(obj: Any) -> Any:
@@ -277,8 +336,11 @@ def megatron_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
     path = make_model(root / "m", seed=11, arch="qwen3")
     port = free_port()
-    proc = EngineProcess.start(server_command(EngineConfig(backend="native", device="cpu", dtype="float32"), str(path), port),
-                               f"http://127.0.0.1:{port}", root / "engine.log")
+    proc = EngineProcess.start(
+        server_command(EngineConfig(backend="native", device="cpu", dtype="float32"), str(path), port),
+        f"http://127.0.0.1:{port}",
+        root / "engine.log",
+    )
     try:
         from rltrain.engine.client import EngineClient
 
@@ -293,9 +355,8 @@ def megatron_runs(tmp_path_factory):
 
 
 def _parity_rank(rank: int, world_size: int, path: str) -> dict:
-    from tests.megatron_shim import megatron_on_cpu
-
     from rltrain.runtime.world import World
+    from tests.megatron_shim import megatron_on_cpu
 
     world = World(backend="gloo", timeout=120)
     try:
@@ -329,8 +390,16 @@ def test_tied_embeddings_and_a_padded_vocabulary_at_tp2(tmp_path):
             assert torch.equal(r["weights"][n], t), n
 
 
-def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: list[str] | None = None,
-              transport: str = "tensor", device: str = "cpu") -> dict:
+def _moe_rank(
+    rank: int,
+    world_size: int,
+    path: str,
+    ep: int,
+    root: str,
+    urls: list[str] | None = None,
+    transport: str = "tensor",
+    device: str = "cpu",
+) -> dict:
     from pathlib import Path
 
     from rltrain.checkpoint import Checkpointer
@@ -338,8 +407,13 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: l
     from rltrain.trainer.megatron.trainer import MegatronTrainer
 
     with megatron_world(device) as world:
-        t = MegatronTrainer(TrainerConfig(backend="megatron", expert_parallel_size=ep, lr=1e-3, micro_batch_size=2,
-                                          dtype="float32"), AlgoConfig(), path, world.device, world)
+        t = MegatronTrainer(
+            TrainerConfig(backend="megatron", expert_parallel_size=ep, lr=1e-3, micro_batch_size=2, dtype="float32"),
+            AlgoConfig(),
+            path,
+            world.device,
+            world,
+        )
         t.create()
         held = sorted(n for n in dict(t.model.module.named_parameters()) if "local_experts" in n)
         mine = _batch(2, n=4).slice(slice(rank * 2, rank * 2 + 2))
@@ -358,13 +432,24 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: l
             from rltrain.engine.client import EngineClient
             from rltrain.sync.weight_sync import WeightSync
 
-            cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                     "sync.bucket_mb=1", f"sync.weights_dir={root}/w"])
+            cfg = load_config(
+                None,
+                [
+                    f"model.path={path}",
+                    "data.path=synthetic:addition",
+                    f"sync.transport={transport}",
+                    "sync.bucket_mb=1",
+                    f"sync.weights_dir={root}/w",
+                ],
+            )
             clients = [EngineClient(u, request_timeout_s=120) for u in urls]
             ws = WeightSync(cfg, world, t, clients, path)
             ws.push("5")  # raises unless each engine's checksum over what it owns matches
-            synced = {"routed": ws.plan.routed, "bytes_to": [ws.plan.bytes_to(r) for r in range(2)],
-                      "versions": [c.weight_version() for c in clients]}
+            synced = {
+                "routed": ws.plan.routed,
+                "bytes_to": [ws.plan.bytes_to(r) for r in range(2)],
+                "versions": [c.weight_version() for c in clients],
+            }
             ws.close()
             for c in clients:
                 c.close()
@@ -375,24 +460,37 @@ def _moe_rank(rank: int, world_size: int, path: str, ep: int, root: str, urls: l
         ck.load(saved, t, restore_rank_state=False)
         t.train_step(mine)
         resumed = dict(t.export_weights())
-        return _cpu({"lp": lp, "lp_after": lp_after, "stats": stats, "weights": after_two, "resumed": resumed,
-                     "held": held, "synced": synced})
+        return _cpu(
+            {
+                "lp": lp,
+                "lp_after": lp_after,
+                "stats": stats,
+                "weights": after_two,
+                "resumed": resumed,
+                "held": held,
+                "synced": synced,
+            }
+        )
 
 
 @pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory):
-    from tests.models import make_moe_model
-
     from tests.conftest import start_engine
+    from tests.models import make_moe_model
 
     root = tmp_path_factory.mktemp("moe")
     path = make_moe_model(root / "moe", seed=2)
-    engines = [start_engine("native", path, root / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
-               for r in range(2)]
+    engines = [
+        start_engine("native", path, root / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+        for r in range(2)
+    ]
     try:
-        runs = {1: values(run_ranks(_moe_rank, 2, str(path), 1, str(root), deadline_s=300)),
-                2: values(run_ranks(_moe_rank, 2, str(path), 2, str(root), [e.process.url for e in engines],
-                                    deadline_s=300))}
+        runs = {
+            1: values(run_ranks(_moe_rank, 2, str(path), 1, str(root), deadline_s=300)),
+            2: values(
+                run_ranks(_moe_rank, 2, str(path), 2, str(root), [e.process.url for e in engines], deadline_s=300)
+            ),
+        }
     finally:
         for e in engines:
             e.client.close()
@@ -491,8 +589,9 @@ def test_the_distributed_optimizer_takes_the_same_steps_and_survives_a_world_reb
             assert (sharded["weights"][n] - w).abs().max() < 1e-4, n
 
 
-def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool, pp: int = 1,
-                 device: str = "cpu") -> dict:
+def _resume_rank(
+    rank: int, world_size: int, path: str, root: str, tp: int, dist_opt: bool, pp: int = 1, device: str = "cpu"
+) -> dict:
     from pathlib import Path
 
     from rltrain.checkpoint import Checkpointer
@@ -525,8 +624,9 @@ def _resume_rank(rank: int, world_size: int, path: str, root: str, tp: int, dist
         return _cpu({"straight": straight, "resumed": resumed, "steps": t.steps})
 
 
-@pytest.mark.parametrize("tp,dist_opt,pp", [(2, False, 1), (1, True, 1), (1, False, 2)],
-                         ids=["tp2", "dp2-distributed-optimizer", "pp2"])
+@pytest.mark.parametrize(
+    "tp,dist_opt,pp", [(2, False, 1), (1, True, 1), (1, False, 2)], ids=["tp2", "dp2-distributed-optimizer", "pp2"]
+)
 def test_release_and_resume_from_checkpoint_and_snapshot_are_exact(tmp_path, tp, dist_opt, pp):
     path = make_model(tmp_path / "m", seed=11, arch="qwen3")
     for r in values(run_ranks(_resume_rank, 2, str(path), str(tmp_path), tp, dist_opt, pp, deadline_s=300)):
@@ -551,12 +651,25 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
     from tests.multiproc import run_torchrun
 
     repo = Path(__file__).resolve().parents[1]
-    r = run_torchrun(tmp_path, [str(repo / "tests" / "megatron_loop_script.py")], [
-        "--config", str(repo / "configs" / "quickstart.yaml"), f"run.dir={tmp_path}",
-        f"model.path={tmp_path / 'base_model'}", "loop.steps=4", "data.prompts_per_step=8",
-        "metrics.progress_bar=false", "metrics.plot=false", "trainer.backend=megatron",
-        f"trainer.tensor_parallel_size={tp}", f"trainer.pipeline_parallel_size={pp}", "sync.transport=tensor"],
-        env={"PYTHONPATH": str(repo)})
+    r = run_torchrun(
+        tmp_path,
+        [str(repo / "tests" / "megatron_loop_script.py")],
+        [
+            "--config",
+            str(repo / "configs" / "quickstart.yaml"),
+            f"run.dir={tmp_path}",
+            f"model.path={tmp_path / 'base_model'}",
+            "loop.steps=4",
+            "data.prompts_per_step=8",
+            "metrics.progress_bar=false",
+            "metrics.plot=false",
+            "trainer.backend=megatron",
+            f"trainer.tensor_parallel_size={tp}",
+            f"trainer.pipeline_parallel_size={pp}",
+            "sync.transport=tensor",
+        ],
+        env={"PYTHONPATH": str(repo)},
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

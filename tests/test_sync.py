@@ -29,14 +29,23 @@ def test_plan_coverage_names_missing_duplicated_and_unexpected_weights():
     msg = str(e.value)
     assert "sent twice: ['b']" in msg and "['c']" in msg and "['extra']" in msg
     # A tied head the trainer holds once is covered by its alias.
-    plan = build_plan([spec("embed", 4)], EngineTopology(), 1 << 20, engine_names={"embed", "lm_head"},
-                      aliases={"lm_head": "embed"})
+    plan = build_plan(
+        [spec("embed", 4)], EngineTopology(), 1 << 20, engine_names={"embed", "lm_head"}, aliases={"lm_head": "embed"}
+    )
     assert [w.name for w in plan.weights] == ["embed"]
 
 
 def test_buckets_are_first_fit_decreasing_per_dtype_under_the_limit():
-    weights = [spec("w7", 7), spec("w5", 5), spec("w4", 4), spec("w3", 3), spec("w1", 1), spec("huge", 40),
-               spec("h2", 2, torch.bfloat16), spec("h3", 3, torch.bfloat16)]
+    weights = [
+        spec("w7", 7),
+        spec("w5", 5),
+        spec("w4", 4),
+        spec("w3", 3),
+        spec("w1", 1),
+        spec("huge", 40),
+        spec("h2", 2, torch.bfloat16),
+        spec("h3", 3, torch.bfloat16),
+    ]
     limit = 10 * 4  # ten float32 elements
     plan = build_plan(weights, EngineTopology(), limit)
     f32 = [sorted(b.names) for b in plan.buckets if b.dtype == F32]
@@ -49,8 +58,11 @@ def test_buckets_are_first_fit_decreasing_per_dtype_under_the_limit():
 
 def moe_weights(experts: int = 8) -> list[WeightSpec]:
     dense = [spec("model.embed_tokens.weight", 100), spec("model.layers.0.mlp.gate.weight", 10)]
-    expert = [spec(f"model.layers.0.mlp.experts.{e}.{p}.weight", 50) for e in range(experts)
-              for p in ("gate_proj", "up_proj", "down_proj")]
+    expert = [
+        spec(f"model.layers.0.mlp.experts.{e}.{p}.weight", 50)
+        for e in range(experts)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     return dense + expert
 
 
@@ -66,12 +78,15 @@ def test_experts_are_routed_in_contiguous_blocks_to_their_ep_rank():
     assert plan.bytes_moved == 2 * dense + 2 * per_rank_experts < 2 * unrouted.bytes_moved
 
 
-@pytest.mark.parametrize("topology,names,reason", [
-    (EngineTopology((2, 4), 8), None, "homogeneous"),
-    (EngineTopology((3,), 8), None, "do not divide"),
-    (EngineTopology((2,), 0), None, "no routed experts"),
-    (EngineTopology((2,), 8), ["model.layers.0.mlp.experts.gate_up_proj"], "fused"),
-])
+@pytest.mark.parametrize(
+    "topology,names,reason",
+    [
+        (EngineTopology((2, 4), 8), None, "homogeneous"),
+        (EngineTopology((3,), 8), None, "do not divide"),
+        (EngineTopology((2,), 0), None, "no routed experts"),
+        (EngineTopology((2,), 8), ["model.layers.0.mlp.experts.gate_up_proj"], "fused"),
+    ],
+)
 def test_routing_falls_back_to_broadcast_with_the_reason(topology, names, reason, caplog):
     weights = moe_weights(8) if names is None else [spec(n, 10) for n in names]
     plan = build_plan(weights, topology, 1 << 20)
@@ -83,8 +98,16 @@ def test_routing_falls_back_to_broadcast_with_the_reason(topology, names, reason
 # --------------------------------------------------------------------------- transports
 
 
-def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str, urls: list[str], transport: str,
-               weights_dir: str, fault: str | None) -> dict:
+def _sync_rank(
+    rank: int,
+    world_size: int,
+    trainer_model: str,
+    engine_model: str,
+    urls: list[str],
+    transport: str,
+    weights_dir: str,
+    fault: str | None,
+) -> dict:
     from rltrain.config import AlgoConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient
     from rltrain.runtime.world import World
@@ -93,9 +116,14 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
 
     world = World(backend="gloo", timeout=60)
     clients = [EngineClient(u, request_timeout_s=120) for u in urls]
-    overrides = [f"model.path={trainer_model}", "data.path=synthetic:addition", f"sync.transport={transport}", "sync.bucket_mb=1",
-                 f"sync.weights_dir={weights_dir}",
-                 "sync.delta_full_every=3"]
+    overrides = [
+        f"model.path={trainer_model}",
+        "data.path=synthetic:addition",
+        f"sync.transport={transport}",
+        "sync.bucket_mb=1",
+        f"sync.weights_dir={weights_dir}",
+        "sync.delta_full_every=3",
+    ]
     if transport == "delta":
         overrides.append("loop.colocate=false")
     cfg = load_config(None, overrides)
@@ -104,13 +132,18 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
         t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
         t.create()
         sync = weight_sync.WeightSync(cfg, world, t, clients, engine_model)
-        out = {"v1": sync.push("1"), "buckets": len(sync.plan.buckets), "routed": sync.plan.routed,
-               "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))], "moved": sync.plan.bytes_moved,
-               "slotted": getattr(sync.transport, "slotted", False)}
+        out = {
+            "v1": sync.push("1"),
+            "buckets": len(sync.plan.buckets),
+            "routed": sync.plan.routed,
+            "bytes_to": [sync.plan.bytes_to(r) for r in range(len(urls))],
+            "moved": sync.plan.bytes_moved,
+            "slotted": getattr(sync.transport, "slotted", False),
+        }
         if transport == "delta" or fault:
             with torch.no_grad():  # a sparse update: 1% of one matrix
                 w = t.model.get_input_embeddings().weight.to_local()
-                w.view(-1)[:: 100] += 0.5
+                w.view(-1)[::100] += 0.5
             if fault == "corrupt":
                 from rltrain.sync import disk
 
@@ -118,7 +151,10 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
 
                 def corrupting(target, keep, write):  # storage corrupts a byte after a good write
                     out = real(target, keep, write)
-                    f = max((p for p in out.iterdir() if p.suffix in (".safetensors", ".bin")), key=lambda p: p.stat().st_size)
+                    f = max(
+                        (p for p in out.iterdir() if p.suffix in (".safetensors", ".bin")),
+                        key=lambda p: p.stat().st_size,
+                    )
                     data = bytearray(f.read_bytes())
                     data[len(data) // 2] ^= 0xFF
                     f.write_bytes(bytes(data))
@@ -163,7 +199,9 @@ def _sync_rank(rank: int, world_size: int, trainer_model: str, engine_model: str
                 sums = {n: entry(x) for n, x in t.export_weights()}  # a collective: both ranks
                 if world.rank == 0:
                     name = "model.norm.weight"
-                    bad = tensor_payload.serialize(tensor_payload.flatten_bucket([(name, torch.full(sums[name][1], 3.0))]))
+                    bad = tensor_payload.serialize(
+                        tensor_payload.flatten_bucket([(name, torch.full(sums[name][1], 3.0))])
+                    )
                     clients[0].update_weights_from_tensor([bad], weight_version="1")
                 try:
                     sync._verify("1", sums)
@@ -213,8 +251,19 @@ def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a,
     eng = start_engine("native", big_a, tmp_path)
     try:
         assert engine_greedy(eng.client, PROMPTS, 6) != hf_greedy(big_b, PROMPTS, 6)
-        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_b), str(big_a), [eng.process.url], transport,
-                                  str(tmp_path / "w"), None, deadline_s=240))
+        r0, r1 = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(big_b),
+                str(big_a),
+                [eng.process.url],
+                transport,
+                str(tmp_path / "w"),
+                None,
+                deadline_s=240,
+            )
+        )
         assert "v2_error" not in r0, r0.get("v2_error")
         assert eng.client.weight_version() == ("2" if transport == "delta" else "1")
         assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(tmp_path / "w" / "trainer_now", PROMPTS, 6)
@@ -235,8 +284,19 @@ def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a,
 def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previous(tmp_path, big_a, transport):
     eng = start_engine("native", big_a, tmp_path)
     try:
-        r0, _ = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
-                                 str(tmp_path / "w"), "corrupt", deadline_s=240))
+        r0, _ = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(big_a),
+                str(big_a),
+                [eng.process.url],
+                transport,
+                str(tmp_path / "w"),
+                "corrupt",
+                deadline_s=240,
+            )
+        )
         assert "checksum" in r0["v2_error"] and "keeps" in r0["v2_error"], r0["v2_error"]
         assert eng.client.weight_version() == "1"
         assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(big_a, PROMPTS, 6)
@@ -251,8 +311,19 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
     `distributed`): every rank raises, nobody waits for the timeout, the old version stays served."""
     eng = start_engine("native", big_a, tmp_path)
     try:
-        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], transport,
-                                  str(tmp_path / "w"), "refuse", deadline_s=120))
+        r0, r1 = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(big_a),
+                str(big_a),
+                [eng.process.url],
+                transport,
+                str(tmp_path / "w"),
+                "refuse",
+                deadline_s=120,
+            )
+        )
         for r in (r0, r1):
             assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
         assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
@@ -267,12 +338,24 @@ def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_versio
     SyncError naming the failure, no part of version 2 is left, and version 1 stays served."""
     eng = start_engine("native", big_a, tmp_path)
     try:
-        r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "disk",
-                                  str(tmp_path / "w"), "full", deadline_s=120))
+        r0, r1 = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(big_a),
+                str(big_a),
+                [eng.process.url],
+                "disk",
+                str(tmp_path / "w"),
+                "full",
+                deadline_s=120,
+            )
+        )
         for r in (r0, r1):
             assert "SyncError" in r.get("v2_error", "") and "File too large" in r["v2_error"], r.get("v2_error")
-        assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) \
-            == ["weight_v000001"]
+        assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) == [
+            "weight_v000001"
+        ]
         assert eng.client.weight_version() == "1"
     finally:
         eng.client.close()
@@ -288,10 +371,23 @@ def test_a_read_only_weights_directory_fails_the_sync_and_keeps_the_previous_ver
     eng = start_engine("native", big_a, tmp_path / "logs")
     try:
         with tmpfs(tmp_path / "w"):
-            r0, r1 = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "disk",
-                                      str(tmp_path / "w"), "readonly", deadline_s=120))
+            r0, r1 = values(
+                run_ranks(
+                    _sync_rank,
+                    2,
+                    str(big_a),
+                    str(big_a),
+                    [eng.process.url],
+                    "disk",
+                    str(tmp_path / "w"),
+                    "readonly",
+                    deadline_s=120,
+                )
+            )
             for r in (r0, r1):
-                assert "SyncError" in r.get("v2_error", "") and "Read-only file system" in r["v2_error"], r.get("v2_error")
+                assert "SyncError" in r.get("v2_error", "") and "Read-only file system" in r["v2_error"], r.get(
+                    "v2_error"
+                )
             assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["weight_v000001"]
             assert (tmp_path / "w" / "weight_v000001" / "rltrain_version.json").is_file()
             assert eng.client.weight_version() == "1"
@@ -306,11 +402,24 @@ def test_moe_experts_reach_only_their_ep_rank_and_match(tmp_path):
     over what it owns equals the trainer's."""
     a = make_moe_model(tmp_path / "moe_a", seed=1)
     b = make_moe_model(tmp_path / "moe_b", seed=2)
-    engines = [start_engine("native", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
-               for r in range(2)]
+    engines = [
+        start_engine("native", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+        for r in range(2)
+    ]
     try:
-        r0, _ = values(run_ranks(_sync_rank, 2, str(b), str(a), [e.process.url for e in engines], "distributed",
-                                 str(tmp_path / "w"), None, deadline_s=240))
+        r0, _ = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(b),
+                str(a),
+                [e.process.url for e in engines],
+                "distributed",
+                str(tmp_path / "w"),
+                None,
+                deadline_s=240,
+            )
+        )
         assert r0["routed"]
         for r, e in enumerate(engines):
             rep = e.client.weights_checksum()  # push already compared it with the trainer's
@@ -337,8 +446,11 @@ def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
     b = make_moe_model(tmp_path / "moe_b", seed=2)
     eng = start_engine("native", a, tmp_path)
     try:
-        values(run_ranks(_sync_rank, 2, str(b), str(a), [eng.process.url], "tensor", str(tmp_path / "w"), None,
-                         deadline_s=240))
+        values(
+            run_ranks(
+                _sync_rank, 2, str(b), str(a), [eng.process.url], "tensor", str(tmp_path / "w"), None, deadline_s=240
+            )
+        )
         assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(b, PROMPTS, 6)
     finally:
         eng.client.close()
@@ -348,8 +460,19 @@ def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
 def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_path, big_a):
     eng = start_engine("native", big_a, tmp_path)
     try:
-        ranks = values(run_ranks(_sync_rank, 2, str(big_a), str(big_a), [eng.process.url], "tensor",
-                                 str(tmp_path / "w"), "tamper", deadline_s=240))
+        ranks = values(
+            run_ranks(
+                _sync_rank,
+                2,
+                str(big_a),
+                str(big_a),
+                [eng.process.url],
+                "tensor",
+                str(tmp_path / "w"),
+                "tamper",
+                deadline_s=240,
+            )
+        )
         for r in ranks:
             assert r["verify_error"].startswith("WeightMismatchError") and "checksum" in r["verify_error"]
     finally:
@@ -391,13 +514,17 @@ def test_weight_files_are_read_mapped_and_checked_against_their_manifest(tmp_pat
     """The engine's disk load: every tensor back bit for bit from memory-mapped shards; a published
     version's files are checked against its manifest as they are read (corrupt, missing or extra
     file: refused); a file whose header does not describe its data is a clear error."""
-    from rltrain.weights.versions import CorruptWeightsError, publish, read_weights
     from rltrain.weights.hf_files import HostStaging, map_safetensors, write_checkpoint, write_safetensors
+    from rltrain.weights.versions import CorruptWeightsError, publish, read_weights
 
     g = torch.Generator().manual_seed(0)
-    tensors = {"b": torch.randn(3, 5, generator=g).to(torch.bfloat16), "ids": torch.arange(6).reshape(2, 3),
-               "mask": torch.rand(4, 2, generator=g) > 0.5, "scalar": torch.tensor(2.5, dtype=torch.float64),
-               "empty": torch.empty(0, 4)}
+    tensors = {
+        "b": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(6).reshape(2, 3),
+        "mask": torch.rand(4, 2, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+    }
     digest = write_safetensors(tmp_path / "x.safetensors", tensors)
     for check in (None, digest):
         back = map_safetensors(tmp_path / "x.safetensors", check)
@@ -407,8 +534,14 @@ def test_weight_files_are_read_mapped_and_checked_against_their_manifest(tmp_pat
 
     def write(tmp):  # three shards, each written while the next is gathered (two stagings)
         digests = {}
-        write_checkpoint(tmp, src, state.items(), shard_bytes=3 * 64 * 32 * 4, staging=[HostStaging(0), HostStaging(0)],
-                         digests=digests)
+        write_checkpoint(
+            tmp,
+            src,
+            state.items(),
+            shard_bytes=3 * 64 * 32 * 4,
+            staging=[HostStaging(0), HostStaging(0)],
+            digests=digests,
+        )
         return {"kind": "full", "version": "1", "digests": digests}
 
     version = publish(tmp_path / "weight_v000001", None, write)
@@ -441,10 +574,14 @@ def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
     pub = DeltaPublisher(full_every=10)
 
     def put(version: str) -> dict:
-        out = publish(tmp_path / f"weight_v{int(version):06d}", 10,
-                      lambda tmp: pub.write(tmp, version, state.items(), str(src)))
+        out = publish(
+            tmp_path / f"weight_v{int(version):06d}", 10, lambda tmp: pub.write(tmp, version, state.items(), str(src))
+        )
         pub.commit()
-        return {"dir": out, "bytes": sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".safetensors", ".bin"))}
+        return {
+            "dir": out,
+            "bytes": sum(f.stat().st_size for f in out.iterdir() if f.suffix in (".safetensors", ".bin")),
+        }
 
     v1 = put("1")
     total = sum(t.numel() for t in state.values())
@@ -467,14 +604,18 @@ def test_a_sparse_delta_is_small_strictly_ordered_and_checksummed(tmp_path):
     data = bytearray(blob.read_bytes())
     data[len(data) // 2] ^= 0x55
     blob.write_bytes(bytes(data))
-    rebuilt_v2 = publish(tmp_path / "node" / "weight_v000002", 2,
-                         lambda tmp: (reconstruct(v2["dir"], v1["dir"], tmp), {"version": "2", "kind": "full"})[1])
+    rebuilt_v2 = publish(
+        tmp_path / "node" / "weight_v000002",
+        2,
+        lambda tmp: (reconstruct(v2["dir"], v1["dir"], tmp), {"version": "2", "kind": "full"})[1],
+    )
     with pytest.raises(CorruptWeightsError):
         reconstruct(v3["dir"], rebuilt_v2, tmp_path / "from_corrupt")
 
 
-def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, models: list[str], transport: str,
-                      weights_dir: str) -> list[list[list[int]]]:
+def _server_sync_rank(
+    rank: int, world_size: int, url: str, engine_model: str, models: list[str], transport: str, weights_dir: str
+) -> list[list[list[int]]]:
     """One rank: push each model in turn to the live server; greedy output after each push."""
     from models import engine_greedy as greedy
     from rltrain.config import AlgoConfig, TrainerConfig, load_config
@@ -488,8 +629,15 @@ def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, m
     outs = []
     try:
         for i, model in enumerate(models):
-            cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                     f"sync.weights_dir={weights_dir}"])
+            cfg = load_config(
+                None,
+                [
+                    f"model.path={model}",
+                    "data.path=synthetic:addition",
+                    f"sync.transport={transport}",
+                    f"sync.weights_dir={weights_dir}",
+                ],
+            )
             t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
             t.create()
             sync = WeightSync(cfg, world, t, [client], engine_model)
@@ -507,7 +655,17 @@ def _server_sync_rank(rank: int, world_size: int, url: str, engine_model: str, m
 def test_every_transport_updates_both_engines(server, model_a, model_b, tmp_path, transport):
     """The embedded engine and real SGLang: after each push the engine generates as the pushed
     model (B, then A again, which also leaves the shared server as it was)."""
-    (outs,) = values(run_ranks(_server_sync_rank, 1, server.process.url, str(model_a), [str(model_b), str(model_a)],
-                               transport, str(tmp_path / "w"), deadline_s=240))
+    (outs,) = values(
+        run_ranks(
+            _server_sync_rank,
+            1,
+            server.process.url,
+            str(model_a),
+            [str(model_b), str(model_a)],
+            transport,
+            str(tmp_path / "w"),
+            deadline_s=240,
+        )
+    )
     assert outs == [hf_greedy(model_b, PROMPTS, 6), hf_greedy(model_a, PROMPTS, 6)]
     assert server.client.weight_version() == "101"

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from models import make_model
 from multiproc import run_ranks, values
-from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.batch import TrainBatch
+from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.trainer.fsdp import FSDPTrainer
 
 
@@ -65,8 +65,11 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool, reb
         world.close()
 
 
-@pytest.mark.parametrize("steps,cycle,rebinds", [(1, False, True), (3, True, True), (3, True, False)],
-                         ids=["one-step", "world-cycles-between-steps", "world-cycles-fresh-modules"])
+@pytest.mark.parametrize(
+    "steps,cycle,rebinds",
+    [(1, False, True), (3, True, True), (3, True, False)],
+    ids=["one-step", "world-cycles-between-steps", "world-cycles-fresh-modules"],
+)
 def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle, rebinds):
     path = make_model(tmp_path / "m", seed=5)
     ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, rebinds, deadline_s=180))
@@ -112,7 +115,8 @@ def test_a_refused_rebind_re_shards_fresh_modules_and_says_so_once(tmp_path, mon
     finally:
         world.close()
     assert [r.getMessage() for r in caplog.records].count(
-        "trainer: re-sharding fresh modules after each world rebuild (slower): refused by this test") == 1
+        "trainer: re-sharding fresh modules after each world rebuild (slower): refused by this test"
+    ) == 1
     plain = make_trainer(path, micro=4)
     assert norms == pytest.approx([one_step(plain, fixed_batch())["grad_norm"] for _ in range(3)], rel=1e-5)
     for k, v in plain.model.state_dict().items():
@@ -205,13 +209,21 @@ def _gather_rank(rank: int, world_size: int, device: str = "cpu") -> dict:
         mesh = init_device_mesh(device, (world_size,))
         g = torch.Generator().manual_seed(0)  # the same whole tensors on every rank
         # Rows that split evenly, unevenly, and fewer rows than ranks (empty shards); mixed dtypes.
-        shapes = [((6, 4), torch.float32), ((5, 3), torch.bfloat16), ((1, 7), torch.float32), ((7,), torch.float32),
-                  ((2, 3, 2), torch.int64)]
+        shapes = [
+            ((6, 4), torch.float32),
+            ((5, 3), torch.bfloat16),
+            ((1, 7), torch.float32),
+            ((7,), torch.float32),
+            ((2, 3, 2), torch.int64),
+        ]
         whole = [(torch.randn(s, generator=g) * 100).to(d).to(world.device) for s, d in shapes]
         tensors = [distribute_tensor(w, mesh, [Shard(0)]) for w in whole] + [whole[0]]  # and a plain one
         got = full_tensors(tensors)
-        return {"equal": [torch.equal(a, b) for a, b in zip(got, whole + [whole[0]])],
-                "dtypes": [a.dtype == b.dtype for a, b in zip(got, whole)], "shards": [t.to_local().shape[0] for t in tensors[:5]]}
+        return {
+            "equal": [torch.equal(a, b) for a, b in zip(got, whole + [whole[0]])],
+            "dtypes": [a.dtype == b.dtype for a, b in zip(got, whole)],
+            "shards": [t.to_local().shape[0] for t in tensors[:5]],
+        }
     finally:
         world.close()
 

@@ -30,12 +30,22 @@ from pathlib import Path
 
 import torch
 
-SWITCHES = ("engine_release", "world_rebuild", "trainer_onload", "engine_resume_weights", "sync", "world_destroy",
-            "trainer_offload", "engine_resume_kv")
+SWITCHES = (
+    "engine_release",
+    "world_rebuild",
+    "trainer_onload",
+    "engine_resume_weights",
+    "sync",
+    "world_destroy",
+    "trainer_offload",
+    "engine_resume_kv",
+)
 TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
 ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other")
-GOALS = "phase switches <= 10% of the step; offload/onload >= 80% of pinned copy; trainer while generating and " \
-        "engine while training <= 1 GiB beyond their CUDA contexts"
+GOALS = (
+    "phase switches <= 10% of the step; offload/onload >= 80% of pinned copy; trainer while generating and "
+    "engine while training <= 1 GiB beyond their CUDA contexts"
+)
 
 
 def _build(path: str, shape: str) -> None:
@@ -59,20 +69,47 @@ def _parameters(path: Path) -> int:
 def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
-    overrides = [f"run.dir={root}", "run.name=e2e", f"model.path={model}", "model.build=none",
-                 "world.backend=nccl", "engine.device=cuda", "engine.dtype=bfloat16",
-                 f"engine.max_batch_size={a.prompts * a.n}", "trainer.dtype=bfloat16", "trainer.lr=1e-6",
-                 f"trainer.micro_batch_size={a.micro}", f"data.prompts_per_step={a.prompts}", f"rollout.n={a.n}",
-                 f"rollout.max_new_tokens={a.max_new_tokens}", f"loop.steps={a.steps}", "checkpoint.interval=0",
-                 f"sync.transport={a.transport}", "metrics.progress_bar=false", "metrics.plot=true"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.nproc}",
-           "-m", "rltrain", "--config", str(config), *overrides]
+    overrides = [
+        f"run.dir={root}",
+        "run.name=e2e",
+        f"model.path={model}",
+        "model.build=none",
+        "world.backend=nccl",
+        "engine.device=cuda",
+        "engine.dtype=bfloat16",
+        f"engine.max_batch_size={a.prompts * a.n}",
+        "trainer.dtype=bfloat16",
+        "trainer.lr=1e-6",
+        f"trainer.micro_batch_size={a.micro}",
+        f"data.prompts_per_step={a.prompts}",
+        f"rollout.n={a.n}",
+        f"rollout.max_new_tokens={a.max_new_tokens}",
+        f"loop.steps={a.steps}",
+        "checkpoint.interval=0",
+        f"sync.transport={a.transport}",
+        "metrics.progress_bar=false",
+        "metrics.plot=true",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={a.nproc}",
+        "-m",
+        "rltrain",
+        "--config",
+        str(config),
+        *overrides,
+    ]
     log = root / "loop.log"
     with open(log, "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     if r.returncode != 0:
-        raise SystemExit(f"the loop failed (exit {r.returncode}); last lines of {log}:\n"
-                         + "\n".join(log.read_text().splitlines()[-40:]))
+        raise SystemExit(
+            f"the loop failed (exit {r.returncode}); last lines of {log}:\n"
+            + "\n".join(log.read_text().splitlines()[-40:])
+        )
     return root / "e2e"
 
 
@@ -81,48 +118,59 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
     steady = rows[1:] if len(rows) > 1 else rows
     mean = lambda f: sum(f(r) for r in steady) / len(steady)  # noqa: E731
     step_s = mean(lambda r: r["time"]["step"])
-    lines = [f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
-             f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x {a.nproc}",
-             f"# {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} prompts x "
-             f"{a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
-             f"steps 2..{len(rows)} averaged",
-             f"# limits (same run): bf16 matmul {tflops:.0f} TFLOP/s; pinned copy h->d {h2d:.1f} GB/s, "
-             f"d->h {d2h:.1f} GB/s",
-             f"# goals: {GOALS}", ""]
+    lines = [
+        f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x {a.nproc}",
+        f"# {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} prompts x "
+        f"{a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
+        f"steps 2..{len(rows)} averaged",
+        f"# limits (same run): bf16 matmul {tflops:.0f} TFLOP/s; pinned copy h->d {h2d:.1f} GB/s, d->h {d2h:.1f} GB/s",
+        f"# goals: {GOALS}",
+        "",
+    ]
     rollout_s, train_s, lp_s = (mean(lambda r, p=p: r["time"].get(p, 0.0)) for p in ("rollout", "train", "logprobs"))
     response = mean(lambda r: r["response_length"] * r["samples_trained"])
     train_tps = mean(lambda r: r["train_tokens_per_s"])
     train_tokens = train_tps * train_s
-    lines += [f"{'what':>28s} {'value':>14s}  note",
-              f"{'step':>28s} {step_s:13.2f}s",
-              f"{'rollout':>28s} {rollout_s:13.2f}s  {response / rollout_s:,.0f} response tok/s",
-              f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s per GPU, "
-              f"MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
-              f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s per GPU, "
-              f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}"]
+    lines += [
+        f"{'what':>28s} {'value':>14s}  note",
+        f"{'step':>28s} {step_s:13.2f}s",
+        f"{'rollout':>28s} {rollout_s:13.2f}s  {response / rollout_s:,.0f} response tok/s",
+        f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s per GPU, "
+        f"MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
+        f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s per GPU, "
+        f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}",
+    ]
     total = 0.0
     for p in SWITCHES:
         s = mean(lambda r, p=p: r["time"].get(p, 0.0))
         total += s
         lines.append(f"{p:>28s} {s:13.3f}s  {s / step_s:6.1%} of the step")
-    lines.append(f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
-                 f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)")
+    lines.append(
+        f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
+        f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)"
+    )
     # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase.
     moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
         s = mean(lambda r, p=p: r["time"].get(p, 0.0))
         rate = moved / s / 1e9 if s > 0 else 0.0
-        lines.append(f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
-                     f"({moved / 2**30:.2f} GiB of trainer state)")
+        lines.append(
+            f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
+            f"({moved / 2**30:.2f} GiB of trainer state)"
+        )
     mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
     engine = max(sum(m["train"].get(k, 0.0) for k in ENGINE_DEVICE) for m in mem)
     ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
     ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
-    lines += [f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
-              f"{'meets' if held <= 1 else 'misses'} <= 1 GiB (most of any rank)",
-              f"{'engine GPU while training':>28s} {engine:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB), "
-              f"{'meets' if engine <= 1 else 'misses'} <= 1 GiB", ""]
+    lines += [
+        f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
+        f"{'meets' if held <= 1 else 'misses'} <= 1 GiB (most of any rank)",
+        f"{'engine GPU while training':>28s} {engine:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB), "
+        f"{'meets' if engine <= 1 else 'misses'} <= 1 GiB",
+        "",
+    ]
     from rltrain.runtime.ledger import format_ledger
 
     lines.append(format_ledger(rows[-1]["memory"], rows[-1]["step"]))

@@ -27,17 +27,24 @@ import torch
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, server_command
-from rltrain.runtime.net import free_port
 from rltrain.engine.protocol import SamplingParams
+from rltrain.runtime.net import free_port
 
 
 def build_model(path: Path, hidden: int, layers: int, vocab: int, dtype: torch.dtype) -> Path:
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3,
-                                   num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                                   num_key_value_heads=max(1, hidden // 256), max_position_embeddings=4096,
-                                   tie_word_embeddings=False, eos_token_id=vocab - 1)
+    cfg = transformers.Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 256),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg).to(dtype)
     model.save_pretrained(path)
@@ -53,11 +60,18 @@ def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: s
     ids = torch.zeros(len(prompts), L, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        mask[i, L - len(p):] = 1
+        ids[i, L - len(p) :] = torch.tensor(p)
+        mask[i, L - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0,
-              pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
         _sync(device)
@@ -88,9 +102,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _start(kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int) -> tuple[EngineProcess, EngineClient]:
-    cfg = EngineConfig(backend=kind, device=device, dtype=dtype, max_batch_size=max_batch, startup_timeout_s=600,
-                       prompts_per_request=max_batch, max_inflight=8)
+def _start(
+    kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int
+) -> tuple[EngineProcess, EngineClient]:
+    cfg = EngineConfig(
+        backend=kind,
+        device=device,
+        dtype=dtype,
+        max_batch_size=max_batch,
+        startup_timeout_s=600,
+        prompts_per_request=max_batch,
+        max_inflight=8,
+    )
     env = {}
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
@@ -98,7 +121,9 @@ def _start(kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_b
         shim = Path(__file__).resolve().parents[2] / "tests" / "sglang_shim"
         env["PYTHONPATH"] = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])
     port = free_port()
-    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env)
+    proc = EngineProcess.start(
+        server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env
+    )
     client = EngineClient(proc.url, prompts_per_request=max_batch, max_inflight=8, request_timeout_s=1800)
     try:
         client.wait_healthy(600, alive=lambda: proc.alive)
@@ -135,12 +160,25 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab, dtype)
-        n_params = sum(f.stat().st_size for f in model.glob("*.safetensors")) / torch.tensor([], dtype=dtype).element_size()
-        print(f"# rltrain.bench.engine  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={a.device} "
-              f"({torch.cuda.get_device_name() if a.device.startswith('cuda') else f'{os.cpu_count()} cpus'})")
-        print(f"model: Qwen2-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, {n_params / 1e6:.1f}M params, "
-              f"{dtype_name}; {a.prompts} prompts of {a.prompt_len[0]}-{a.prompt_len[1]} tokens, {a.new_tokens} new tokens each")
-        rows = [("transformers generate (baseline, same run)", hf_generate(model, prompts, a.new_tokens, a.device, dtype), 0)]
+        n_params = (
+            sum(f.stat().st_size for f in model.glob("*.safetensors")) / torch.tensor([], dtype=dtype).element_size()
+        )
+        print(
+            f"# rltrain.bench.engine  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={a.device} "
+            f"({torch.cuda.get_device_name() if a.device.startswith('cuda') else f'{os.cpu_count()} cpus'})"
+        )
+        print(
+            f"model: Qwen2-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, "
+            f"{n_params / 1e6:.1f}M params, {dtype_name}; {a.prompts} prompts of {a.prompt_len[0]}-{a.prompt_len[1]} "
+            f"tokens, {a.new_tokens} new tokens each"
+        )
+        rows = [
+            (
+                "transformers generate (baseline, same run)",
+                hf_generate(model, prompts, a.new_tokens, a.device, dtype),
+                0,
+            )
+        ]
         release_rows = []
         for kind in a.engines:
             if kind == "sglang":
@@ -173,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:44s} {tps:10.0f} {tps / limit:9.2f} {failed:7d}")
     mem = "device MiB used" if a.device.startswith("cuda") else "engine RSS MiB"
     for t_rel, t_res, before, after, resumed in release_rows:
-        print(f"\nnative release(weights, kv_cache): {t_rel * 1e3:.0f} ms, resume: {t_res * 1e3:.0f} ms; "
-              f"{mem}: {before:.0f} before, {after:.0f} released ({before - after:.0f} freed), {resumed:.0f} resumed")
+        print(
+            f"\nnative release(weights, kv_cache): {t_rel * 1e3:.0f} ms, resume: {t_res * 1e3:.0f} ms; "
+            f"{mem}: {before:.0f} before, {after:.0f} released ({before - after:.0f} freed), {resumed:.0f} resumed"
+        )
     return 0
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -83,13 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     V, H, T = a.vocab, a.hidden, a.temperature
-    print(f"# rltrain.bench.kernels  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
-          f"{torch.cuda.get_device_name()}  vocab {V}  hidden {H}  bf16, forward + backward")
+    print(
+        f"# rltrain.bench.kernels  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+        f"{torch.cuda.get_device_name()}  vocab {V}  hidden {H}  bf16, forward + backward"
+    )
     copy = copy_gbps(4 << 30)
-    print(f"device-to-device copy: {copy:.0f} GB/s (read + write);  bf16 matmul [16384x{H}]x[{H}x{V}]: "
-          f"{matmul_tflops(16384, H, V):.0f} TFLOP/s")
-    print(f"{'path':>7s} {'tokens':>7s} | {'naive s':>8s} {'naive GiB':>9s} | {'fused s':>8s} {'fused GiB':>9s} | "
-          f"{'time':>6s} {'memory':>7s} | {'fused GB/s':>10s} {'of copy':>7s}")
+    print(
+        f"device-to-device copy: {copy:.0f} GB/s (read + write);  bf16 matmul [16384x{H}]x[{H}x{V}]: "
+        f"{matmul_tflops(16384, H, V):.0f} TFLOP/s"
+    )
+    print(
+        f"{'path':>7s} {'tokens':>7s} | {'naive s':>8s} {'naive GiB':>9s} | {'fused s':>8s} {'fused GiB':>9s} | "
+        f"{'time':>6s} {'memory':>7s} | {'fused GB/s':>10s} {'of copy':>7s}"
+    )
     for n in (int(x) for x in a.tokens.split(",")):
         g = torch.Generator(device="cuda").manual_seed(n)
         targets = torch.randint(0, V, (n,), device="cuda", generator=g)
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 del logp, ent
                 for x in inputs:
                     x.grad = None
+
             return run
 
         rows = []
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         streamed = 3 * n * V * 2  # forward read, backward read + gradient write (bf16)
         rows.append(("logits", naive, fused, streamed))
         hidden = torch.randn(n, H, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(True)
-        weight = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).to(torch.bfloat16).requires_grad_(True)
+        weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(torch.bfloat16).requires_grad_(True)
         naive = _run(step(lambda x, w: reference_linear_logprobs_entropy(x, w, targets, T), hidden, weight), a.repeats)
         fused = _run(step(lambda x, w: linear_logprobs_entropy(x, w, targets, T), hidden, weight), a.repeats)
         del hidden, weight
@@ -127,9 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             gib = lambda m: "OOM" if m is None else f"{m / 2**30:.2f}"  # noqa: E731
             ratio_t = f"{fs / ns:.2f}x" if ns and fs else "-"
             ratio_m = f"{fm / nm:.3f}x" if nm and fm else "-"
-            bw = f"{nbytes / fs / 1e9:10.0f} {nbytes / fs / 1e9 / copy:6.0%}" if nbytes and fs else f"{'':>10s} {'':>7s}"
-            print(f"{path:>7s} {n:>7d} | {fmt(ns):>8s} {gib(nm):>9s} | {fmt(fs):>8s} {gib(fm):>9s} | "
-                  f"{ratio_t:>6s} {ratio_m:>7s} | {bw}")
+            bw = (
+                f"{nbytes / fs / 1e9:10.0f} {nbytes / fs / 1e9 / copy:6.0%}" if nbytes and fs else f"{'':>10s} {'':>7s}"
+            )
+            print(
+                f"{path:>7s} {n:>7d} | {fmt(ns):>8s} {gib(nm):>9s} | {fmt(fs):>8s} {gib(fm):>9s} | "
+                f"{ratio_t:>6s} {ratio_m:>7s} | {bw}"
+            )
     return 0
 
 

@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir on the run disk)")
     a = ap.parse_args(argv)
 
+    from rltrain.batch import TrainBatch
     from rltrain.bench.engine import build_model
     from rltrain.checkpoint import Checkpointer
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
-    from rltrain.batch import TrainBatch
     from rltrain.trainer.fsdp import FSDPTrainer
 
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
@@ -90,21 +90,31 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(a.device)
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=600)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    print(f"# rltrain.bench.release  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device} "
-          f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})")
-    print(f"{'params':>8s} {'state GB':>8s} | {'save s':>7s} {'release s':>9s} {'from disk s':>11s} {'ckpt GB/s':>9s}"
-          f" | {'snapshot s':>10s} {'from host s':>11s} {'snap GB/s':>9s} | {'raw disk w/r GB/s':>17s} {'raw copy d2h/h2d GB/s':>21s}")
+    print(
+        f"# rltrain.bench.release  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device} "
+        f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})"
+    )
+    print(
+        f"{'params':>8s} {'state GB':>8s} | {'save s':>7s} {'release s':>9s} {'from disk s':>11s} {'ckpt GB/s':>9s}"
+        f" | {'snapshot s':>10s} {'from host s':>11s} {'snap GB/s':>9s}"
+        f" | {'raw disk w/r GB/s':>17s} {'raw copy d2h/h2d GB/s':>21s}"
+    )
     root = Path(a.dir or tempfile.mkdtemp(prefix="rltrain-bench-release-"))
     try:
         for hidden in a.hidden:
             model = build_model(root / f"model{hidden}", hidden, a.layers, 32000, dtype)
-            t = FSDPTrainer(TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=str(dtype).removeprefix("torch.")),
-                             AlgoConfig(), str(model), device)
+            t = FSDPTrainer(
+                TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=str(dtype).removeprefix("torch.")),
+                AlgoConfig(),
+                str(model),
+                device,
+            )
             t.create()
             B, L = 8, 64
             tokens = torch.randint(1, 32000, (B, L))
-            batch = TrainBatch(tokens, torch.ones(B, L, dtype=torch.long), torch.ones(B, L),
-                               advantages=torch.randn(B, L))
+            batch = TrainBatch(
+                tokens, torch.ones(B, L, dtype=torch.long), torch.ones(B, L), advantages=torch.randn(B, L)
+            )
             batch.old_logp, _ = t.logprobs(batch)
             t.train_step(batch)
             params = sum(p.numel() for p in t.model.parameters())
@@ -139,16 +149,21 @@ def main(argv: list[str] | None = None) -> int:
 
             dw, dr = _raw_disk(root / "raw.bin", ckpt_bytes)
             cd, cu = pinned_copy_gbps(state_bytes, device)
-            print(f"{params / 1e6:7.0f}M {state_bytes / 1e9:8.2f} | {save_s:7.2f} {release_s:9.3f} {disk_s:11.2f} "
-                  f"{ckpt_bytes / (save_s + disk_s) / 1e9 * 2:9.2f} | {snap_s:10.2f} {host_s:11.2f} "
-                  f"{state_bytes / (snap_s + host_s) / 1e9 * 2:9.2f} | {dw:8.2f}/{dr:<8.2f} {cd:10.2f}/{cu:<10.2f}", flush=True)
+            print(
+                f"{params / 1e6:7.0f}M {state_bytes / 1e9:8.2f} | {save_s:7.2f} {release_s:9.3f} {disk_s:11.2f} "
+                f"{ckpt_bytes / (save_s + disk_s) / 1e9 * 2:9.2f} | {snap_s:10.2f} {host_s:11.2f} "
+                f"{state_bytes / (snap_s + host_s) / 1e9 * 2:9.2f} | {dw:8.2f}/{dr:<8.2f} {cd:10.2f}/{cu:<10.2f}",
+                flush=True,
+            )
             shutil.rmtree(root / f"ck{hidden}", ignore_errors=True)
     finally:
         world.close()
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print("\nckpt GB/s and snap GB/s: bytes moved out and back in over the time of both directions "
-          "(includes model construction on re-create).")
+    print(
+        "\nckpt GB/s and snap GB/s: bytes moved out and back in over the time of both directions "
+        "(includes model construction on re-create)."
+    )
     return 0
 
 

@@ -33,23 +33,44 @@ import torch
 # Growth allowed from the end of the warm-up, at any cycle. fds and threads: a destroyed Gloo
 # group holds ~1.5 sockets and ~1 thread until it is freed, which the trainer forces with a full
 # garbage collection every GC_EVERY (8) onloads: up to 8 cycles' worth, plus slack.
-BOUNDS = {"rss_mib": 64.0, "engine_rss_mib": 64.0, "fds": 16, "threads": 12, "children": 0, "cuda_used_mib": 64.0,
-          "cuda_low_mib": 16.0}
+BOUNDS = {
+    "rss_mib": 64.0,
+    "engine_rss_mib": 64.0,
+    "fds": 16,
+    "threads": 12,
+    "children": 0,
+    "cuda_used_mib": 64.0,
+    "cuda_low_mib": 16.0,
+}
 
 
 def _build(path: Path) -> None:
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
 
 
 def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
     from rltrain.engine.launcher import EngineProcess, server_command
@@ -64,9 +85,12 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
     engine = client = None
     if rank == 0:
         eport = free_port()
-        ecfg = EngineConfig(backend="native", device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16")
-        engine = EngineProcess.start(server_command(ecfg, args["model"], eport), f"http://127.0.0.1:{eport}",
-                                     Path(out) / "engine.log")
+        ecfg = EngineConfig(
+            backend="native", device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16"
+        )
+        engine = EngineProcess.start(
+            server_command(ecfg, args["model"], eport), f"http://127.0.0.1:{eport}", Path(out) / "engine.log"
+        )
         client = EngineClient(engine.url, retries=0)
         client.wait_healthy(300, alive=lambda: engine.alive)
     trainer = FSDPTrainer(TrainerConfig(lr=1e-4), AlgoConfig(), args["model"], device)
@@ -97,8 +121,14 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
             if client is not None and "engine" in parts:
                 client.resume(["weights", "kv_cache"])
             world.bridge.barrier(phase="soak resume")
-            row = {"cycle": cycle, "s": time.perf_counter() - t0, "rss_mib": me.memory_info().rss / 2**20,
-                   "fds": me.num_fds(), "threads": me.num_threads(), "children": len(me.children(recursive=True))}
+            row = {
+                "cycle": cycle,
+                "s": time.perf_counter() - t0,
+                "rss_mib": me.memory_info().rss / 2**20,
+                "fds": me.num_fds(),
+                "threads": me.num_threads(),
+                "children": len(me.children(recursive=True)),
+            }
             if engine is not None:
                 row["engine_rss_mib"] = psutil.Process(engine.proc.pid).memory_info().rss / 2**20
             if device.type == "cuda":
@@ -127,10 +157,12 @@ def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,
         args = {"cycles": cycles, "device": device, "model": str(model), "parts": parts.split(",")}
         mp.start_processes(_worker, args=(ranks, free_port(), args, tmp), nprocs=ranks, start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
-    lines = [f"# rltrain.bench.soak  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {ranks} ranks on {device}, "
-             f"{cycles} cycles (destroy, release, rebuild, onload, offload, resume), warm-up {warmup}",
-             f"{'rank':>4s} {'metric':>15s} {'after warm-up':>14s} {'last':>10s} {'max':>10s} {'growth':>8s} "
-             f"{'bound':>6s}  ok"]
+    lines = [
+        f"# rltrain.bench.soak  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {ranks} ranks on {device}, "
+        f"{cycles} cycles (destroy, release, rebuild, onload, offload, resume), warm-up {warmup}",
+        f"{'rank':>4s} {'metric':>15s} {'after warm-up':>14s} {'last':>10s} {'max':>10s} {'growth':>8s} "
+        f"{'bound':>6s}  ok",
+    ]
     ok = True
     for r, rows in enumerate(per_rank):
         if len(rows) < cycles:
@@ -144,8 +176,10 @@ def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,
             growth = top - base
             good = growth <= bound
             ok &= good
-            lines.append(f"{r:>4d} {key:>15s} {base:14.1f} {last:10.1f} {top:10.1f} {growth:8.1f} {bound:6.0f}  "
-                         f"{'yes' if good else 'NO'}")
+            lines.append(
+                f"{r:>4d} {key:>15s} {base:14.1f} {last:10.1f} {top:10.1f} {growth:8.1f} {bound:6.0f}  "
+                f"{'yes' if good else 'NO'}"
+            )
         secs = sorted(x["s"] for x in rows)
         lines.append(f"{r:>4d} {'cycle s':>15s} median {secs[len(secs) // 2]:.3f}, max {secs[-1]:.3f}")
     return lines, ok
@@ -157,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--parts", default="engine,trainer",
-                    help="what cycles besides the world (to find what grows): engine, trainer, both")
+    ap.add_argument(
+        "--parts",
+        default="engine,trainer",
+        help="what cycles besides the world (to find what grows): engine, trainer, both",
+    )
     a = ap.parse_args(argv)
     if a.cycles <= a.warmup:
         print(f"--cycles must exceed --warmup ({a.warmup})", file=sys.stderr)

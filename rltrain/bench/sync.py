@@ -39,13 +39,22 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
     import transformers
 
-    from rltrain.weights.names import module_weights
     from rltrain.weights.hf_files import write_checkpoint
+    from rltrain.weights.names import module_weights
 
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if h >= 1024 else 64,
-                                   max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=vocab - 1)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128 if h >= 1024 else 64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+    )
     with device:
         model = transformers.Qwen3ForCausalLM(cfg).to(dtype)
     cfg.save_pretrained(path)
@@ -96,7 +105,7 @@ def raw_ipc_seconds(nbytes: int, chunk: int = 512 << 20) -> tuple[float, float]:
     reused = torch.empty(chunk, dtype=torch.uint8, device="cuda")
     out = []
     for fresh in (True, False):
-        for attempt in range(2):
+        for _ in range(2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(n):
@@ -177,8 +186,10 @@ def raw_broadcast_gbps(nbytes: int, backend: str = "gloo") -> float:
 
     port = free_port()
     with tempfile.NamedTemporaryFile() as f:
-        procs = [mp.get_context("spawn").Process(target=_broadcast_rank, args=(r, port, nbytes, f.name, backend))
-                 for r in range(2)]
+        procs = [
+            mp.get_context("spawn").Process(target=_broadcast_rank, args=(r, port, nbytes, f.name, backend))
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -194,24 +205,38 @@ def _engine_breakdown(log_path: Path) -> None:
     rows: dict[str, list[float]] = {}
     for line in log_path.read_text().splitlines():
         if "update_weights_from_tensor:" in line:
-            for key, value in re.findall(r"([a-z]+) ([0-9.]+)(?: ms)?", line.split("update_weights_from_tensor:", 1)[1]):
+            for key, value in re.findall(
+                r"([a-z]+) ([0-9.]+)(?: ms)?", line.split("update_weights_from_tensor:", 1)[1]
+            ):
                 rows.setdefault(key, []).append(float(value))
         elif "POST /update_weights_from_tensor handled in" in line:
             rows.setdefault("handled", []).append(float(line.rsplit("handled in", 1)[1].split()[0]))
-    print("engine per bucket, ms (median / max): " + ", ".join(
-        f"{k} {statistics.median(v):.2f} / {max(v):.2f}" for k, v in rows.items()))
+    print(
+        "engine per bucket, ms (median / max): "
+        + ", ".join(f"{k} {statistics.median(v):.2f} / {max(v):.2f}" for k, v in rows.items())
+    )
 
 
 def routing_table() -> list[tuple[int, float, float]]:
     """(ep, GB to each EP rank routed, unrouted) for a Qwen3-30B-A3B-shaped MoE, from metadata."""
     import transformers
 
-    from rltrain.weights.names import checkpoint_specs
     from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
+    from rltrain.weights.names import checkpoint_specs
 
-    cfg = transformers.Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                                      num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                                      num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    )
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in checkpoint_specs(model)]
@@ -227,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--transports", default="tensor,disk,delta,distributed")
-    ap.add_argument("--shape", default=None, help=f"model shape, one of {sorted(SHAPES)} (default: small on CPU, 4b on GPU)")
+    ap.add_argument(
+        "--shape", default=None, help=f"model shape, one of {sorted(SHAPES)} (default: small on CPU, 4b on GPU)"
+    )
     ap.add_argument("--disk-shape", default=None, help="shape for disk/delta (default: --shape)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
@@ -258,13 +285,19 @@ def main(argv: list[str] | None = None) -> int:
     device = world.device if device.type == "cuda" else device
     first = world.rank == 0
     say = print if first else (lambda *x, **k: None)
-    root = Path(world.bridge.broadcast_object(a.dir or (tempfile.mkdtemp(prefix="rltrain-bench-sync-") if first else None)))
+    root = Path(
+        world.bridge.broadcast_object(a.dir or (tempfile.mkdtemp(prefix="rltrain-bench-sync-") if first else None))
+    )
     shape = a.shape or ("4b" if device.type == "cuda" else "small")
-    say(f"# rltrain.bench.sync  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device.type} "
+    say(
+        f"# rltrain.bench.sync  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device.type} "
         f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})  {dtype}  "
-        f"trainer ranks {ranks}")
-    say(f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
-        f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}")
+        f"trainer ranks {ranks}"
+    )
+    say(
+        f"{'transport':>11s} {'model':>6s} {'GB':>6s} | {'sync s':>7s} {'GB/s':>7s} {'+verify s':>9s} | "
+        f"{'limit':>28s} {'GB/s':>7s} | {'of limit':>8s}"
+    )
     two_gpus = device.type == "cuda" and torch.cuda.device_count() >= 2
     for transport in a.transports.split(","):
         if transport == "distributed" and device.type == "cuda" and not two_gpus:
@@ -282,10 +315,18 @@ def main(argv: list[str] | None = None) -> int:
         proc = None
         if first:
             port = free_port()
-            ecfg = EngineConfig(backend="native", device=device.type, dtype=str(dtype).removeprefix("torch."),
-                                extra_args=["--log-level", "DEBUG"] if a.profile else [])
-            proc = EngineProcess.start(server_command(ecfg, str(path), port), f"http://127.0.0.1:{port}",
-                                       root / f"engine_{transport}.log", env=engine_env)
+            ecfg = EngineConfig(
+                backend="native",
+                device=device.type,
+                dtype=str(dtype).removeprefix("torch."),
+                extra_args=["--log-level", "DEBUG"] if a.profile else [],
+            )
+            proc = EngineProcess.start(
+                server_command(ecfg, str(path), port),
+                f"http://127.0.0.1:{port}",
+                root / f"engine_{transport}.log",
+                env=engine_env,
+            )
         client = EngineClient(world.bridge.broadcast_object(proc.url if proc else None), request_timeout_s=600)
         try:
             if first:
@@ -293,9 +334,19 @@ def main(argv: list[str] | None = None) -> int:
             world.bridge.barrier("engine up")
             results = {}
             for verify in (False, True):
-                cfg = load_config(None, [f"model.path={path}", "data.path=synthetic:addition", f"sync.transport={transport}",
-                                         f"sync.verify={str(verify).lower()}", f"sync.weights_dir={root / 'weights' / transport}",
-                                         "sync.delta_full_every=1000000", f"sync.bucket_mb={a.bucket_mb}", f"loop.colocate={str(transport != 'delta').lower()}"])
+                cfg = load_config(
+                    None,
+                    [
+                        f"model.path={path}",
+                        "data.path=synthetic:addition",
+                        f"sync.transport={transport}",
+                        f"sync.verify={str(verify).lower()}",
+                        f"sync.weights_dir={root / 'weights' / transport}",
+                        "sync.delta_full_every=1000000",
+                        f"sync.bucket_mb={a.bucket_mb}",
+                        f"loop.colocate={str(transport != 'delta').lower()}",
+                    ],
+                )
                 ws = WeightSync(cfg, world, trainer, [client], str(path))
                 times = []
                 for i in range(a.repeats + 1):
@@ -323,8 +374,15 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = sum(w.nbytes for w in ws.plan.weights)
             best, sent = results[False]
             if a.profile:
-                say("trainer side of the last timed push, s: " + ", ".join(f"{k} {v:.4f}" for k, v in timings.items())
-                    + ("  (wait: for the previous bucket's request, on a sender thread)" if transport == "tensor" else ""))
+                say(
+                    "trainer side of the last timed push, s: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in timings.items())
+                    + (
+                        "  (wait: for the previous bucket's request, on a sender thread)"
+                        if transport == "tensor"
+                        else ""
+                    )
+                )
             if a.profile and transport == "tensor" and first:
                 _engine_breakdown(root / f"engine_{transport}.log")
             gather_s = raw_all_gather_seconds(nbytes, ranks, device) if ranks > 1 else 0.0
@@ -332,9 +390,12 @@ def main(argv: list[str] | None = None) -> int:
                 limit_name, limit = "", 0.0
             elif transport == "tensor" and device.type == "cuda":
                 fresh_s, steady_s = raw_ipc_seconds(nbytes, a.bucket_mb << 20)
-                print(f"{'':>11s} raw CUDA IPC, 2 procs, {a.bucket_mb} MiB buckets: fresh buffers {fresh_s:.3f} s, "
-                      f"one reused buffer {steady_s:.3f} s; device copy {nbytes / raw_copy_gbps(nbytes, device) / 1e9:.3f} s"
-                      + (f"; all-gather over {ranks} ranks {gather_s:.3f} s" if ranks > 1 else ""))
+                print(
+                    f"{'':>11s} raw CUDA IPC, 2 procs, {a.bucket_mb} MiB buckets: fresh buffers {fresh_s:.3f} s, "
+                    f"one reused buffer {steady_s:.3f} s; "
+                    f"device copy {nbytes / raw_copy_gbps(nbytes, device) / 1e9:.3f} s"
+                    + (f"; all-gather over {ranks} ranks {gather_s:.3f} s" if ranks > 1 else "")
+                )
                 if a.bucket_mb != 512:  # the floor the issue's goal is stated with
                     print(f"{'':>11s} raw CUDA IPC, 512 MiB buckets: fresh buffers {raw_ipc_seconds(nbytes)[0]:.3f} s")
                 if ranks > 1:
@@ -347,9 +408,14 @@ def main(argv: list[str] | None = None) -> int:
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 bcast = raw_broadcast_gbps(nbytes, backend)
                 if ranks > 1:
-                    print(f"{'':>11s} all-gather over {ranks} ranks {gather_s:.3f} s; raw broadcast "
-                          f"{nbytes / bcast / 1e9:.3f} s")
-                    limit_name, limit = f"all-gather x{ranks} + broadcast", nbytes / (gather_s + nbytes / bcast / 1e9) / 1e9
+                    print(
+                        f"{'':>11s} all-gather over {ranks} ranks {gather_s:.3f} s; raw broadcast "
+                        f"{nbytes / bcast / 1e9:.3f} s"
+                    )
+                    limit_name, limit = (
+                        f"all-gather x{ranks} + broadcast",
+                        nbytes / (gather_s + nbytes / bcast / 1e9) / 1e9,
+                    )
                 else:
                     limit_name, limit = f"raw {backend} broadcast, 2 procs", bcast
             else:
@@ -357,8 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                 limit_name, limit = f"safetensors w {w:.2f} + r {r:.2f}", 1 / (1 / w + 1 / r)
             if first:
                 gbps = nbytes / best / 1e9
-                print(f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} {results[True][0] - best:9.3f} | "
-                      f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}" + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else ""))
+                print(
+                    f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} "
+                    f"{results[True][0] - best:9.3f} | "
+                    f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}"
+                    + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else "")
+                )
             world.bridge.barrier(f"{transport} measured")
         finally:
             client.close()

@@ -34,9 +34,18 @@ def build(path: Path, shape: str, device: torch.device) -> Path:
     import transformers
 
     h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
-                                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=128 if h >= 1024 else 64,
-                                   max_position_embeddings=4096, tie_word_embeddings=False, eos_token_id=vocab - 1)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=128 if h >= 1024 else 64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        eos_token_id=vocab - 1,
+    )
     with device:  # random init on the GPU: seconds instead of a minute on the host
         model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path)
@@ -95,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     path = build(root / "model", a.shape, device)
     vocab = SHAPES[a.shape][5]
     tflops = matmul_tflops(device)
-    print(f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
-          f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16")
+    print(
+        f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+        f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16"
+    )
     print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy measured per backend below")
     for backend in a.backends.split(","):
         cfg = TrainerConfig(backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro)
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             t = FSDPTrainer(cfg, algo, str(path), device)
         phase("create", t.create)
         params = sum(n.numel() for n in t.model.parameters())
-        for rep in range(2):  # the first round warms kernels up; the second is reported
+        for _ in range(2):  # the first round warms kernels up; the second is reported
             rows.clear()
             lp, _ = phase("logprobs", functools.partial(t.logprobs, b))
             b.old_logp = lp

@@ -10,8 +10,9 @@ Per cycle it measures, on every rank (the table shows the slowest rank of each c
   plain:    destroy_process_group(), init_process_group() on a fresh prefix, re-creation of the
             same groups, first all_reduce on every group — the limit rltrain is measured against.
 With --groups megatron (default at 4 ranks) the Megatron TP=2 PP=2 EP=2 group set is registered
-(52 groups incl. Gloo twins at 4 ranks; TP=2 EP=2 without PP at 2 ranks). On CUDA it also reports device memory before/after destroy and its
-growth over the cycles; on CPU, open file descriptors and threads over the cycles.
+(52 groups incl. Gloo twins at 4 ranks; TP=2 EP=2 without PP at 2 ranks). On CUDA it also reports
+device memory before/after destroy and its growth over the cycles; on CPU, open file descriptors and
+threads over the cycles.
 """
 
 from __future__ import annotations
@@ -69,8 +70,12 @@ def _first_collectives(world_size: int, device: torch.device, groups: list) -> N
 
 def _worker(rank: int, world_size: int, port: int, args: dict, out_dir: str) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     backend = args["backend"]
     context_mib = None
@@ -115,8 +120,14 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out_dir: str) -> 
         world.bridge.barrier()
         t0 = time.perf_counter()
         store = dist.PrefixStore(f"bench/plain/{cycle}/", world._base_store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=120),
-                                device_id=device if cuda else None)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+            device_id=device if cuda else None,
+        )
         t1 = time.perf_counter()
         groups = [(dist.new_group(list(r), backend=gb, group_desc=d), gb, r) for d, r, gb in plan]
         t2 = time.perf_counter()
@@ -130,8 +141,13 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out_dir: str) -> 
         # that is part of the destroy a user pays for, just later than destroy_process_group returns.
         del groups  # refcounting frees them here; no gc pass, which would only add its own cost
         t6 = time.perf_counter()
-        rec.update(plain_init_first=(t1 - t0) + (t3 - t2), plain_groups=t2 - t1, plain_destroy=t5 - t4,
-                   plain_free=t6 - t5, plain_cycle=(t6 - t4) + (t3 - t0))
+        rec.update(
+            plain_init_first=(t1 - t0) + (t3 - t2),
+            plain_groups=t2 - t1,
+            plain_destroy=t5 - t4,
+            plain_free=t6 - t5,
+            plain_cycle=(t6 - t4) + (t3 - t0),
+        )
         if cuda:
             rec["mem_after_plain_destroy_mib"] = _gpu_used()
         world.bridge.barrier()
@@ -182,16 +198,20 @@ def run(backend: str, ranks: int, cycles: int, warmup: int, groups: str) -> list
     ratio = statistics.median([c["rl_cycle"] for c in cyc]) / statistics.median([c["plain_cycle"] for c in cyc])
     lines.append(f"{'ratio rltrain / plain cycle (median)':48s} {ratio:8.2f}")
     if "fds" in cyc[0]:
-        lines.append(f"open fds (rank max) first/last cycle: {cyc[0]['fds']:.0f} / {cyc[-1]['fds']:.0f}; "
-                     f"threads: {cyc[0]['threads']:.0f} / {cyc[-1]['threads']:.0f}")
+        lines.append(
+            f"open fds (rank max) first/last cycle: {cyc[0]['fds']:.0f} / {cyc[-1]['fds']:.0f}; "
+            f"threads: {cyc[0]['threads']:.0f} / {cyc[-1]['threads']:.0f}"
+        )
     if "mem_before_destroy_mib" in cyc[0]:
         b = [c["mem_before_destroy_mib"] for c in cyc]
         a = [c["mem_after_destroy_mib"] for c in cyc]
         p = [c["mem_after_plain_destroy_mib"] for c in cyc]
-        lines.append(f"GPU used MiB before destroy first/last: {b[0]:.0f} / {b[-1]:.0f}; after destroy first/last: "
-                     f"{a[0]:.0f} / {a[-1]:.0f}; freed per destroy: {statistics.median([x - y for x, y in zip(b, a)]):.0f}; "
-                     f"after plain destroy: {p[-1]:.0f}; CUDA context alone (before any NCCL): "
-                     f"{cyc[0]['mem_context_mib']:.0f}")
+        lines.append(
+            f"GPU used MiB before destroy first/last: {b[0]:.0f} / {b[-1]:.0f}; after destroy first/last: "
+            f"{a[0]:.0f} / {a[-1]:.0f}; freed per destroy: {statistics.median([x - y for x, y in zip(b, a)]):.0f}; "
+            f"after plain destroy: {p[-1]:.0f}; CUDA context alone (before any NCCL): "
+            f"{cyc[0]['mem_context_mib']:.0f}"
+        )
     return lines
 
 
@@ -205,8 +225,9 @@ def nccl_breakdown(cycles: int) -> list[str]:
     for i in range(cycles + 1):
         for mode in ("shutdown", "abort"):
             t0 = time.perf_counter()
-            dist.init_process_group("nccl", store=dist.PrefixStore(f"probe/{mode}/{i}/", base), rank=0, world_size=1,
-                                    device_id=dev)
+            dist.init_process_group(
+                "nccl", store=dist.PrefixStore(f"probe/{mode}/{i}/", base), rank=0, world_size=1, device_id=dev
+            )
             x = torch.ones(1, device=dev)
             dist.all_reduce(x)
             torch.cuda.synchronize()
@@ -221,14 +242,24 @@ def nccl_breakdown(cycles: int) -> list[str]:
             gc.collect()
             t4 = time.perf_counter()
             if i:
-                rows.append(dict(mode=mode, init_first=t1 - t0, backend_call=t3 - t2, rest=t4 - t3,
-                                 used_up=used_up, used_down=_gpu_used()))
+                rows.append(
+                    dict(
+                        mode=mode,
+                        init_first=t1 - t0,
+                        backend_call=t3 - t2,
+                        rest=t4 - t3,
+                        used_up=used_up,
+                        used_down=_gpu_used(),
+                    )
+                )
     lines = [f"\n## NCCL x1 destroy breakdown over {cycles} cycles, ms (median / min / max)"]
     for mode in ("shutdown", "abort"):
         rs = [r for r in rows if r["mode"] == mode]
         for key in ("init_first", "backend_call", "rest"):
             lines.append(f"{mode + ': ' + key:48s} {_stats([r[key] for r in rs])}")
-        lines.append(f"{mode}: GPU used MiB up / down (last cycle): {rs[-1]['used_up']:.0f} / {rs[-1]['used_down']:.0f}")
+        lines.append(
+            f"{mode}: GPU used MiB up / down (last cycle): {rs[-1]['used_up']:.0f} / {rs[-1]['used_down']:.0f}"
+        )
     return lines
 
 
@@ -244,12 +275,18 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     if a.backend in ("gloo", "all"):
         for n in a.ranks or [2, 4]:
-            kinds = ["none", "megatron"] if a.groups == "auto" and n == 4 else ["none" if a.groups == "auto" else a.groups]
+            kinds = (
+                ["none", "megatron"] if a.groups == "auto" and n == 4 else ["none" if a.groups == "auto" else a.groups]
+            )
             runs += [("gloo", n, k) for k in kinds]
     if a.backend in ("nccl", "all") and torch.cuda.is_available():
-        runs += [("nccl", n, "none" if a.groups == "auto" else a.groups) for n in (a.ranks or [torch.cuda.device_count()])]
-    print(f"# rltrain.bench.world  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}  "
-          f"cpus={os.cpu_count()} cuda={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}")
+        runs += [
+            ("nccl", n, "none" if a.groups == "auto" else a.groups) for n in (a.ranks or [torch.cuda.device_count()])
+        ]
+    print(
+        f"# rltrain.bench.world  torch {torch.__version__}  {time.strftime('%Y-%m-%d')}  "
+        f"cpus={os.cpu_count()} cuda={torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}"
+    )
     for backend, n, groups in runs:
         for line in run(backend, n, a.cycles, a.warmup, groups):
             print(line, flush=True)

@@ -16,8 +16,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import httpx
 
@@ -70,8 +71,12 @@ class EngineClient:
         self._lean_lock = threading.Lock()
 
     def _new_http(self, request_timeout_s: float, connect_timeout_s: float) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-                            limits=self._limits, headers=self._headers)
+        return httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
+            limits=self._limits,
+            headers=self._headers,
+        )
 
     def repoint(self, url: str) -> None:
         """Talk to a restarted server at `url` from now on (the same object: what holds this
@@ -85,18 +90,30 @@ class EngineClient:
 
     # ------------------------------------------------------------------ transport
 
-    def _request(self, method: str, endpoint: str, body: Any = None, *, retry_read_errors: bool = False) -> httpx.Response:
+    def _request(
+        self, method: str, endpoint: str, body: Any = None, *, retry_read_errors: bool = False
+    ) -> httpx.Response:
         delay = self.backoff_s
         for attempt in range(self.retries + 1):
             try:
                 resp = self._http.request(method, endpoint, json=body)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                    httpx.WriteError, httpx.PoolTimeout) as e:
+            except (
+                httpx.ConnectError,
+                httpx.ConnectTimeout,
+                httpx.RemoteProtocolError,
+                httpx.ReadError,
+                httpx.WriteError,
+                httpx.PoolTimeout,
+            ) as e:
                 # Connection-level failures never reached a handler (or the server died in it):
                 # retry. Read errors on non-idempotent calls are not retried: the call may have run.
-                retryable = retry_read_errors or isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout))
+                retryable = retry_read_errors or isinstance(
+                    e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+                )
                 if attempt < self.retries and retryable:
-                    log.warning("engine %s %s: %s; retry %d/%d in %.1fs", method, endpoint, e, attempt + 1, self.retries, delay)
+                    log.warning(
+                        "engine %s %s: %s; retry %d/%d in %.1fs", method, endpoint, e, attempt + 1, self.retries, delay
+                    )
                     time.sleep(delay)
                     delay *= 2
                     continue
@@ -193,8 +210,13 @@ class EngineClient:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True,
-                 positions: list[int] | None = None) -> list[Completion]:
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        params: SamplingParams,
+        return_logprob: bool = True,
+        positions: list[int] | None = None,
+    ) -> list[Completion]:
         """Sample `params.n` continuations of every prompt; result in prompt-major order.
 
         Prompts go out in requests of `prompts_per_request`, at most `max_inflight` requests at once.
@@ -237,7 +259,9 @@ class EngineClient:
             if self.vocab_size is not None:
                 bad = [t for t in p if not isinstance(t, int) or not 0 <= t < self.vocab_size]
                 if bad:
-                    raise ValueError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+                    raise ValueError(
+                        f"prompt {i}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+                    )
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -256,7 +280,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------ weights
 
-    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None, flush_cache: bool = True) -> dict:
+    def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None, flush_cache: bool = True
+    ) -> dict:
         return self._checked(
             "/update_weights_from_disk",
             {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache},
@@ -297,23 +323,45 @@ class EngineClient:
         )
 
     def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
     ) -> dict:
         return self._checked(
             "/init_weights_update_group",
-            {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-             "world_size": world_size, "group_name": group_name, "backend": backend},
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
         )
 
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-        group_name: str = "weight_update_group", weight_version: str | None = None, flush_cache: bool = True,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        flush_cache: bool = True,
         load_format: str | None = None,
     ) -> dict:
         """`load_format="flattened_bucket"`: one uint8 broadcast holding the tensors back to back."""
-        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "weight_version": weight_version, "flush_cache": flush_cache}
+        body = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
         if load_format is not None:
             body["load_format"] = load_format
         return self._checked("/update_weights_from_distributed", body)

@@ -11,6 +11,7 @@ engine of its own node.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import logging
 import os
 import signal
@@ -43,8 +44,6 @@ def resolve_backend(backend: str) -> str:
         return backend
     if torch.cuda.is_available():
         try:
-            import importlib.util
-
             if importlib.util.find_spec("sglang") is not None:
                 return "sglang"
         except (ImportError, ValueError):
@@ -55,28 +54,68 @@ def resolve_backend(backend: str) -> str:
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
 
 
-def server_command(cfg: EngineConfig, model_path: str, port: int, host: str = "127.0.0.1",
-                   weights_roots: list[str] | tuple[str, ...] = ()) -> list[str]:
+def server_command(
+    cfg: EngineConfig,
+    model_path: str,
+    port: int,
+    host: str = "127.0.0.1",
+    weights_roots: list[str] | tuple[str, ...] = (),
+) -> list[str]:
     """The command line that starts the configured engine server (config: `EngineConfig`).
     `weights_roots`: the only directories the embedded engine loads weight versions from (besides
     its own model); SGLang loads any path it is given."""
     backend = resolve_backend(cfg.backend)
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if backend == "native":
-        cmd = [sys.executable, "-m", "rltrain.engine.native", "--model-path", model_path, "--host", host,
-               "--port", str(port), "--device", device, "--dtype", cfg.dtype, "--seed", str(cfg.seed),
-               "--max-batch-size", str(cfg.max_batch_size), "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "rltrain.engine.native",
+            "--model-path",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--dtype",
+            cfg.dtype,
+            "--seed",
+            str(cfg.seed),
+            "--max-batch-size",
+            str(cfg.max_batch_size),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if cfg.deterministic:
             cmd.append("--deterministic")
         for root in weights_roots:
             cmd += ["--weights-root", str(root)]
     elif backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host,
-               "--port", str(port), "--tp-size", str(cfg.tp_size), "--mem-fraction-static", str(cfg.mem_fraction_static),
-               "--skip-tokenizer-init", "--random-seed", str(cfg.seed), "--dtype", cfg.dtype,
-               # The engine idles through every training phase; without this its scheduler spins a
-               # whole CPU core the whole time (measured: 101% -> 2% of a core while idle).
-               "--sleep-on-idle"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(cfg.tp_size),
+            "--mem-fraction-static",
+            str(cfg.mem_fraction_static),
+            "--skip-tokenizer-init",
+            "--random-seed",
+            str(cfg.seed),
+            "--dtype",
+            cfg.dtype,
+            # The engine idles through every training phase; without this its scheduler spins a
+            # whole CPU core the whole time (measured: 101% -> 2% of a core while idle).
+            "--sleep-on-idle",
+        ]
         if device == "cuda":
             cmd.append("--enable-memory-saver")
         else:
@@ -91,8 +130,19 @@ def server_command(cfg: EngineConfig, model_path: str, port: int, host: str = "1
     return cmd + list(cfg.extra_args)
 
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                      "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def secret_environment(cfg: EngineConfig) -> dict[str, str]:
@@ -126,15 +176,19 @@ class EngineProcess:
     log_path: Path
 
     @classmethod
-    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str] | None = None) -> "EngineProcess":
+    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str] | None = None) -> EngineProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
             out.flush()
             proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**engine_environment(), **(env or {})}, start_new_session=True,
-                preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**engine_environment(), **(env or {})},
+                start_new_session=True,
+                preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),  # noqa: B008 - this process's pid, now
             )
         log.info("engine started: pid %d, %s, log %s", proc.pid, url, log_path)
         return cls(proc, url, log_path)
@@ -193,8 +247,16 @@ class NodeEngine:
     Not colocated (`loop.colocate=false`), the engine keeps its memory and only the barriers run.
     """
 
-    def __init__(self, client: EngineClient, url: str, process: EngineProcess | None, world: World | None = None,
-                 colocate: bool = True, start: Callable[[], EngineProcess] | None = None, max_restarts: int = 0):
+    def __init__(
+        self,
+        client: EngineClient,
+        url: str,
+        process: EngineProcess | None,
+        world: World | None = None,
+        colocate: bool = True,
+        start: Callable[[], EngineProcess] | None = None,
+        max_restarts: int = 0,
+    ):
         self.client = client
         self.url = url
         self.process = process
@@ -205,9 +267,16 @@ class NodeEngine:
         self._reports_memory = True  # False once the engine said it has no /memory (SGLang)
 
     @classmethod
-    def launch(cls, cfg: EngineConfig, model_path: str, world: World, run_dir: Path,
-               weights_roots: list[str] | tuple[str, ...] = (), colocate: bool = True,
-               vocab_size: int | None = None) -> NodeEngine:
+    def launch(
+        cls,
+        cfg: EngineConfig,
+        model_path: str,
+        world: World,
+        run_dir: Path,
+        weights_roots: list[str] | tuple[str, ...] = (),
+        colocate: bool = True,
+        vocab_size: int | None = None,
+    ) -> NodeEngine:
         """Collective over the bridge: local rank 0 starts and health-checks, every rank connects.
         `vocab_size`: the model's, so that the client refuses token ids outside it."""
         env = world.env
@@ -218,9 +287,15 @@ class NodeEngine:
 
         process, url = _started_everywhere(world, start if env.is_node_leader else None, "engine launch")
         assert url is not None
-        client = EngineClient(url, request_timeout_s=cfg.request_timeout_s, max_inflight=cfg.max_inflight,
-                              prompts_per_request=cfg.prompts_per_request, retries=cfg.retries, api_key=cfg.api_key,
-                              vocab_size=vocab_size)
+        client = EngineClient(
+            url,
+            request_timeout_s=cfg.request_timeout_s,
+            max_inflight=cfg.max_inflight,
+            prompts_per_request=cfg.prompts_per_request,
+            retries=cfg.retries,
+            api_key=cfg.api_key,
+            vocab_size=vocab_size,
+        )
         return cls(client, url, process, world, colocate, start, cfg.max_restarts)
 
     def _world(self) -> World:
@@ -292,15 +367,23 @@ class NodeEngine:
         if not deaths:
             return False
         if self.restarts >= self.max_restarts:
-            raise EngineCrashed(f"the engine died again after {self.restarts} restart(s) "
-                                f"(engine.max_restarts={self.max_restarts}); stopping.\n"
-                                + "\n".join(f"node {n}: {r}" for n, r in deaths))
+            raise EngineCrashed(
+                f"the engine died again after {self.restarts} restart(s) "
+                f"(engine.max_restarts={self.max_restarts}); stopping.\n"
+                + "\n".join(f"node {n}: {r}" for n, r in deaths)
+            )
         self.restarts += 1
-        log.warning("engine of node(s) %s died during rollout; starting it again (restart %d of %d). %s",
-                    [n for n, _ in deaths], self.restarts, self.max_restarts, deaths[0][1])
+        log.warning(
+            "engine of node(s) %s died during rollout; starting it again (restart %d of %d). %s",
+            [n for n, _ in deaths],
+            self.restarts,
+            self.max_restarts,
+            deaths[0][1],
+        )
         mine = env.node_rank in {n for n, _ in deaths}
-        process, url = _started_everywhere(world, self._start if died else None, "engine restart",
-                                           nodes={n for n, _ in deaths})
+        process, url = _started_everywhere(
+            world, self._start if died else None, "engine restart", nodes={n for n, _ in deaths}
+        )
         if mine:
             if died:
                 self.process = process
@@ -311,13 +394,22 @@ class NodeEngine:
         return True
 
     @staticmethod
-    def _start_healthy(cfg: EngineConfig, model_path: str, log_path: Path, weights_roots: list[str] | tuple[str, ...] = (),
-                       attempts: int = 2) -> EngineProcess:
+    def _start_healthy(
+        cfg: EngineConfig,
+        model_path: str,
+        log_path: Path,
+        weights_roots: list[str] | tuple[str, ...] = (),
+        attempts: int = 2,
+    ) -> EngineProcess:
         for attempt in range(attempts):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            proc = EngineProcess.start(server_command(cfg, model_path, port, weights_roots=weights_roots), url, log_path,
-                                       env=secret_environment(cfg))
+            proc = EngineProcess.start(
+                server_command(cfg, model_path, port, weights_roots=weights_roots),
+                url,
+                log_path,
+                env=secret_environment(cfg),
+            )
             probe = EngineClient(url, retries=0, api_key=cfg.api_key)
             try:
                 waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
@@ -346,9 +438,9 @@ class NodeEngine:
             self.process.stop()
 
 
-def _started_everywhere(world: World, start: Callable[[], EngineProcess] | None, phase: str,
-                        nodes: set[int] | None = None
-                        ) -> tuple[EngineProcess | None, str | None]:
+def _started_everywhere(
+    world: World, start: Callable[[], EngineProcess] | None, phase: str, nodes: set[int] | None = None
+) -> tuple[EngineProcess | None, str | None]:
     """Collective over the bridge: ranks given `start` (node leaders) start their engine; every
     rank learns its node's URL. A failure anywhere raises on every rank; engines that did start
     are stopped."""

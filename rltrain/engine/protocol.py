@@ -30,7 +30,7 @@ class SamplingParams:
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SamplingParams":
+    def from_json(cls, d: dict[str, Any]) -> SamplingParams:
         known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         sp = cls(**known)
         sp.validate()
@@ -68,9 +68,7 @@ class Completion:
         return self.error is None and self.finish_reason in ("stop", "length")
 
 
-def generate_body(
-    input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True
-) -> dict[str, Any]:
+def generate_body(input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True) -> dict[str, Any]:
     """A batched /generate request body; SGLang expands each prompt into `params.n` samples."""
     return {
         "input_ids": input_ids,

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
+from rltrain.batch import TrainBatch
 from rltrain.engine.protocol import Completion, SamplingParams
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.rewards import RewardRunner
-from rltrain.batch import TrainBatch
 
 log = logging.getLogger("rltrain.rollout")
 
@@ -42,12 +42,15 @@ class Rollout:
         return [i for i, g in enumerate(self.every_group) if any(not s.completion.ok for s in g)]
 
 
-def collect(client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner) -> Rollout:
+def collect(
+    client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
+) -> Rollout:
     return _summarize(_generate(client, prompts, list(range(len(prompts))), params, tokenizer, rewards), retried=0)
 
 
-def retry_failed(rollout: Rollout, client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any,
-                 rewards: RewardRunner) -> Rollout:
+def retry_failed(
+    rollout: Rollout, client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
+) -> Rollout:
     """Generate the groups whose generation failed once more (the engine was restarted), with the
     sampling seeds they had; what fails again stays failed and is dropped."""
     again = rollout.generation_failed_prompts
@@ -59,8 +62,14 @@ def retry_failed(rollout: Rollout, client: Any, prompts: list[Prompt], params: S
     return _summarize(groups, retried=len(again) * params.n)
 
 
-def _generate(client: Any, prompts: list[Prompt], positions: list[int], params: SamplingParams, tokenizer: Any,
-              rewards: RewardRunner) -> dict[int, list[Sample]]:
+def _generate(
+    client: Any,
+    prompts: list[Prompt],
+    positions: list[int],
+    params: SamplingParams,
+    tokenizer: Any,
+    rewards: RewardRunner,
+) -> dict[int, list[Sample]]:
     """Sample and score; the groups by prompt position. A failed generation is not scored."""
     completions = client.generate([p.input_ids for p in prompts], params, positions=positions)
     by_position = dict(zip(positions, prompts))
@@ -89,8 +98,14 @@ def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retrie
     ok = [s for g in kept for s in g]
     if gen_failed or reward_failed:
         first = next(s.error for s in samples if s.error is not None)
-        log.warning("%d generations and %d rewards failed (%d of %d groups dropped); first error: %s",
-                    gen_failed, reward_failed, len(groups) - len(kept), len(groups), first)
+        log.warning(
+            "%d generations and %d rewards failed (%d of %d groups dropped); first error: %s",
+            gen_failed,
+            reward_failed,
+            len(groups) - len(kept),
+            len(groups),
+            first,
+        )
     stats = {
         "samples": float(len(samples)),
         "generation_failed": float(gen_failed),

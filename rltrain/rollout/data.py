@@ -41,7 +41,7 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
         raise DataError(f"dataset {str(p)!r} does not exist")
     if p.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # noqa: PLC0415 - pyarrow is optional (parquet data only)
         except ImportError:
             raise DataError(f"{p}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(p).to_pylist()
@@ -64,8 +64,9 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     return records
 
 
-def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, chat_template: bool, max_prompt_tokens: int,
-                     source: str = "dataset") -> list[Prompt]:
+def tokenize_records(
+    records: list[dict[str, Any]], tokenizer: Any, chat_template: bool, max_prompt_tokens: int, source: str = "dataset"
+) -> list[Prompt]:
     prompts = []
     for i, rec in enumerate(records):
         if "messages" in rec or chat_template:
@@ -81,8 +82,10 @@ def tokenize_records(records: list[dict[str, Any]], tokenizer: Any, chat_templat
         if not ids:
             raise DataError(f"{source} record {i}: the prompt tokenises to nothing")
         if len(ids) > max_prompt_tokens:
-            raise DataError(f"{source} record {i}: prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
-                            f"{max_prompt_tokens}; shorten it or raise the limit")
+            raise DataError(
+                f"{source} record {i}: prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
+                f"{max_prompt_tokens}; shorten it or raise the limit"
+            )
         prompts.append(Prompt(i, ids, rec))
     return prompts
 
@@ -92,7 +95,9 @@ class PromptSampler:
 
     def __init__(self, prompts: list[Prompt], prompts_per_step: int, seed: int):
         if prompts_per_step > len(prompts):
-            raise DataError(f"data.prompts_per_step={prompts_per_step} is more than the dataset's {len(prompts)} prompts")
+            raise DataError(
+                f"data.prompts_per_step={prompts_per_step} is more than the dataset's {len(prompts)} prompts"
+            )
         self.prompts = prompts
         self.prompts_per_step = prompts_per_step
         self.seed = seed

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import importlib
 import re
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 RewardFn = Callable[[str, dict[str, Any]], float]
 

@@ -14,6 +14,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -39,28 +42,35 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def build_tokenizer(words: list[str]):
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(SPECIALS + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     # No decoder: the words come back joined by single spaces.
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
 
 
 def build_tiny_model(path: Path, words: list[str], hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     """A random Qwen2 and its tokenizer, written atomically to `path`."""
-    import transformers
 
     tokenizer = build_tokenizer(words)
-    cfg = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 4,
-                                   num_hidden_layers=layers, num_attention_heads=max(4, hidden // 64),
-                                   num_key_value_heads=2, head_dim=hidden // max(4, hidden // 64), max_position_embeddings=128, tie_word_embeddings=False,
-                                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                   pad_token_id=tokenizer.pad_token_id)
+    cfg = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(4, hidden // 64),
+        num_key_value_heads=2,
+        head_dim=hidden // max(4, hidden // 64),
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)

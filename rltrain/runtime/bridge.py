@@ -44,7 +44,8 @@ class Bridge:
         # connected to the dead rank 0's port).
         self._store = dist.PrefixStore(f"{self.STORE_PREFIX}/{restart_attempt()}", base_store)
         try:
-            self._pg: ProcessGroupGloo | None = ProcessGroupGloo(self._store, rank, world_size, timeout)
+            # (Any: torch's stubs do not declare the backend's collectives)
+            self._pg: Any = ProcessGroupGloo(self._store, rank, world_size, timeout)
         except RuntimeError as e:
             raise BridgeError(f"rank {rank}: could not connect the Gloo bridge within {timeout}: {e}") from e
 
@@ -60,7 +61,7 @@ class Bridge:
             ) from e
 
     @property
-    def pg(self) -> ProcessGroupGloo:
+    def pg(self) -> Any:
         if self._pg is None:
             raise BridgeError(f"rank {self.rank}: the bridge was closed")
         return self._pg
@@ -75,7 +76,13 @@ class Bridge:
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", phase: str = "all_reduce") -> torch.Tensor:
         """In-place reduction of a CPU tensor across ranks (op: sum, max, min, product)."""
         opts = AllreduceOptions()
-        opts.reduceOp = {"sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN, "product": ReduceOp.PRODUCT}[op]
+        ops: dict[str, Any] = {
+            "sum": ReduceOp.SUM,
+            "max": ReduceOp.MAX,
+            "min": ReduceOp.MIN,
+            "product": ReduceOp.PRODUCT,
+        }
+        opts.reduceOp = ops[op]
         opts.timeout = self.timeout
         self._wait(self.pg.allreduce([tensor], opts), f"all_reduce({op})", phase)
         return tensor

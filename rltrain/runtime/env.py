@@ -29,7 +29,7 @@ class DistEnv:
         return self.local_rank == 0
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "DistEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> DistEnv:
         e = os.environ if environ is None else environ
         if "RANK" not in e and "WORLD_SIZE" not in e:
             return cls(0, 1, 0, 1, 0, None, None, False)

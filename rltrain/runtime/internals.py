@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,73 +41,192 @@ _TORCH = "torch 2.11 (H200), 2.13 (CPU)"
 _FSDP = "torch.distributed.fsdp._fully_shard"
 _MCORE = "megatron-core 0.16.1, 0.19.2"
 
-REGISTRY: dict[str, Internal] = {i.name: i for i in [
-    # torch
-    Internal("torch._foreach_copy_", "weights/bucket.py, engine/native/engine.py, runtime/memory.py, "
-             "trainer/sharding.py", "one fused copy per group of tensors instead of one launch each", _TORCH),
-    Internal("torch._C._cuda_clearCublasWorkspaces", "runtime/memory.py: free_cuda_caches",
-             "cuBLAS workspaces (allocated through the caching allocator) go back with the cache; without it "
-             "they stay", _TORCH, needs="cuda"),
-    Internal("torch.distributed.distributed_c10d._new_process_group_helper", "runtime/weight_group.py",
-             "SGLang builds its weight-update group this way; the embedded engine's end must match it", _TORCH),
-    Internal("torch.distributed.distributed_c10d._world", "runtime/weight_group.py",
-             "registers the weight-update group's rank map, as SGLang does", _TORCH),
-    Internal("torch.distributed.ProcessGroupNCCL.Options._timeout", "runtime/weight_group.py: UnregisteredGroup",
-             "the NCCL weight-update group's timeout (no public setter)", _TORCH, field=True, needs="cuda"),
-    Internal("torch.nn.Module._parameters", "weights/names.py: module_weights",
-             "parameters in state_dict order without state_dict()'s FSDP2 hooks", _TORCH, field=True),
-    Internal("torch.nn.Module._buffers", "weights/names.py: module_weights", "as _parameters", _TORCH, field=True),
-    Internal("torch.nn.Module._non_persistent_buffers_set", "weights/names.py: module_weights",
-             "which buffers a checkpoint holds", _TORCH, field=True),
-    Internal("torch.nn.Module._forward_pre_hooks", "trainer/sharding.py: free_storage",
-             "FSDP2's hooks hold its state in a reference cycle with the module; cleared with the other hook "
-             "dicts so that dropping the module frees it at once", _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_state.FSDPState._fsdp_param_group", "trainer/sharding.py: rebind",
-             "re-binding kept FSDP2 modules to the rebuilt group (rebind checks every field first)", _TORCH,
-             field=True),
-    Internal(f"{_FSDP}._fully_shard.FSDPModule._get_fsdp_state", "trainer/sharding.py: rebind", "as above", _TORCH),
-    Internal(f"{_FSDP}._fsdp_param_group.FSDPParamGroup.fsdp_params", "trainer/sharding.py: rebind", "as above",
-             _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_param_group.FSDPParamGroup.mesh_info", "trainer/sharding.py: rebind", "as above",
-             _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_param_group.FSDPParamGroup.post_forward_mesh_info", "trainer/sharding.py: rebind",
-             "as above", _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_param_group.FSDPParamGroup._all_gather_process_group", "trainer/sharding.py: rebind",
-             "rebind's check that the groups now resolve to the new one", _TORCH),
-    Internal(f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_process_group", "trainer/sharding.py: rebind", "as above",
-             _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_mesh_size", "trainer/sharding.py: rebind", "as above",
-             _TORCH, field=True),
-    Internal(f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_mesh_rank", "trainer/sharding.py: rebind", "as above",
-             _TORCH, field=True),
-    Internal("torch.distributed.device_mesh.DeviceMesh._dim_group_names", "trainer/sharding.py: rebind",
-             "a mesh finds its group by name; pointed at the rebuilt group's", _TORCH, field=True),
-    Internal("torch.distributed.device_mesh.DeviceMesh._pg_registry", "trainer/sharding.py: rebind",
-             "newer torch keeps the mesh's groups by name here (set when present)", _TORCH, field=True),
-    # transformers
-    Internal("transformers.core_model_loading.revert_weight_conversion", "weights/names.py",
-             "checkpoint names and layouts of module tensors (fused MoE experts), as save_pretrained writes them; "
-             "absent before transformers 5, where checkpoints and modules share the layout", "transformers 5.17, 5.19"),
-    Internal("transformers.initialization.no_init_weights", "trainer/fsdp.py: _build",
-             "building a model whose state is restored next without initialising it",
-             "transformers 5.17, 5.19 (transformers.modeling_utils before 5)"),
-    # megatron-core
-    Internal("megatron.core.parallel_state._GLOBAL_MEMORY_BUFFER", "trainer/megatron/model.py: build_gpt",
-             "the local attention's scratch buffer, which megatron's own initialisation would make", _MCORE,
-             needs="megatron"),
-    Internal("megatron.core.parallel_state._set_global_memory_buffer", "trainer/megatron/model.py: build_gpt",
-             "as above", _MCORE, needs="megatron"),
-    Internal("megatron.core.transformer.moe.moe_utils.te_general_gemm", "trainer/megatron/model.py",
-             "megatron-core 0.16.1 tests it without defining it when Transformer Engine is absent: rltrain defines "
-             "it as None (what the test means by 'no TE'), the one attribute of megatron it sets", _MCORE,
-             field=True, needs="megatron"),
-    Internal("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_groups",
-             "trainer/megatron/trainer.py: _optimizer_state", "the distributed optimizer's shard of fp32 main "
-             "parameters, which its state_dict leaves out", _MCORE, field=True, needs="megatron"),
-    Internal("megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_from_float16_groups",
-             "trainer/megatron/trainer.py: _optimizer_state", "as above, for bf16 models", _MCORE, field=True,
-             needs="megatron"),
-]}
+REGISTRY: dict[str, Internal] = {
+    i.name: i
+    for i in [
+        # torch
+        Internal(
+            "torch._foreach_copy_",
+            "weights/bucket.py, engine/native/engine.py, runtime/memory.py, trainer/sharding.py",
+            "one fused copy per group of tensors instead of one launch each",
+            _TORCH,
+        ),
+        Internal(
+            "torch._C._cuda_clearCublasWorkspaces",
+            "runtime/memory.py: free_cuda_caches",
+            "cuBLAS workspaces (allocated through the caching allocator) go back with the cache; without it they stay",
+            _TORCH,
+            needs="cuda",
+        ),
+        Internal(
+            "torch.distributed.distributed_c10d._new_process_group_helper",
+            "runtime/weight_group.py",
+            "SGLang builds its weight-update group this way; the embedded engine's end must match it",
+            _TORCH,
+        ),
+        Internal(
+            "torch.distributed.distributed_c10d._world",
+            "runtime/weight_group.py",
+            "registers the weight-update group's rank map, as SGLang does",
+            _TORCH,
+        ),
+        Internal(
+            "torch.distributed.ProcessGroupNCCL.Options._timeout",
+            "runtime/weight_group.py: UnregisteredGroup",
+            "the NCCL weight-update group's timeout (no public setter)",
+            _TORCH,
+            field=True,
+            needs="cuda",
+        ),
+        Internal(
+            "torch.nn.Module._parameters",
+            "weights/names.py: module_weights",
+            "parameters in state_dict order without state_dict()'s FSDP2 hooks",
+            _TORCH,
+            field=True,
+        ),
+        Internal("torch.nn.Module._buffers", "weights/names.py: module_weights", "as _parameters", _TORCH, field=True),
+        Internal(
+            "torch.nn.Module._non_persistent_buffers_set",
+            "weights/names.py: module_weights",
+            "which buffers a checkpoint holds",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            "torch.nn.Module._forward_pre_hooks",
+            "trainer/sharding.py: free_storage",
+            "FSDP2's hooks hold its state in a reference cycle with the module; cleared with the other hook "
+            "dicts so that dropping the module frees it at once",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_state.FSDPState._fsdp_param_group",
+            "trainer/sharding.py: rebind",
+            "re-binding kept FSDP2 modules to the rebuilt group (rebind checks every field first)",
+            _TORCH,
+            field=True,
+        ),
+        Internal(f"{_FSDP}._fully_shard.FSDPModule._get_fsdp_state", "trainer/sharding.py: rebind", "as above", _TORCH),
+        Internal(
+            f"{_FSDP}._fsdp_param_group.FSDPParamGroup.fsdp_params",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_param_group.FSDPParamGroup.mesh_info",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_param_group.FSDPParamGroup.post_forward_mesh_info",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_param_group.FSDPParamGroup._all_gather_process_group",
+            "trainer/sharding.py: rebind",
+            "rebind's check that the groups now resolve to the new one",
+            _TORCH,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_process_group",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_mesh_size",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            f"{_FSDP}._fsdp_common.FSDPMeshInfo.shard_mesh_rank",
+            "trainer/sharding.py: rebind",
+            "as above",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            "torch.distributed.device_mesh.DeviceMesh._dim_group_names",
+            "trainer/sharding.py: rebind",
+            "a mesh finds its group by name; pointed at the rebuilt group's",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
+            "torch.distributed.device_mesh.DeviceMesh._pg_registry",
+            "trainer/sharding.py: rebind",
+            "newer torch keeps the mesh's groups by name here (set when present)",
+            _TORCH,
+            field=True,
+        ),
+        # transformers
+        Internal(
+            "transformers.core_model_loading.revert_weight_conversion",
+            "weights/names.py",
+            "checkpoint names and layouts of module tensors (fused MoE experts), as save_pretrained writes them; "
+            "absent before transformers 5, where checkpoints and modules share the layout",
+            "transformers 5.17, 5.19",
+        ),
+        Internal(
+            "transformers.initialization.no_init_weights",
+            "trainer/fsdp.py: _build",
+            "building a model whose state is restored next without initialising it",
+            "transformers 5.17, 5.19 (transformers.modeling_utils before 5)",
+        ),
+        # megatron-core
+        Internal(
+            "megatron.core.parallel_state._GLOBAL_MEMORY_BUFFER",
+            "trainer/megatron/model.py: build_gpt",
+            "the local attention's scratch buffer, which megatron's own initialisation would make",
+            _MCORE,
+            needs="megatron",
+        ),
+        Internal(
+            "megatron.core.parallel_state._set_global_memory_buffer",
+            "trainer/megatron/model.py: build_gpt",
+            "as above",
+            _MCORE,
+            needs="megatron",
+        ),
+        Internal(
+            "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+            "trainer/megatron/model.py",
+            "megatron-core 0.16.1 tests it without defining it when Transformer Engine is absent: rltrain defines "
+            "it as None (what the test means by 'no TE'), the one attribute of megatron it sets",
+            _MCORE,
+            field=True,
+            needs="megatron",
+        ),
+        Internal(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_groups",
+            "trainer/megatron/trainer.py: _optimizer_state",
+            "the distributed optimizer's shard of fp32 main parameters, which its state_dict leaves out",
+            _MCORE,
+            field=True,
+            needs="megatron",
+        ),
+        Internal(
+            "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_from_float16_groups",
+            "trainer/megatron/trainer.py: _optimizer_state",
+            "as above, for bf16 models",
+            _MCORE,
+            field=True,
+            needs="megatron",
+        ),
+    ]
+}
 
 
 def get(name: str) -> Any:
@@ -130,8 +250,10 @@ def _resolve(name: str, entry: Internal) -> Any:
         except AttributeError:
             break
         return obj
-    raise InternalMissing(f"{name} is missing from this install (used by {entry.used_by} to {entry.why}; checked "
-                          f"against {entry.checked}): the upgrade changed it, see runtime/internals.py")
+    raise InternalMissing(
+        f"{name} is missing from this install (used by {entry.used_by} to {entry.why}; checked "
+        f"against {entry.checked}): the upgrade changed it, see runtime/internals.py"
+    )
 
 
 def missing(entry: Internal) -> str | None:
@@ -152,12 +274,14 @@ def missing(entry: Internal) -> str | None:
         return None if hasattr(owner, attr) or attr in inspect.getsource(owner) else f"{entry.name} is not in {owner}"
     if hasattr(owner, attr):
         return None
-    for cls in owner.__mro__:
+    for cls in owner.__mro__:  # set in __init__ (or unpacked from a tuple there), or declared
         with contextlib.suppress(OSError, TypeError):
-            if f".{attr} =" in inspect.getsource(cls) or f".{attr}: " in inspect.getsource(cls):
+            if re.search(rf"self\.{re.escape(attr)}\b", inspect.getsource(cls)):
                 return None
-    return (f"{entry.name}: no instance of {owner.__name__} gets {attr!r} in this install (used by {entry.used_by}; "
-            f"checked against {entry.checked})")
+    return (
+        f"{entry.name}: no instance of {owner.__name__} gets {attr!r} in this install (used by {entry.used_by}; "
+        f"checked against {entry.checked})"
+    )
 
 
 @contextlib.contextmanager
@@ -166,7 +290,9 @@ def no_init_weights() -> Any:
     try:
         ctx = get("transformers.initialization.no_init_weights")
     except InternalMissing:
-        from transformers.modeling_utils import no_init_weights as ctx  # transformers < 5
+        import transformers.modeling_utils  # noqa: PLC0415 - transformers < 5 only
+
+        ctx = transformers.modeling_utils.no_init_weights  # type: ignore[attr-defined]
     with ctx():
         yield
 

@@ -38,8 +38,20 @@ from rltrain.runtime.pinned import all_pinned_host_bytes
 HeldTensors = dict[str, list[torch.Tensor]]  # kind -> tensors (interfaces.HeldTensors)
 
 GIB = 2**30
-DEVICE_PARTS = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl",
-                "cuda_context", "engine_weights", "engine_kv_cache", "engine_other", "engine_context", "device_baseline")
+DEVICE_PARTS = (
+    "trainer_weights",
+    "trainer_grads",
+    "trainer_optimizer",
+    "trainer_other",
+    "allocator_cached",
+    "nccl",
+    "cuda_context",
+    "engine_weights",
+    "engine_kv_cache",
+    "engine_other",
+    "engine_context",
+    "device_baseline",
+)
 
 
 def device_used(device: torch.device) -> int:
@@ -59,18 +71,21 @@ def _nvml_used(index: int) -> int | None:
     """Device memory in use read through NVML, which needs no CUDA context (None without it)."""
     if index not in _NVML:
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415 - NVML comes with CUDA builds of torch only
 
             pynvml.nvmlInit()
             visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
             physical = visible[index] if visible else str(index)
-            _NVML[index] = (pynvml.nvmlDeviceGetHandleByIndex(int(physical)) if physical.isdigit()
-                            else pynvml.nvmlDeviceGetHandleByUUID(physical))
+            _NVML[index] = (
+                pynvml.nvmlDeviceGetHandleByIndex(int(physical))
+                if physical.isdigit()
+                else pynvml.nvmlDeviceGetHandleByUUID(physical)
+            )
         except Exception:  # noqa: BLE001 - no NVML, no driver, an index NVML does not know: not measured
             _NVML[index] = None
     if _NVML[index] is None:
         return None
-    import pynvml
+    import pynvml  # noqa: PLC0415 - NVML comes with CUDA builds of torch only
 
     return int(pynvml.nvmlDeviceGetMemoryInfo(_NVML[index]).used)
 
@@ -115,16 +130,21 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -
 class MemoryLedger:
     """Reads the ledger of this rank from one report per component, each optional:
 
-        trainer       () -> the trainer's tensors by kind (`Trainer.held_tensors`)
-        engine        () -> the engine's own figures in bytes (`NodeEngine.memory_report`: weight_bytes,
-                      kv_cache_bytes, other_bytes, context_bytes, rss_bytes, host_pinned_bytes, device)
-        communicators () -> bytes the world's NCCL communicators hold now (`World.communicator_bytes`)
-        cuda_context  (what this process's CUDA context took, what the device held before it)
+    trainer       () -> the trainer's tensors by kind (`Trainer.held_tensors`)
+    engine        () -> the engine's own figures in bytes (`NodeEngine.memory_report`: weight_bytes,
+                  kv_cache_bytes, other_bytes, context_bytes, rss_bytes, host_pinned_bytes, device)
+    communicators () -> bytes the world's NCCL communicators hold now (`World.communicator_bytes`)
+    cuda_context  (what this process's CUDA context took, what the device held before it)
     """
 
-    def __init__(self, device: torch.device, trainer: Callable[[], HeldTensors] | None = None,
-                 engine: Callable[[], dict[str, Any]] | None = None, communicators: Callable[[], int] | None = None,
-                 cuda_context: tuple[int | None, int | None] = (None, None)):
+    def __init__(
+        self,
+        device: torch.device,
+        trainer: Callable[[], HeldTensors] | None = None,
+        engine: Callable[[], dict[str, Any]] | None = None,
+        communicators: Callable[[], int] | None = None,
+        cuda_context: tuple[int | None, int | None] = (None, None),
+    ):
         self.device, self.trainer, self.engine, self.communicators = device, trainer, engine, communicators
         self.cuda_context, self.device_baseline = cuda_context
         self.process = psutil.Process()
@@ -178,6 +198,8 @@ def format_ledger(memory: dict[str, dict[str, dict[str, float]]], step: int | No
     lines = [f"memory ledger (GiB){f' of step {step}' if step is not None else ''}", head]
     for rank, phases in memory.items():
         for phase, parts in phases.items():
-            lines.append(f"{rank:>6s} {phase:>22s} " + " ".join(
-                f"{parts[c]:17.3f}" if c in parts else f"{'':>17s}" for c in columns))
+            lines.append(
+                f"{rank:>6s} {phase:>22s} "
+                + " ".join(f"{parts[c]:17.3f}" if c in parts else f"{'':>17s}" for c in columns)
+            )
     return "\n".join(lines)

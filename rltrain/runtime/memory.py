@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from rltrain.runtime import internals
@@ -18,8 +20,6 @@ def free_cuda_caches() -> None:
 def trim_host_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -43,7 +43,9 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     addr = buf.data_ptr()
     err = int(torch.cuda.cudart().cudaHostRegister(addr, size, 0))
     if err:
-        raise RuntimeError(f"cannot page-lock {size / 2**30:.2f} GiB of host memory: cudaHostRegister returned error {err}")
+        raise RuntimeError(
+            f"cannot page-lock {size / 2**30:.2f} GiB of host memory: cudaHostRegister returned error {err}"
+        )
     _registered[addr] = size
     # Runs when the mapping is released (every tensor on it is gone), before it is unmapped.
     weakref.finalize(mem, _unregister, addr)
@@ -81,7 +83,7 @@ class PinnedArena:
         sizes = [t.numel() * t.element_size() for t in tensors]
         offsets, total = self.offsets(sizes)
         buf = self.reserve(total)
-        return [buf[o:o + n].view(t.dtype).view(t.shape) for o, n, t in zip(offsets, sizes, tensors)]
+        return [buf[o : o + n].view(t.dtype).view(t.shape) for o, n, t in zip(offsets, sizes, tensors)]
 
 
 def pinned_like(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,7 +107,6 @@ def all_pinned_host_bytes() -> int:
     return stats.get("allocated_bytes.current", stats.get("allocation.current", 0)) + pinned_host_bytes()
 
 
-
 class PinnedUpload:
     """Host-to-device copies out of pageable memory (a memory-mapped weight file) through a ring
     of page-locked buffers: host threads fill one buffer while the GPU drains the others. A
@@ -121,16 +122,24 @@ class PinnedUpload:
 
     @staticmethod
     def suits(dst: torch.Tensor, src: torch.Tensor) -> bool:
-        return (dst.is_cuda and src.device.type == "cpu" and not src.is_pinned() and dst.dtype == src.dtype
-                and dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel())
+        return (
+            dst.is_cuda
+            and src.device.type == "cpu"
+            and not src.is_pinned()
+            and dst.dtype == src.dtype
+            and dst.is_contiguous()
+            and src.is_contiguous()
+            and dst.numel() == src.numel()
+        )
 
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Queue `dst.copy_(src)` for each pair (see `suits`) on the current stream; returns once
         every host byte has been read (the device copies may still run)."""
         if not self._buffers:
             buf = self._arena.reserve(self.size * len(self._done))
-            self._buffers = [buf[k * self.size:(k + 1) * self.size] for k in range(len(self._done))]
-        k, used, batch = 0, 0, []  # buffer, bytes filled, (device slice, buffer slice, host slice)
+            self._buffers = [buf[k * self.size : (k + 1) * self.size] for k in range(len(self._done))]
+        # buffer, bytes filled, (device slice, buffer slice, host slice)
+        k, used, batch = 0, 0, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]()
         self._wait(k)
         for dst, src in pairs:
             d, s = dst.view(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
@@ -141,19 +150,23 @@ class PinnedUpload:
                     k, used, batch = (k + 1) % len(self._buffers), 0, []
                     self._wait(k)
                 n = min(s.numel() - start, self.size - used)
-                batch.append((d[start:start + n], self._buffers[k][used:used + n], s[start:start + n]))
+                batch.append((d[start : start + n], self._buffers[k][used : used + n], s[start : start + n]))
                 start, used = start + n, used + n
         if batch:
             self._send(k, batch)
 
     def _wait(self, k: int) -> None:
-        if self._done[k] is not None:
-            self._done[k].synchronize()
+        done = self._done[k]
+        if done is not None:
+            done.synchronize()
 
     def _send(self, k: int, batch: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        jobs = [(buf[i:i + self.piece], host[i:i + self.piece]) for _, buf, host in batch
-                for i in range(0, host.numel(), self.piece)]
+        jobs = [
+            (buf[i : i + self.piece], host[i : i + self.piece])
+            for _, buf, host in batch
+            for i in range(0, host.numel(), self.piece)
+        ]
         list(self._threads.map(lambda job: job[0].copy_(job[1]), jobs))  # torch copies release the GIL
         internals.foreach_copy_([d for d, _, _ in batch], [b for _, b, _ in batch], non_blocking=True)
-        self._done[k] = torch.cuda.Event()
-        self._done[k].record()
+        done = self._done[k] = torch.cuda.Event()
+        done.record()

@@ -18,24 +18,34 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, BackendConfig, PrefixStore
 
 from rltrain.runtime import internals
 
 
 def open_weight_update_group(
-    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
     timeout_s: float = 300.0,
 ) -> Any:
     """Join (rank 0: host) the group; returns the ProcessGroup. Blocks until all ranks joined."""
-    from torch.distributed.distributed_c10d import Backend, PrefixStore
 
     new_process_group_helper = internals.get("torch.distributed.distributed_c10d._new_process_group_helper")
     world = internals.get("torch.distributed.distributed_c10d._world")
     timeout = timedelta(seconds=timeout_s)
     store = PrefixStore(group_name, tcp_store(master_address, master_port, rank, world_size, timeout))
     kwargs: dict[str, Any] = dict(
-        group_size=world_size, group_rank=rank, global_ranks_in_group=[], backend=Backend(backend),
-        store=store, group_name=group_name, timeout=timeout,
+        group_size=world_size,
+        group_rank=rank,
+        global_ranks_in_group=[],
+        backend=Backend(backend),
+        store=store,
+        group_name=group_name,
+        timeout=timeout,
     )
     params = inspect.signature(new_process_group_helper).parameters
     kwargs["backend_options" if "backend_options" in params else "pg_options"] = None
@@ -68,9 +78,16 @@ class UnregisteredGroup:
     which use that helper — connects to it unchanged. Only broadcast is needed.
     """
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                 backend: str, timeout_s: float = 300.0):
-        from torch.distributed.distributed_c10d import Backend, BackendConfig, PrefixStore
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float = 300.0,
+    ):
 
         self.timeout = timedelta(seconds=timeout_s)
         store = tcp_store(master_address, master_port, rank, world_size, self.timeout)
@@ -100,8 +117,9 @@ class UnregisteredGroup:
         while not work.is_completed():
             reason = give_up()
             if reason:
-                raise RuntimeError(f"weight-update group {self.name}: broadcast abandoned, the receiver will not "
-                                   f"join: {reason}")
+                raise RuntimeError(
+                    f"weight-update group {self.name}: broadcast abandoned, the receiver will not join: {reason}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"weight-update group {self.name}: broadcast not received within {self.timeout}")
             time.sleep(0.001)

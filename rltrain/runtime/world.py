@@ -75,7 +75,7 @@ class GroupHandle:
     taken out of a handle is dead after the next destroy.
     """
 
-    def __init__(self, world: "World", spec: GroupSpec):
+    def __init__(self, world: World, spec: GroupSpec):
         self._world = world
         self.spec = spec
         self._pg: Any = None
@@ -380,10 +380,11 @@ class World:
         except BridgeError as e:
             raise self._error(kind, "waiting for every rank at the bridge barrier", e) from e
         t4 = time.perf_counter()
-        if outside is not None:
+        now = self._outside_allocator()
+        if outside is not None and now is not None:
             # What the communicators took: device memory outside the allocator, before vs. after
             # (the memory ledger's "nccl"; the engine is idle while the world is built).
-            self.nccl_bytes = max(self._outside_allocator() - outside, 0)
+            self.nccl_bytes = max(now - outside, 0)
         tr.seconds.update(init=t1 - t0, groups=t2 - t1, prime=t3 - t2, barrier=t4 - t3, critical_path=t4 - t0)
         self._record(tr, f"{self.backend}, store prefix {self.store_prefix()}")
 
@@ -413,7 +414,7 @@ class World:
             self._groups.clear()
             gc.collect()
 
-    def __enter__(self) -> "World":
+    def __enter__(self) -> World:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -456,4 +457,12 @@ class World:
         self.transitions.append(tr)
         parts = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in tr.seconds.items())
         # DEBUG: one line per transition is too chatty next to the progress bar (RLTRAIN_LOG_LEVEL=DEBUG shows it).
-        log.debug("rank %d: world %s generation %d (%d groups, %s): %s", self.rank, tr.kind, tr.generation, tr.groups, detail, parts)
+        log.debug(
+            "rank %d: world %s generation %d (%d groups, %s): %s",
+            self.rank,
+            tr.kind,
+            tr.generation,
+            tr.groups,
+            detail,
+            parts,
+        )

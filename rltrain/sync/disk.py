@@ -67,8 +67,9 @@ class DiskTransport:
                 prune(target, None)  # versions above this one, from an earlier run (rarely any)
                 self._wait_pruned()
                 timings["publish"], timings["prune_wait"] = t1 - t0, clock() - t1
-                self._pruner = threading.Thread(target=prune, args=(target, ctx.cfg.keep_weight_versions, False),
-                                                name="rltrain-prune", daemon=True)
+                self._pruner = threading.Thread(
+                    target=prune, args=(target, ctx.cfg.keep_weight_versions, False), name="rltrain-prune", daemon=True
+                )
                 self._pruner.start()
         except (OSError, ValueError) as e:
             error = f"publishing weight version {version} to {target} failed: {e}"
@@ -96,8 +97,9 @@ class DiskTransport:
             size = min(SHARD_BYTES, sum(w.nbytes for w in self.ctx.plan.weights))
             self._staging = [HostStaging(size) for _ in range(2)]
         digests: dict[str, str] = {}
-        write_checkpoint(tmp, self.ctx.model_path, tensors, shard_bytes=SHARD_BYTES, staging=self._staging,
-                         digests=digests)
+        write_checkpoint(
+            tmp, self.ctx.model_path, tensors, shard_bytes=SHARD_BYTES, staging=self._staging, digests=digests
+        )
         return {"version": version, "kind": "full", "digests": digests}
 
     def _local_full_version(self, published: Path) -> Path:
@@ -114,9 +116,12 @@ class DiskTransport:
         base = self.node_base
         if base is None or not base.exists():
             raise CorruptWeightsError(f"{published.name} is a delta but this node holds no base version")
-        out = publish(version_dir(self.node_dir, manifest["version"]), 2,
-                      lambda tmp: (reconstruct(published, base, tmp),
-                                   {"version": manifest["version"], "kind": "full"})[1])
+
+        def rebuild(tmp: Path) -> dict[str, Any]:
+            reconstruct(published, base, tmp)
+            return {"version": manifest["version"], "kind": "full"}
+
+        out = publish(version_dir(self.node_dir, manifest["version"]), 2, rebuild)
         self.node_base = out
         return out
 

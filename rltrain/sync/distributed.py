@@ -70,10 +70,18 @@ class DistributedTransport:
         backend = "nccl" if ctx.device.type == "cuda" else "gloo"
         size = 1 + ctx.engine_tp_size
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(ctx.receivers[receiver].init_weights_update_group, "127.0.0.1", port, 1, size,
-                                 self._name(receiver), backend)
-            pg = UnregisteredGroup("127.0.0.1", port, 0, size, self._name(receiver), backend,
-                                   timeout_s=ctx.request_timeout_s)
+            joined = pool.submit(
+                ctx.receivers[receiver].init_weights_update_group,
+                "127.0.0.1",
+                port,
+                1,
+                size,
+                self._name(receiver),
+                backend,
+            )
+            pg = UnregisteredGroup(
+                "127.0.0.1", port, 0, size, self._name(receiver), backend, timeout_s=ctx.request_timeout_s
+            )
             joined.result()
         return pg
 
@@ -81,10 +89,16 @@ class DistributedTransport:
         client = self.ctx.receivers[receiver]
         flat = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in named])
         with ThreadPoolExecutor(1) as pool:
-            received = pool.submit(client.update_weights_from_distributed, [n for n, _ in named],
-                                   [str(t.dtype).removeprefix("torch.") for _, t in named],
-                                   [list(t.shape) for _, t in named], self._name(receiver), version,
-                                   version is not None, "flattened_bucket")
+            received = pool.submit(
+                client.update_weights_from_distributed,
+                [n for n, _ in named],
+                [str(t.dtype).removeprefix("torch.") for _, t in named],
+                [list(t.shape) for _, t in named],
+                self._name(receiver),
+                version,
+                version is not None,
+                "flattened_bucket",
+            )
             # If the engine refuses the request it never joins the broadcast: stop waiting then.
             self._groups[receiver].broadcast(flat, src=0, give_up=lambda: received.done() and received.exception())
             received.result()

@@ -19,8 +19,8 @@ Every transport consumes the same plan. It is built from the trainer's weight me
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -99,8 +99,13 @@ class SyncPlan:
         return max((i for i, b in enumerate(self.buckets) if target in b.targets), default=-1)
 
 
-def build_plan(weights: Iterable[WeightSpec], topology: EngineTopology, bucket_bytes: int,
-               engine_names: Iterable[str] | None = None, aliases: dict[str, str] | None = None) -> SyncPlan:
+def build_plan(
+    weights: Iterable[WeightSpec],
+    topology: EngineTopology,
+    bucket_bytes: int,
+    engine_names: Iterable[str] | None = None,
+    aliases: dict[str, str] | None = None,
+) -> SyncPlan:
     """`engine_names`: what the engine holds (checkpoint names; None: trust the trainer).
     `aliases`: engine name -> trainer name for weights the trainer holds once (tied embeddings)."""
     weights = list(weights)
@@ -117,8 +122,14 @@ def build_plan(weights: Iterable[WeightSpec], topology: EngineTopology, bucket_b
             targets[w.name] = everyone
     if reason is not None and ep > 1:
         log.warning("sync: expert routing off, every EP rank receives every weight: %s", reason)
-    return SyncPlan(weights, targets, _first_fit_decreasing(weights, targets, bucket_bytes), ep,
-                    routed=reason is None, fallback_reason=reason)
+    return SyncPlan(
+        weights,
+        targets,
+        _first_fit_decreasing(weights, targets, bucket_bytes),
+        ep,
+        routed=reason is None,
+        fallback_reason=reason,
+    )
 
 
 def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | None:
@@ -154,8 +165,11 @@ def _check_coverage(names: list[str], engine_names: Iterable[str] | None, aliase
         if unexpected:
             problems.append(f"{len(unexpected)} trainer weights are unknown to the engine: {unexpected[:10]}")
     if problems:
-        raise SyncPlanError("weight sync plan does not cover the engine exactly: " + "; ".join(problems)
-                            + " (trainer and engine built from different models or configs?)")
+        raise SyncPlanError(
+            "weight sync plan does not cover the engine exactly: "
+            + "; ".join(problems)
+            + " (trainer and engine built from different models or configs?)"
+        )
 
 
 def _first_fit_decreasing(weights: list[WeightSpec], targets: dict[str, tuple[int, ...]], limit: int) -> list[Bucket]:
@@ -176,4 +190,3 @@ def _first_fit_decreasing(weights: list[WeightSpec], targets: dict[str, tuple[in
                 mine.append((b, w.nbytes))
         buckets.extend(b for b, _ in mine)
     return buckets
-

@@ -101,8 +101,9 @@ class TensorTransport:
             raise RuntimeError(str(failure)) from failure
         return sent
 
-    def _slotted(self, flat: dict[str, Any], out: torch.Tensor, slot: int, tags: dict[int, str | None],
-                 by_slot: dict[int, str]) -> str:
+    def _slotted(
+        self, flat: dict[str, Any], out: torch.Tensor, slot: int, tags: dict[int, str | None], by_slot: dict[int, str]
+    ) -> str:
         """The serialized payload with the buffer-slot extension: the buffer's handle only if
         some target has not been sent this buffer in this session, the slot number always.
         Without the handle it is the same string every sync (kept in `by_slot`)."""
@@ -142,9 +143,12 @@ class TensorTransport:
         if filled is not None:
             filled.synchronize()
         for r, tag in tags.items():
-            self.ctx.receivers[r].update_weights_from_tensor([payload] * self.ctx.engine_tp_size,
-                                                             load_format="flattened_bucket",
-                                                             weight_version=tag, flush_cache=tag is not None)
+            self.ctx.receivers[r].update_weights_from_tensor(
+                [payload] * self.ctx.engine_tp_size,
+                load_format="flattened_bucket",
+                weight_version=tag,
+                flush_cache=tag is not None,
+            )
         with self._timing_lock:
             self.timings["request"] += time.perf_counter() - t0
         del flat

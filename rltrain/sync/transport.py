@@ -42,9 +42,13 @@ def probe(clients: list[EngineClient]) -> EngineCaps:
     caps = [_probe_one(c) for c in clients]
     if not caps:
         return EngineCaps()
-    return EngineCaps(dtype=caps[0].dtype, checksums=all(c.checksums for c in caps),
-                      synchronous=all(c.synchronous for c in caps), slots=min(c.slots for c in caps),
-                      verifies_files=all(c.verifies_files for c in caps))
+    return EngineCaps(
+        dtype=caps[0].dtype,
+        checksums=all(c.checksums for c in caps),
+        synchronous=all(c.synchronous for c in caps),
+        slots=min(c.slots for c in caps),
+        verifies_files=all(c.verifies_files for c in caps),
+    )
 
 
 def _probe_one(client: EngineClient) -> EngineCaps:
@@ -91,8 +95,12 @@ class WeightStream:
     `gather(names)` is the trainer's export (the leader checksums each tensor as it passes);
     `buckets()` walks the plan's buckets, one gather each."""
 
-    def __init__(self, plan: SyncPlan, gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]],
-                 timings: dict[str, float]):
+    def __init__(
+        self,
+        plan: SyncPlan,
+        gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]],
+        timings: dict[str, float],
+    ):
         self.plan, self.gather, self.timings = plan, gather, timings
 
     def buckets(self) -> Iterator[tuple[int, Bucket, Named]]:
@@ -119,4 +127,3 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
-

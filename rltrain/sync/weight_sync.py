@@ -58,8 +58,9 @@ class WeightSync:
     loop has one per node). With several and a MoE model, experts are routed (plan.py). The
     leader talks to them; every rank must hold the same list (each checks the served version)."""
 
-    def __init__(self, cfg: Config, world: World, trainer: Trainer, receivers: list[EngineClient],
-                 engine_model_path: str):
+    def __init__(
+        self, cfg: Config, world: World, trainer: Trainer, receivers: list[EngineClient], engine_model_path: str
+    ):
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self.leader = world.env.is_node_leader
         weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in trainer.weight_specs()]
@@ -70,10 +71,21 @@ class WeightSync:
         self.caps = probe(self.receivers) if self.leader else EngineCaps()
         if self.leader and cfg.sync.verify and not self.caps.checksums:
             log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
-        self.transport: Transport = make_transport(cfg.sync.transport, SyncContext(
-            cfg=cfg.sync, world=world, receivers=self.receivers, plan=self.plan, caps=self.caps,
-            device=trainer.device, model_path=trainer.model_path, weights_dir=cfg.weights_dir,
-            engine_tp_size=cfg.engine.tp_size, request_timeout_s=cfg.engine.request_timeout_s))
+        self.transport: Transport = make_transport(
+            cfg.sync.transport,
+            SyncContext(
+                cfg=cfg.sync,
+                world=world,
+                receivers=self.receivers,
+                plan=self.plan,
+                caps=self.caps,
+                device=trainer.device,
+                model_path=trainer.model_path,
+                weights_dir=cfg.weights_dir,
+                engine_tp_size=cfg.engine.tp_size,
+                request_timeout_s=cfg.engine.request_timeout_s,
+            ),
+        )
 
     @property
     def timings(self) -> dict[str, float]:
@@ -88,13 +100,21 @@ class WeightSync:
         try:
             sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums), {}))
         except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
-            error, sent = f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync.transport} failed: {e}", 0
+            error, sent = (
+                f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync.transport} failed: {e}",
+                0,
+            )
         errors = self.world.bridge.all_gather_object(error, phase="sync")
         if any(errors):
             raise SyncError(next(e for e in errors if e))
         self._verify(version, sums)
-        log.debug("synced version %s by %s: %d bytes in %.3fs", version, self.cfg.sync.transport, sent,
-                  time.perf_counter() - t0)
+        log.debug(
+            "synced version %s by %s: %d bytes in %.3fs",
+            version,
+            self.cfg.sync.transport,
+            sent,
+            time.perf_counter() - t0,
+        )
         return {"sync_bytes": float(sent)}  # its time is the loop's "sync" phase
 
     def _tensors(self, names: list[str] | None, sums: Sums) -> Iterator[tuple[str, torch.Tensor]]:
@@ -115,13 +135,17 @@ class WeightSync:
                     owned = {n: v for n, v in sums.items() if r in self.plan.targets[n]}
                     mine = combine(owned)
                     if rep["weight_version"] != version or rep["checksum"] != mine:
-                        error = (f"rank {self.world.rank}: after syncing version {version}, engine {r} serves version "
-                                 f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
-                                 f"tensors; the trainer's is {mine} over {len(owned)}")
+                        error = (
+                            f"rank {self.world.rank}: after syncing version {version}, engine {r} serves version "
+                            f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
+                            f"tensors; the trainer's is {mine} over {len(owned)}"
+                        )
                 served = client.weight_version()
                 if error is None and served != version:
                     kind = StaleWeightsError
-                    error = f"rank {self.world.rank}: engine {r} serves weight version {served!r} after loading {version!r}"
+                    error = (
+                        f"rank {self.world.rank}: engine {r} serves weight version {served!r} after loading {version!r}"
+                    )
         except EngineError as e:
             error = f"rank {self.world.rank}: cannot verify weight version {version}: {e}"
         errors = self.world.bridge.all_gather_object(error, phase="sync verify")

@@ -74,8 +74,9 @@ class LogprobHead(torch.nn.Linear):
     @classmethod
     def fits(cls, head: Any, config: Any) -> bool:
         """A plain bias-free linear head; models that post-process logits (soft-capping) keep theirs."""
-        return (type(head) is torch.nn.Linear and head.bias is None
-                and not getattr(config, "final_logit_softcapping", None))
+        return (
+            type(head) is torch.nn.Linear and head.bias is None and not getattr(config, "final_logit_softcapping", None)
+        )
 
     @contextlib.contextmanager
     def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
@@ -100,8 +101,17 @@ class FSDPTrainer:
     # re-binding the kept ones (the fallback that a refused rebind takes; the tests run it so).
     rebinds = True
 
-    def __init__(self, cfg: TrainerConfig, algo: AlgoConfig, model_path: str, device: torch.device, seed: int = 0,
-                 total_steps: int = 1, temperature: float = 1.0, pad_id: int = 0):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        algo: AlgoConfig,
+        model_path: str,
+        device: torch.device,
+        seed: int = 0,
+        total_steps: int = 1,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+    ):
         self.cfg, self.algo = cfg, algo
         self.total_steps = total_steps
         # Log-probs are taken at the sampling temperature, as the engine reports them.
@@ -161,8 +171,11 @@ class FSDPTrainer:
             # the host costs seconds. fork_rng: whatever init remains must not move the global
             # RNG of a re-created run.
             where = torch.device("meta") if init == "meta" else self.device
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                    internals.no_init_weights(), where:
+            with (
+                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+                internals.no_init_weights(),
+                where,
+            ):
                 model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype)
         head = model.get_output_embeddings()
         if LogprobHead.fits(head, model.config):
@@ -186,10 +199,16 @@ class FSDPTrainer:
         model.train()
         if self.cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, betas=(self.cfg.beta1, self.cfg.beta2),
-                                           eps=self.cfg.eps, weight_decay=self.cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=self.cfg.lr,
+            betas=(self.cfg.beta1, self.cfg.beta2),
+            eps=self.cfg.eps,
+            weight_decay=self.cfg.weight_decay,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step))
+            self.optimizer, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step)
+        )
 
     def _live_model(self) -> torch.nn.Module:
         if self.model is None:
@@ -430,7 +449,9 @@ class FSDPTrainer:
     def save_pretrained(self, path: str) -> None:
         """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,
         loadable by `from_pretrained`. Sharded, a collective."""
-        write_checkpoint(path, self.model_path, self.export_weights(), write=not dist.is_initialized() or dist.get_rank() == 0)
+        write_checkpoint(
+            path, self.model_path, self.export_weights(), write=not dist.is_initialized() or dist.get_rank() == 0
+        )
 
     # -------------------------------------------------------------- checkpoint state
 
@@ -461,7 +482,9 @@ class FSDPTrainer:
         self._rebuild(snap)
 
 
-def _gather_chunks(sources: list[str], tensors: dict[str, torch.Tensor], budget: int = GATHER_BYTES) -> Iterator[list[str]]:
+def _gather_chunks(
+    sources: list[str], tensors: dict[str, torch.Tensor], budget: int = GATHER_BYTES
+) -> Iterator[list[str]]:
     """`sources` in order, in runs of at most `budget` bytes of whole tensors (one tensor at least,
     so budget 0 gives one run per tensor): the same runs on every rank, from the global shapes."""
     run: list[str] = []

@@ -58,8 +58,13 @@ class Backend(Protocol):
 
 
 def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
-    return PolicyLossConfig(eps_low=algo.clip_eps_low, eps_high=algo.clip_eps_high, dual_clip=algo.dual_clip,
-                            tis_cap=algo.tis_cap, aggregation=algo.loss_agg)
+    return PolicyLossConfig(
+        eps_low=algo.clip_eps_low,
+        eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip,
+        tis_cap=algo.tis_cap,
+        aggregation=algo.loss_agg,
+    )
 
 
 def lr_factor(cfg: TrainerConfig, total_steps: int, step: int) -> float:
@@ -74,8 +79,12 @@ def lr_factor(cfg: TrainerConfig, total_steps: int, step: int) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_step(backend: Backend, batch: TrainBatch, seed: int,
-               optimizer_step: Callable[[TrainBatch, PolicyLossConfig], dict[str, float]]) -> dict[str, float]:
+def train_step(
+    backend: Backend,
+    batch: TrainBatch,
+    seed: int,
+    optimizer_step: Callable[[TrainBatch, PolicyLossConfig], dict[str, float]],
+) -> dict[str, float]:
     """One RL step's statistics averaged over its optimizer steps, and `train_tokens_per_s`.
     `seed` orders the mini-batches (the caller's seed and step count). The caller steps its
     learning-rate schedule and adds `lr`."""
@@ -143,8 +152,14 @@ def normalizers(backend: Backend, mini: TrainBatch) -> tuple[float, float]:
     return normalizer, max(counts[0].item(), 1.0)
 
 
-def micro_loss(algo: AlgoConfig, mb: TrainBatch, logp: torch.Tensor, ent: torch.Tensor, loss_cfg: PolicyLossConfig,
-               normalizer: float) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_loss(
+    algo: AlgoConfig,
+    mb: TrainBatch,
+    logp: torch.Tensor,
+    ent: torch.Tensor,
+    loss_cfg: PolicyLossConfig,
+    normalizer: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss of one micro-batch and its token-weighted statistics (in `STATS` order)."""
     assert mb.old_logp is not None and mb.advantages is not None
     pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
@@ -158,8 +173,16 @@ def micro_loss(algo: AlgoConfig, mb: TrainBatch, logp: torch.Tensor, ent: torch.
             loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
         kl_sum = (kl.detach() * mb.loss_mask).sum()
     w = mb.loss_mask.sum()
-    acc = torch.stack([loss.detach(), pg.detach(), kl_sum, (ent.detach() * mb.loss_mask).sum(),
-                       stats["clip_frac"].detach() * w, stats["approx_kl_old"].detach() * w]).double()
+    acc = torch.stack(
+        [
+            loss.detach(),
+            pg.detach(),
+            kl_sum,
+            (ent.detach() * mb.loss_mask).sum(),
+            stats["clip_frac"].detach() * w,
+            stats["approx_kl_old"].detach() * w,
+        ]
+    ).double()
     return loss, acc
 
 
@@ -169,8 +192,15 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
     if dist.is_initialized():
         dist.all_reduce(acc, group=backend.data_group())
     loss_sum, pg_sum, kl, ent, clip, akl = acc.tolist()
-    return {"loss": loss_sum, "pg_loss": pg_sum, "kl": kl / total_tokens, "entropy": ent / total_tokens,
-            "clip_frac": clip / total_tokens, "approx_kl_old": akl / total_tokens, "grad_norm": float(grad_norm)}
+    return {
+        "loss": loss_sum,
+        "pg_loss": pg_sum,
+        "kl": kl / total_tokens,
+        "entropy": ent / total_tokens,
+        "clip_frac": clip / total_tokens,
+        "approx_kl_old": akl / total_tokens,
+        "grad_norm": float(grad_norm),
+    }
 
 
 @torch.no_grad()
@@ -188,8 +218,9 @@ def logprobs(backend: Backend, model: Any, batch: TrainBatch) -> tuple[torch.Ten
     return torch.cat(outs), torch.cat(ents)
 
 
-def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool,
-                     **vocab: Any) -> LogProbs:
+def logp_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, with_entropy: bool, **vocab: Any
+) -> LogProbs:
     """[B, L] log-probs of `tokens` under next-token `logits` [B, L, V] (0 at position 0), by
     rltrain.kernels (fused on CUDA: no float32 copy or log-softmax of the logits). `vocab`: the
     vocabulary-parallel arguments of `logprobs_entropy` (megatron, TP-sharded logits)."""

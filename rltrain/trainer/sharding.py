@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from rltrain.runtime import internals
 from rltrain.runtime.memory import round_up
@@ -33,8 +35,6 @@ def shard(model: torch.nn.Module, device: torch.device) -> None:
     """`fully_shard` every transformer block (HF `_no_split_modules`) and then the root, over a
     1-D mesh of the current default group. Gradients are *summed* over ranks: the loss is
     already normalised by the global token count, so a mean would divide twice."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -50,7 +50,6 @@ def shard(model: torch.nn.Module, device: torch.device) -> None:
 
 def reshard(model: torch.nn.Module) -> None:
     """Free the all-gathered parameters FSDP2 keeps after a forward without backward (the root's)."""
-    from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -62,7 +61,6 @@ def free_storage(model: torch.nn.Module) -> None:
     (hooks <-> state): dropping the last reference frees nothing until a gc pass, which costs
     ~0.2 s with transformers loaded (measured) — and until then the GPU memory stays taken.
     The module must not be used afterwards."""
-    from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
         return  # a plain module is freed by reference counting (and may hold mmapped storage)
@@ -75,9 +73,16 @@ def free_storage(model: torch.nn.Module) -> None:
     # group keeps its sockets and threads until it is freed (the soak benchmark saw ~1.5 fds and
     # ~1 thread more per world cycle, until a gc pass).
     for module in model.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks,
-                      module._backward_hooks, module._state_dict_pre_hooks, module._state_dict_hooks,
-                      module._load_state_dict_pre_hooks, module._load_state_dict_post_hooks):
+        for hooks in (
+            module._forward_pre_hooks,
+            module._forward_hooks,
+            module._backward_pre_hooks,
+            module._backward_hooks,
+            module._state_dict_pre_hooks,
+            module._state_dict_hooks,
+            module._load_state_dict_pre_hooks,
+            module._load_state_dict_post_hooks,
+        ):
             hooks.clear()
 
 
@@ -85,7 +90,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_host: bool, pin: bool) -> dict[str, Any]:
+def capture(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_host: bool, pin: bool
+) -> dict[str, Any]:
     """The rank's part of the model (and optimizer) as plain tensors keyed by name.
     `to_host=False` keeps references to the live storage (no copy); `to_host` copies to host
     memory, with `pin` into one page-locked buffer of exactly their size."""
@@ -93,8 +100,11 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_
     names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
     nparams = len(list(model.parameters()))
     sd = optimizer.state_dict() if optimizer is not None else None
-    moved = [(i, k) for i, st in sd["state"].items() for k, v in st.items()
-             if isinstance(v, torch.Tensor) and v.dim() > 0] if sd is not None else []
+    moved = (
+        [(i, k) for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if sd is not None
+        else []
+    )
     if sd is not None:
         live += [local(sd["state"][i][k]).detach() for i, k in moved]
     if to_host:
@@ -104,11 +114,13 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_
         if pin:
             torch.cuda.synchronize()
         live = hosts
-    state: dict[str, Any] = {"params": dict(zip(names[:nparams], live[:nparams])),
-                             "buffers": dict(zip(names[nparams:], live[nparams:len(names)]))}
+    state: dict[str, Any] = {
+        "params": dict(zip(names[:nparams], live[:nparams])),
+        "buffers": dict(zip(names[nparams:], live[nparams : len(names)])),
+    }
     if sd is not None:
         optim_state = {i: dict(st) for i, st in sd["state"].items()}
-        for (i, k), t in zip(moved, live[len(names):]):
+        for (i, k), t in zip(moved, live[len(names) :]):
             optim_state[i][k] = t
         state["optim"] = {"param_groups": sd["param_groups"], "state": optim_state}
     return state
@@ -122,12 +134,16 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
     buffers = dict(model.named_buffers())
     for kind, have, want in (("parameter", params, state["params"]), ("buffer", buffers, state["buffers"])):
         if set(have) != set(want):
-            raise ValueError(f"captured {kind}s do not match the model: missing {sorted(set(have) - set(want))[:5]}, "
-                             f"unexpected {sorted(set(want) - set(have))[:5]}")
+            raise ValueError(
+                f"captured {kind}s do not match the model: missing {sorted(set(have) - set(want))[:5]}, "
+                f"unexpected {sorted(set(want) - set(have))[:5]}"
+            )
         for n, t in want.items():
             if local(have[n]).shape != t.shape:
-                raise ValueError(f"{kind} {n}: captured shard {tuple(t.shape)} but the model's is "
-                                 f"{tuple(local(have[n]).shape)} (different world size or rank order?)")
+                raise ValueError(
+                    f"{kind} {n}: captured shard {tuple(t.shape)} but the model's is "
+                    f"{tuple(local(have[n]).shape)} (different world size or rank order?)"
+                )
     for n, t in state["params"].items():
         local(params[n]).copy_(t, non_blocking=True)
     for n, t in state["buffers"].items():
@@ -137,7 +153,9 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
         sd = {"param_groups": state["optim"]["param_groups"], "state": {}}
         for i, s in state["optim"]["state"].items():
             p = ordered[i]
-            sd["state"][i] = {k: (_like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in s.items()}
+            sd["state"][i] = {
+                k: (_like(p, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v) for k, v in s.items()
+            }
         optimizer.load_state_dict(sd)
 
 
@@ -145,8 +163,9 @@ def _like(param: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
     """A local optimizer-state shard as the parameter's kind of tensor, on its device."""
     if isinstance(param, DTensor):
         value = local_value.to(param.to_local().device, non_blocking=True)
-        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
-                                  stride=param.stride(), run_check=False)
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
     return local_value.to(param.device, non_blocking=True)
 
 
@@ -161,10 +180,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _row_sharded(t: torch.Tensor) -> bool:
     """A DTensor split by rows over a mesh of several ranks (FSDP2's layout)."""
-    from torch.distributed.tensor import Shard
 
-    return (isinstance(t, DTensor) and t.device_mesh.ndim == 1 and t.device_mesh.size() > 1
-            and tuple(t.placements) == (Shard(0),) and t.dim() > 0)
+    return (
+        isinstance(t, DTensor)
+        and t.device_mesh.ndim == 1
+        and t.device_mesh.size() > 1
+        and tuple(t.placements) == (Shard(0),)
+        and t.dim() > 0
+    )
 
 
 def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -178,8 +201,11 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     gloo's per-tensor calls (a 75 MB bucket at 2 ranks: 0.20-0.30 s against 0.09-0.17 s), so
     callers use this for CUDA tensors (`export_weights`)."""
     first = next((t for t in tensors if isinstance(t, DTensor)), None)
-    if first is None or first.device_mesh.size() == 1 and all(
-            not isinstance(t, DTensor) or t.device_mesh is first.device_mesh for t in tensors):
+    if (
+        first is None
+        or first.device_mesh.size() == 1
+        and all(not isinstance(t, DTensor) or t.device_mesh is first.device_mesh for t in tensors)
+    ):
         # Nothing to gather (one rank holds every tensor): ~10 us a tensor less of DTensor
         # properties, on every bucket of every sync.
         return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
@@ -200,15 +226,20 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         row_bytes = math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
         shard = local(t)
         if shard.shape[0] != held[me]:
-            raise RuntimeError(f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "
-                               f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)")
+            raise RuntimeError(
+                f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "
+                f"row split full_tensors assumes (ceil(rows / {ranks}) rows per rank)"
+            )
         layout.append((i, held, row_bytes, size, shard))
         size += round_up(per_rank * row_bytes, 16)  # 16-byte aligned slots
     device = layout[0][4].device
     send = torch.empty(size, dtype=torch.uint8, device=device)
     # Copies in each tensor's own dtype (byte-wise ones are several times slower on the CPU).
-    copies = [(send[off:off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1))
-              for *_, off, m in layout if m.numel()]
+    copies = [
+        (send[off : off + m.numel() * m.element_size()].view(m.dtype), m.reshape(-1))
+        for *_, off, m in layout
+        if m.numel()
+    ]
     internals.foreach_copy_([d for d, _ in copies], [m for _, m in copies])
     recv = torch.empty(ranks * size, dtype=torch.uint8, device=device)
     dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
@@ -216,8 +247,9 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     for i, held, row_bytes, off, _ in layout:
         t = tensors[i]
         # Each rank's slot holds its rows: side by side, the whole tensor.
-        out[i] = torch.cat([blocks[r, off:off + n * row_bytes].view(t.dtype).view(n, *t.shape[1:])
-                            for r, n in enumerate(held) if n])
+        out[i] = torch.cat(
+            [blocks[r, off : off + n * row_bytes].view(t.dtype).view(n, *t.shape[1:]) for r, n in enumerate(held) if n]
+        )
     return out  # type: ignore[return-value]
 
 
@@ -233,14 +265,18 @@ def rebind(model: torch.nn.Module, group: Any) -> str | None:
     the rebuilt default group has the old one's name. These are private fields of torch, so
     every reference to a process group in those objects is checked first: one this function
     does not know (another torch version, HSDP, a separate reduce-scatter group) stops it."""
-    from torch.distributed.fsdp import FSDPModule
 
     pg_type = dist.ProcessGroup
     try:
         states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
         param_groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
-        infos = {id(i): i for pg in param_groups for owner in (pg, *pg.fsdp_params)
-                 for i in (owner.mesh_info, getattr(owner, "post_forward_mesh_info", None)) if i is not None}
+        infos = {
+            id(i): i
+            for pg in param_groups
+            for owner in (pg, *pg.fsdp_params)
+            for i in (owner.mesh_info, getattr(owner, "post_forward_mesh_info", None))
+            if i is not None
+        }
         meshes = {id(i.mesh): i.mesh for i in infos.values()}
     except AttributeError as e:
         return f"FSDP2's internals differ from what rebind knows ({e})"
@@ -252,16 +288,25 @@ def rebind(model: torch.nn.Module, group: Any) -> str | None:
         if getattr(info, "reduce_scatter_process_group", None) is not None:
             return "a separate reduce-scatter group"
         if info.shard_mesh_size != group.size() or info.shard_mesh_rank != group.rank():
-            return (f"the new group has rank {group.rank()} of {group.size()}, the module was sharded as "
-                    f"rank {info.shard_mesh_rank} of {info.shard_mesh_size}")
+            return (
+                f"the new group has rank {group.rank()} of {group.size()}, the module was sharded as "
+                f"rank {info.shard_mesh_rank} of {info.shard_mesh_size}"
+            )
     for mesh in meshes.values():
         if mesh.ndim != 1 or getattr(mesh, "_dim_group_names", None) is None:
             return "a mesh of more than one dimension, or one without group names"
     known = {"shard_process_group", "_pg_registry"}  # the two set below
-    for obj in (*states, *param_groups, *(fp for pg in param_groups for fp in pg.fsdp_params), *infos.values(),
-                *meshes.values()):
+    for obj in (
+        *states,
+        *param_groups,
+        *(fp for pg in param_groups for fp in pg.fsdp_params),
+        *infos.values(),
+        *meshes.values(),
+    ):
         for name, value in vars(obj).items():
-            values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            values = (
+                value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+            )
             if name not in known and any(isinstance(v, pg_type) for v in values):
                 return f"{type(obj).__name__}.{name} holds a process group rebind does not know"
     for mesh in meshes.values():
@@ -306,7 +351,7 @@ class HostPark:
         # Grown when the state grew (the first offload, before any step, parks no Adam state).
         buffer = self._arena.reserve(offset)
         for s, off, n in storages:
-            buffer[off:off + n].copy_(_bytes(s), non_blocking=True)
+            buffer[off : off + n].copy_(_bytes(s), non_blocking=True)
         torch.cuda.synchronize()
         for s, _, _ in storages:
             s.resize_(0)
@@ -323,13 +368,14 @@ class HostPark:
         large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
         if large:
             # Each request is rounded up to 512 bytes, as the allocator rounds it.
-            block = torch.empty(sum(round_up(n, 512) for n in large), dtype=torch.uint8,
-                                device=self.parked[0][0].device)
+            block = torch.empty(
+                sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=self.parked[0][0].device
+            )
             del block
         buffer = self._arena.reserve(0)
         for s, off, n in self.parked:
             s.resize_(n)
-            _bytes(s).copy_(buffer[off:off + n], non_blocking=True)
+            _bytes(s).copy_(buffer[off : off + n], non_blocking=True)
         self.parked = []
 
 

@@ -45,8 +45,13 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
 
 
-def held(modules: Iterable[Any], optimizer: Any, parked_weights: Any = None, parked_optimizer: Any = None,
-         spare: list[torch.Tensor] | None = None) -> HeldTensors:
+def held(
+    modules: Iterable[Any],
+    optimizer: Any,
+    parked_weights: Any = None,
+    parked_optimizer: Any = None,
+    spare: list[torch.Tensor] | None = None,
+) -> HeldTensors:
     """Every tensor of `modules` (parameters and buffers; gradients, megatron's main_grad too) and
     of `optimizer` (its state; megatron's fp32 main parameters too), plus state parked in host
     memory and spare host buffers, by kind."""

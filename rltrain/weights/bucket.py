@@ -68,8 +68,16 @@ def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[t
     for name, t in named_tensors:
         offset = -(-offset // ALIGN) * ALIGN
         nbytes = t.numel() * t.element_size()
-        metadata.append(types.SimpleNamespace(name=name, shape=torch.Size(t.shape), dtype=t.dtype,
-                                              start_idx=offset, end_idx=offset + nbytes, numel=nbytes))
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=torch.Size(t.shape),
+                dtype=t.dtype,
+                start_idx=offset,
+                end_idx=offset + nbytes,
+                numel=nbytes,
+            )
+        )
         offset += nbytes
     return metadata, offset
 
@@ -92,10 +100,14 @@ class BucketViews:
             size = m.dtype.itemsize
             numel = torch.Size(m.shape).numel()
             if m.start_idx < 0 or m.start_idx % size or m.end_idx - m.start_idx != numel * size:
-                raise ValueError(f"bucket metadata for {m.name!r} is inconsistent ({m.start_idx}:{m.end_idx}, "
-                                 f"{m.dtype} {tuple(m.shape)})")
+                raise ValueError(
+                    f"bucket metadata for {m.name!r} is inconsistent ({m.start_idx}:{m.end_idx}, "
+                    f"{m.dtype} {tuple(m.shape)})"
+                )
             if m.start_idx < end:
-                raise ValueError(f"bucket metadata for {m.name!r} overlaps the tensor before it ({m.start_idx} < {end})")
+                raise ValueError(
+                    f"bucket metadata for {m.name!r} overlaps the tensor before it ({m.start_idx} < {end})"
+                )
             run = self.runs[-1] if self.runs else None
             if run is None or run[0] != m.dtype:
                 run = (m.dtype, m.start_idx, m.start_idx, [], [])
@@ -121,9 +133,12 @@ class BucketViews:
         return out
 
 
-def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]], out: torch.Tensor | None = None,
-                   layout: tuple[list[types.SimpleNamespace], int] | None = None,
-                   views: BucketViews | None = None) -> dict[str, Any]:
+def flatten_bucket(
+    named_tensors: list[tuple[str, torch.Tensor]],
+    out: torch.Tensor | None = None,
+    layout: tuple[list[types.SimpleNamespace], int] | None = None,
+    views: BucketViews | None = None,
+) -> dict[str, Any]:
     """Copy tensors into one uint8 buffer; returns {"flattened_tensor", "metadata"}.
 
     The buffer is fresh (on the tensors' device), or the front of `out` (uint8, on the tensors' device, large enough;
@@ -169,13 +184,28 @@ def serialize(obj: Any) -> str:
 
 # What a weight payload may contain. Anything else (code objects, arbitrary callables) is refused.
 _ALLOWED = {
-    ("builtins", "dict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "str"),
-    ("builtins", "int"), ("builtins", "float"), ("builtins", "bool"), ("builtins", "bytes"),
-    ("types", "SimpleNamespace"), ("collections", "OrderedDict"), ("copyreg", "__newobj__"),
-    ("torch", "Size"), ("torch", "dtype"), ("torch", "device"), ("torch", "Tensor"),
+    ("builtins", "dict"),
+    ("builtins", "list"),
+    ("builtins", "tuple"),
+    ("builtins", "str"),
+    ("builtins", "int"),
+    ("builtins", "float"),
+    ("builtins", "bool"),
+    ("builtins", "bytes"),
+    ("types", "SimpleNamespace"),
+    ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("torch", "Size"),
+    ("torch", "dtype"),
+    ("torch", "device"),
+    ("torch", "Tensor"),
     ("torch._tensor", "_rebuild_from_type_v2"),
-    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
-    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "UntypedStorage"),
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_storage_filename"),

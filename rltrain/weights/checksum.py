@@ -20,7 +20,7 @@ in one transfer instead of waiting for the device once per tensor.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import xxhash
@@ -43,10 +43,10 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
     row = torch.empty(rows, dtype=torch.int64, device=dev)
     col = torch.zeros(COLS, dtype=torch.int64, device=dev)
     for start in range(0, rows, ROWS):
-        block = body[start:start + ROWS].to(torch.int64)
-        torch.sum(block, dim=1, out=row[start:start + ROWS])
+        block = body[start : start + ROWS].to(torch.int64)
+        torch.sum(block, dim=1, out=row[start : start + ROWS])
         col += block.sum(dim=0)
-    tail = words[rows * COLS:].to(torch.int64)
+    tail = words[rows * COLS :].to(torch.int64)
     r = torch.arange(rows, dtype=torch.int64, device=dev)
     c = torch.arange(1, COLS + 1, dtype=torch.int64, device=dev)
     p = torch.arange(rows * COLS + 1, rows * COLS + 1 + tail.numel(), dtype=torch.int64, device=dev)
@@ -68,13 +68,14 @@ def entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], torch.Tensor]:
 def combine(sums: dict[str, tuple[str, tuple[int, ...], torch.Tensor | tuple[int, int]]]) -> str:
     """name -> `entry` (or an entry whose sums are already ints) to one hex digest."""
     names = sorted(sums)
-    pending: dict[torch.device, list[str]] = {}
+    pending: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name in names:
-        if isinstance(sums[name][2], torch.Tensor):
-            pending.setdefault(sums[name][2].device, []).append(name)
-    fetched = {}
+        on_device = sums[name][2]
+        if isinstance(on_device, torch.Tensor):
+            pending.setdefault(on_device.device, []).append((name, on_device))
+    fetched: dict[str, tuple[int, int]] = {}
     for group in pending.values():  # one device-to-host transfer per device
-        for name, pair in zip(group, torch.stack([sums[n][2] for n in group]).tolist()):
+        for (name, _), pair in zip(group, torch.stack([t for _, t in group]).tolist()):
             fetched[name] = pair
     h = xxhash.xxh3_128()
     for name in names:

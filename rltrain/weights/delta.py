@@ -16,12 +16,16 @@ the engine loads from disk as usual. Any mismatch raises and the engine keeps it
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 import xxhash
+import zstandard
+from safetensors import safe_open
 
 from rltrain.weights.hf_files import INDEX, CorruptWeightsError, write_checkpoint
 from rltrain.weights.versions import read_manifest
@@ -46,14 +50,16 @@ class DeltaPublisher:
         self.published = 0
         self._pending: tuple[dict[str, np.ndarray], str] | None = None
 
-    def write(self, tmp: Path, version: str, tensors: Iterable[tuple[str, torch.Tensor]], config_from: str) -> dict[str, Any]:
+    def write(
+        self, tmp: Path, version: str, tensors: Iterable[tuple[str, torch.Tensor]], config_from: str
+    ) -> dict[str, Any]:
         """Write version `version` into `tmp`; returns the manifest fields. Call `commit()` once
         the version is published (a failed publish leaves the base unchanged)."""
-        import zstandard
 
         new_base: dict[str, np.ndarray] = {}
-        full = self.base is None or self.published % self.full_every == 0
-        if full:
+        base_state = self.base
+        if base_state is None or self.published % self.full_every == 0:
+
             def recorded() -> Iterator[tuple[str, torch.Tensor]]:
                 for name, t in tensors:
                     new_base[name] = _raw(t).copy()
@@ -68,14 +74,21 @@ class DeltaPublisher:
             with open(tmp / DELTA_FILE, "wb") as out:
                 for name, t in tensors:
                     raw = _raw(t)
-                    base = self.base.get(name)
+                    base = base_state.get(name)
                     if base is None or base.size != raw.size:
-                        raise ValueError(f"delta of {name!r}: the base version has no tensor of {raw.size} bytes by "
-                                         f"that name; the model changed between versions")
+                        raise ValueError(
+                            f"delta of {name!r}: the base version has no tensor of {raw.size} bytes by "
+                            f"that name; the model changed between versions"
+                        )
                     blob = compressor.compress(np.bitwise_xor(raw, base).tobytes())
                     out.write(blob)
-                    entries[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                                     "offset": offset, "length": len(blob), "xxh3": xxhash.xxh3_64_hexdigest(raw)}
+                    entries[name] = {
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                        "offset": offset,
+                        "length": len(blob),
+                        "xxh3": xxhash.xxh3_64_hexdigest(raw),
+                    }
                     offset += len(blob)
                     new_base[name] = raw.copy()
             fields = {"version": version, "kind": "delta", "base_version": self.base_version, "tensors": entries}
@@ -91,14 +104,14 @@ class DeltaPublisher:
 
 def reconstruct(delta_dir: Path, base_dir: Path, out: Path) -> None:
     """Write the full version of `delta_dir` (applied to the full version `base_dir`) into `out`."""
-    import zstandard
-    from safetensors import safe_open
 
     manifest = read_manifest(delta_dir)
     base_version = read_manifest(base_dir)["version"]
     if manifest["base_version"] != base_version:
-        raise DeltaOrderError(f"delta {delta_dir.name} applies to version {manifest['base_version']} but this node "
-                              f"holds version {base_version}; a version was skipped or reordered")
+        raise DeltaOrderError(
+            f"delta {delta_dir.name} applies to version {manifest['base_version']} but this node "
+            f"holds version {base_version}; a version was skipped or reordered"
+        )
     files = _tensor_files(base_dir)
     decompressor = zstandard.ZstdDecompressor()
     handles: dict[str, Any] = {}
@@ -121,8 +134,10 @@ def reconstruct(delta_dir: Path, base_dir: Path, out: Path) -> None:
                     raise CorruptWeightsError(f"delta {delta_dir.name}: {name} has {xor.size} bytes, base {base.size}")
                 new = np.bitwise_xor(base, xor)
                 if xxhash.xxh3_64_hexdigest(new) != e["xxh3"]:
-                    raise CorruptWeightsError(f"delta {delta_dir.name}: {name} does not match its checksum after "
-                                              f"applying; the engine keeps its current weights")
+                    raise CorruptWeightsError(
+                        f"delta {delta_dir.name}: {name} does not match its checksum after "
+                        f"applying; the engine keeps its current weights"
+                    )
                 dtype = getattr(torch, e["dtype"])
                 yield name, torch.from_numpy(new.copy()).view(dtype).reshape(e["shape"])
 
@@ -130,12 +145,10 @@ def reconstruct(delta_dir: Path, base_dir: Path, out: Path) -> None:
 
 
 def _tensor_files(path: Path) -> dict[str, str]:
-    import json
 
     index = path / INDEX
     if index.is_file():
         return json.loads(index.read_text())["weight_map"]
-    from safetensors import safe_open
 
     out = {}
     for f in sorted(path.glob("*.safetensors")):

@@ -20,9 +20,10 @@ import math
 import os
 import shutil
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import xxhash
@@ -34,9 +35,20 @@ INDEX = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
 
 
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
@@ -53,7 +65,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
         offset += nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    chunks = [len(head).to_bytes(8, "little"), head]
+    chunks: list[Any] = [len(head).to_bytes(8, "little"), head]  # bytes, then each tensor's memory
     chunks += [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values() if t.numel()]
 
     def digest() -> str:
@@ -85,15 +97,17 @@ def map_safetensors(path: Path, xxh3: str | None = None) -> dict[str, torch.Tens
     it first, from the same map (CorruptWeightsError). Raises ValueError on a file whose header
     does not describe its data."""
     m = map_file(path)
-    size = len(m) if m is not None else 0
-    if size < 8:
-        raise ValueError(f"{path.name}: {size} bytes, too short for a safetensors header")
+    if m is None or len(m) < 8:
+        raise ValueError(f"{path.name}: {len(m) if m else 0} bytes, too short for a safetensors header")
+    size = len(m)
     if xxh3 is not None and xxhash.xxh3_64(m).hexdigest() != xxh3:
-        raise CorruptWeightsError(f"weight version {path.parent}: {path.name} does not match its checksum (corrupt or partly "
-                                  f"written); the engine keeps its current weights")
+        raise CorruptWeightsError(
+            f"weight version {path.parent}: {path.name} does not match its checksum (corrupt or partly "
+            f"written); the engine keeps its current weights"
+        )
     n = int.from_bytes(m[:8], "little")
     try:
-        header = json.loads(m[8:8 + n]) if 8 + n <= size else None
+        header = json.loads(m[8 : 8 + n]) if 8 + n <= size else None
     except ValueError:
         header = None
     if not isinstance(header, dict):
@@ -104,17 +118,26 @@ def map_safetensors(path: Path, xxh3: str | None = None) -> dict[str, torch.Tens
         warnings.simplefilter("ignore", UserWarning)  # "the given buffer is not writable": it is not written
         for name, spec in header.items():
             try:
-                dtype, shape, (begin, end) = _CODES[spec["dtype"]], [int(d) for d in spec["shape"]], spec["data_offsets"]
+                dtype, shape, (begin, end) = (
+                    _CODES[spec["dtype"]],
+                    [int(d) for d in spec["shape"]],
+                    spec["data_offsets"],
+                )
             except (KeyError, TypeError, ValueError):
                 raise ValueError(f"{path.name}: tensor {name!r} has a malformed header entry {spec!r}") from None
             if not 0 <= begin <= end <= size - 8 - n or end - begin != math.prod(shape) * dtype.itemsize:
-                raise ValueError(f"{path.name}: tensor {name!r} {shape} {spec['dtype']} does not fit bytes "
-                                 f"{begin}..{end} of a {size - 8 - n}-byte data section (truncated?)")
+                raise ValueError(
+                    f"{path.name}: tensor {name!r} {shape} {spec['dtype']} does not fit bytes "
+                    f"{begin}..{end} of a {size - 8 - n}-byte data section (truncated?)"
+                )
             if end == begin:
                 out[name] = torch.empty(shape, dtype=dtype)
             else:
-                out[name] = torch.frombuffer(m, dtype=torch.uint8, count=end - begin,
-                                             offset=8 + n + begin).view(dtype).view(shape)
+                out[name] = (
+                    torch.frombuffer(m, dtype=torch.uint8, count=end - begin, offset=8 + n + begin)
+                    .view(dtype)
+                    .view(shape)
+                )
     return out
 
 
@@ -123,7 +146,8 @@ class HostStaging:
     copied into (asynchronously; `ready()` waits for the copies). On CPU tensors pass through."""
 
     def __init__(self, capacity: int):
-        self.capacity, self._buf, self._used = capacity, None, 0
+        self.capacity, self._used = capacity, 0
+        self._buf: torch.Tensor | None = None
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "cuda":
@@ -147,10 +171,15 @@ class HostStaging:
         self._used = 0
 
 
-def write_checkpoint(path: str | Path, config_from: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
-                     write: bool = True, shard_bytes: int = 2 << 30,
-                     staging: HostStaging | list[HostStaging] | None = None,
-                     digests: dict[str, str] | None = None) -> dict[str, str]:
+def write_checkpoint(
+    path: str | Path,
+    config_from: str | Path,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    write: bool = True,
+    shard_bytes: int = 2 << 30,
+    staging: HostStaging | list[HostStaging] | None = None,
+    digests: dict[str, str] | None = None,
+) -> dict[str, str]:
     """Write `tensors` as HF shards under `path` (if `write`), copying the config files of
     `config_from`. Returns the weight map (name -> file) on the writing rank. With `staging`
     (capacity >= shard_bytes is best), device tensors go through it; with two stagings, a shard

@@ -16,9 +16,10 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -89,8 +90,10 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / MANIFEST).exists():
         listed = {n: d for n, d in read_manifest(path).get("files", {}).items() if n.endswith(".safetensors")}
         if set(listed) != set(digests):
-            raise CorruptWeightsError(f"weight version {path}: its files {sorted(digests)} are not the manifest's "
-                                      f"{sorted(listed)}; the engine keeps its current weights")
+            raise CorruptWeightsError(
+                f"weight version {path}: its files {sorted(digests)} are not the manifest's "
+                f"{sorted(listed)}; the engine keeps its current weights"
+            )
         digests = listed
 
     def one(f: Path) -> dict[str, torch.Tensor]:
@@ -120,6 +123,8 @@ def verify(path: Path) -> dict[str, Any]:
         digests = dict(zip(files, pool.map(lambda n: file_digest(path / n), files)))
     for name, digest in files.items():
         if digests[name] != digest:
-            raise CorruptWeightsError(f"weight version {path}: {name} does not match its checksum (corrupt or "
-                                      f"partly written); the engine keeps its current weights")
+            raise CorruptWeightsError(
+                f"weight version {path}: {name} does not match its checksum (corrupt or "
+                f"partly written); the engine keeps its current weights"
+            )
     return manifest

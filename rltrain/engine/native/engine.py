@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rltrain.engine.protocol import SamplingParams
 from rltrain.runtime import internals
@@ -68,10 +71,18 @@ class _Row:
 class NativeEngine:
     """A transformers causal LM behind a batching scheduler thread."""
 
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_batch_size: int = 256,
-                 seed: int = 0, backup_dir: str | None = None, deterministic: bool = False,
-                 ep_size: int = 1, ep_rank: int = 0):
-        from transformers import AutoConfig, AutoModelForCausalLM
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_batch_size: int = 256,
+        seed: int = 0,
+        backup_dir: str | None = None,
+        deterministic: bool = False,
+        ep_size: int = 1,
+        ep_rank: int = 0,
+    ):
 
         self.model_path = model_path
         self.device = torch.device(device)
@@ -96,7 +107,9 @@ class NativeEngine:
         self._backup_dir = Path(backup_dir or tempfile.mkdtemp(prefix="rltrain-native-backup-"))
         # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
         # are grouped so a checkpoint may carry either name.
-        self._param_meta = {n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self._param_meta = {
+            n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters(remove_duplicate=False)
+        }
         self._aliases = _alias_groups(self.model)
         # Updates may name weights as checkpoints do (per-expert MoE names; see models/hf_names.py).
         self._checkpoint_names = checkpoint_index(self.model)
@@ -242,13 +255,15 @@ class NativeEngine:
         ids = torch.zeros(B, L, dtype=torch.long)
         mask = torch.zeros(B, L, dtype=torch.long)
         for b, r in enumerate(rows):
-            ids[b, L - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[b, L - len(r.prompt):] = 1
+            ids[b, L - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[b, L - len(r.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         temps = torch.tensor([r.req.params.temperature for r in rows], device=self.device, dtype=torch.float32)
         max_new = [r.req.params.max_new_tokens for r in rows]
-        stops = [set(r.req.params.stop_token_ids or []) | (set() if r.req.params.ignore_eos else self.eos_ids) for r in rows]
+        stops = [
+            set(r.req.params.stop_token_ids or []) | (set() if r.req.params.ignore_eos else self.eos_ids) for r in rows
+        ]
         for b, r in enumerate(rows):
             if max_new[b] == 0:
                 r.finish = {"type": "length", "length": 0}
@@ -281,8 +296,13 @@ class NativeEngine:
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=self.device)], dim=1)
             pos = pos[:, -1:] + 1
-            out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=pos,
-                             use_cache=True, **{self._cache_kw: past})
+            out = self.model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                **{self._cache_kw: past},
+            )
             past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
         del past, out
 
@@ -300,8 +320,9 @@ class NativeEngine:
             results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
         return results
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row], plan: "_SamplingPlan", temps: torch.Tensor,
-                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, logits: torch.Tensor, rows: list[_Row], plan: _SamplingPlan, temps: torch.Tensor, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row, without a device sync per row: greedy rows take the argmax; seeded
         rows the Gumbel-max of their filtered logits with noise that is a function of (seed,
         step, token) alone (`seeded_uniform`), so a sample does not depend on its batch; the
@@ -366,8 +387,6 @@ class NativeEngine:
             torch.cuda.synchronize(self.device)
             self._weights_backup = self._pinned
         else:
-            from safetensors.torch import save_file
-
             path = self._backup_dir / "weights_backup.safetensors"
             save_file({n: t.contiguous() for n, t in state.items()}, str(path))
             self._weights_backup = path
@@ -375,9 +394,11 @@ class NativeEngine:
         self._bucket_plans.clear()
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        log.info("weights released (backup to %s) in %.2fs",
-                 "pinned host memory" if isinstance(self._weights_backup, dict) else self._weights_backup,
-                 time.perf_counter() - t0)
+        log.info(
+            "weights released (backup to %s) in %.2fs",
+            "pinned host memory" if isinstance(self._weights_backup, dict) else self._weights_backup,
+            time.perf_counter() - t0,
+        )
 
     def _restore_weights(self) -> None:
         named = dict(self.model.named_parameters())
@@ -387,8 +408,6 @@ class NativeEngine:
         self._retie()
         backup = self._weights_backup
         if isinstance(backup, Path):
-            from safetensors.torch import load_file
-
             self._copy_into(load_file(str(backup), device=str(self.device)).items())
             backup.unlink(missing_ok=True)
         elif isinstance(backup, dict):
@@ -409,7 +428,6 @@ class NativeEngine:
         """What this engine holds (bytes): its weights, the allocator blocks kept after the last
         batch (its KV cache: the embedded engine allocates the cache per batch), the rest of its
         allocations, its CUDA context as measured at start, and its RSS."""
-        import psutil
 
         weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())  # tied ones once
         rep: dict[str, Any] = {
@@ -422,9 +440,14 @@ class NativeEngine:
             rep["host_pinned_bytes"] = all_pinned_host_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
-            rep.update(cuda_allocated=allocated, cuda_reserved=reserved, cuda_used=total - free,
-                       kv_cache_bytes=reserved - allocated, other_bytes=allocated - weights,
-                       context_bytes=self.context_bytes)
+            rep.update(
+                cuda_allocated=allocated,
+                cuda_reserved=reserved,
+                cuda_used=total - free,
+                kv_cache_bytes=reserved - allocated,
+                other_bytes=allocated - weights,
+                context_bytes=self.context_bytes,
+            )
         return rep
 
     # ------------------------------------------------------------------ weights
@@ -563,8 +586,10 @@ class NativeEngine:
         """`_target` of a weight an update sends, refused unless this engine owns it in that shape."""
         target, index, expected = self._target(name)
         if not self.owns(name):
-            raise ValueError(f"parameter {name!r} belongs to another EP rank (this engine is EP rank "
-                             f"{self.ep_rank} of {self.ep_size})")
+            raise ValueError(
+                f"parameter {name!r} belongs to another EP rank (this engine is EP rank "
+                f"{self.ep_rank} of {self.ep_size})"
+            )
         if tuple(shape) != expected:
             raise ValueError(f"parameter {name!r}: shape {tuple(shape)} does not match the model's {expected}")
         return target, index
@@ -611,9 +636,15 @@ class NativeEngine:
                     continue
                 t = tensors[module_name]
                 sums[name] = entry(t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape))
-            return {"checksum": combine(sums), "count": len(sums), "dtype": str(self.dtype).removeprefix("torch."),
-                    "weight_version": self.weight_version, "bytes_loaded": self.bytes_loaded,
-                    "ep_rank": self.ep_rank, "ep_size": self.ep_size}
+            return {
+                "checksum": combine(sums),
+                "count": len(sums),
+                "dtype": str(self.dtype).removeprefix("torch."),
+                "weight_version": self.weight_version,
+                "bytes_loaded": self.bytes_loaded,
+                "ep_rank": self.ep_rank,
+                "ep_size": self.ep_size,
+            }
 
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._param_meta)
@@ -652,8 +683,11 @@ class _SamplingPlan:
 
     def __init__(self, rows: list[_Row], vocab: int, device: torch.device):
         greedy = [r.req.params.temperature == 0 for r in rows]
-        self.filtered = [b for b, r in enumerate(rows) if not greedy[b] and (
-            0 < r.req.params.top_k < vocab or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)]
+        self.filtered = [
+            b
+            for b, r in enumerate(rows)
+            if not greedy[b] and (0 < r.req.params.top_k < vocab or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)
+        ]
         seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
         shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
         self.seeded = torch.tensor(seeded, device=device) if seeded else None

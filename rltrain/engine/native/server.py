@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from transformers.utils import logging as hf_logging
 
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
 from rltrain.engine.protocol import SamplingParams
@@ -45,8 +47,9 @@ class BadRequest(ValueError):
 class NativeServer:
     """Routes SGLang endpoints to a `NativeEngine`."""
 
-    def __init__(self, engine: NativeEngine, tp_rank: int = 0, weights_roots: list[str] | tuple[str, ...] = (),
-                 api_key: str = ""):
+    def __init__(
+        self, engine: NativeEngine, tp_rank: int = 0, weights_roots: list[str] | tuple[str, ...] = (), api_key: str = ""
+    ):
         self.engine = engine
         self.tp_rank = tp_rank
         # Weight versions load only from these directories (and the engine's own model); none
@@ -86,14 +89,19 @@ class NativeServer:
                 "architectures": getattr(self.engine.config, "architectures", None),
             }
         if path in ("/server_info", "/get_server_info"):
-            return 200, {"engine": "rltrain.native", "device": str(self.engine.device), "dtype": str(self.engine.dtype),
-                         "max_batch_size": self.engine.max_batch_size, "weight_version": self.engine.weight_version,
-                         # Update requests answer after every copy out of the sender's buffers is done.
-                         "weight_updates": "synchronous",
-                         # A buffer's handle is sent once per weight-update session, then its slot (`_slot`).
-                         "weight_buffer_slots": KEEP_MAPPED,
-                         # A published disk version's files are checked against its manifest on load.
-                         "weight_files": "verified"}
+            return 200, {
+                "engine": "rltrain.native",
+                "device": str(self.engine.device),
+                "dtype": str(self.engine.dtype),
+                "max_batch_size": self.engine.max_batch_size,
+                "weight_version": self.engine.weight_version,
+                # Update requests answer after every copy out of the sender's buffers is done.
+                "weight_updates": "synchronous",
+                # A buffer's handle is sent once per weight-update session, then its slot (`_slot`).
+                "weight_buffer_slots": KEEP_MAPPED,
+                # A published disk version's files are checked against its manifest on load.
+                "weight_files": "verified",
+            }
         if path == "/memory":
             return 200, self.engine.memory_report()
         if path == "/weights_checksum":
@@ -136,8 +144,11 @@ class NativeServer:
             return 200, "Cache flushed."  # no prefix cache to flush
         if path == "/update_weight_version":
             e.weight_version = str(_need(body, "new_version", str))
-            return 200, {"success": True, "message": f"Weight version updated to {e.weight_version}",
-                         "new_version": e.weight_version}
+            return 200, {
+                "success": True,
+                "message": f"Weight version updated to {e.weight_version}",
+                "new_version": e.weight_version,
+            }
         if path in ("/begin_weight_update", "/end_weight_update"):
             self.in_update = path == "/begin_weight_update"
             with self.mapped_lock:
@@ -152,8 +163,10 @@ class NativeServer:
             return model_path
         real = Path(model_path).resolve()
         if not any(real == root or root in real.parents for root in self.weights_roots):
-            raise BadRequest(f"model_path {model_path!r} is outside the directories this engine loads weights from "
-                             f"({', '.join(str(r) for r in self.weights_roots)})")
+            raise BadRequest(
+                f"model_path {model_path!r} is outside the directories this engine loads weights from "
+                f"({', '.join(str(r) for r in self.weights_roots)})"
+            )
         return str(real)
 
     def authorized(self, header: str | None) -> bool:
@@ -183,7 +196,9 @@ class NativeServer:
         t0 = time.perf_counter()
         payloads = _need(body, "serialized_named_tensors", list)
         if not 0 <= self.tp_rank < len(payloads):
-            raise BadRequest(f"serialized_named_tensors has {len(payloads)} entries; this engine is tp rank {self.tp_rank}")
+            raise BadRequest(
+                f"serialized_named_tensors has {len(payloads)} entries; this engine is tp rank {self.tp_rank}"
+            )
         raw = payloads[self.tp_rank]
         kept = self.decoded.get(raw) if isinstance(raw, str) else None
         if kept is not None:
@@ -193,8 +208,12 @@ class NativeServer:
                 data = deserialize(raw)
             except Exception as err:
                 raise BadRequest(f"cannot deserialize the tensor payload: {err}") from None
-            if isinstance(data, dict) and "buffer" in data and data.get("flattened_tensor") is None \
-                    and isinstance(data.get("metadata"), list):
+            if (
+                isinstance(data, dict)
+                and "buffer" in data
+                and data.get("flattened_tensor") is None
+                and isinstance(data.get("metadata"), list)
+            ):
                 # A handle-less payload holds no tensor: the same string every sync, decoded once.
                 if len(self.decoded) >= 4096:
                     self.decoded.clear()
@@ -228,8 +247,15 @@ class NativeServer:
         del named, data  # unmaps the sender's buffer (CUDA IPC) or shared-memory file, unless kept above
         if log.isEnabledFor(logging.DEBUG):
             parts = " ".join(f"{k} {v:.2f}" for k, v in self.engine.last_update_ms.items())
-            log.debug("update_weights_from_tensor: %d tensors, open %.2f ms, unpack %.2f ms, load %.2f ms (%s), "
-                      "free %.2f ms", n, (t_open - t0) * 1e3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, parts, (time.perf_counter() - t2) * 1e3)
+            log.debug(
+                "update_weights_from_tensor: %d tensors, open %.2f ms, unpack %.2f ms, load %.2f ms (%s), free %.2f ms",
+                n,
+                (t_open - t0) * 1e3,
+                (t1 - t0) * 1e3,
+                (t2 - t1) * 1e3,
+                parts,
+                (time.perf_counter() - t2) * 1e3,
+            )
         # mapped: whether the sender's buffer had to be mapped (False: a kept mapping was reused).
         return {"success": True, "message": f"loaded {n} tensors", "mapped": fresh}
 
@@ -266,13 +292,16 @@ class NativeServer:
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise BadRequest("backend nccl needs a CUDA engine; use gloo on CPU")
         self.groups[name] = open_weight_update_group(
-            _need(body, "master_address", str), int(_need(body, "master_port", int)), rank,
-            int(_need(body, "world_size", int)), name, backend,
+            _need(body, "master_address", str),
+            int(_need(body, "master_port", int)),
+            rank,
+            int(_need(body, "world_size", int)),
+            name,
+            backend,
         )
         return {"success": True, "message": f"joined {name} as rank {rank}"}
 
     def _update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
-        import torch.distributed as dist
 
         name = body.get("group_name", "weight_update_group")
         pg = self.groups.get(name)
@@ -361,12 +390,16 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
                     status, payload = server.post(path, body)
             except (BadRequest, EngineStateError, ValueError, KeyError, FileNotFoundError) as err:
                 msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-                status, payload = HTTPStatus.BAD_REQUEST, {"success": False, "message": msg,
-                                                           "error": {"message": msg, "type": type(err).__name__}}
+                status, payload = (
+                    HTTPStatus.BAD_REQUEST,
+                    {"success": False, "message": msg, "error": {"message": msg, "type": type(err).__name__}},
+                )
             except Exception as err:  # noqa: BLE001 - the client gets the reason, the log the trace
                 log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
-                status, payload = HTTPStatus.INTERNAL_SERVER_ERROR, {"success": False, "message": str(err),
-                                                                     "error": {"message": str(err)}}
+                status, payload = (
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    {"success": False, "message": str(err), "error": {"message": str(err)}},
+                )
             self._send(int(status), payload)
             log.debug("%s %s handled in %.2f ms", method, path, (time.perf_counter() - t0) * 1e3)
 
@@ -393,8 +426,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rltrain.engine.native", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m rltrain.engine.native",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
@@ -402,35 +438,64 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--max-batch-size", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deterministic", action="store_true",
-                    help="run each request as its own batch, so results do not depend on what else is queued")
-    ap.add_argument("--ep-size", type=int, default=1, help="expert ownership: this engine holds experts of rank --ep-rank")
+    ap.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="run each request as its own batch, so results do not depend on what else is queued",
+    )
+    ap.add_argument(
+        "--ep-size", type=int, default=1, help="expert ownership: this engine holds experts of rank --ep-rank"
+    )
     ap.add_argument("--ep-rank", type=int, default=0)
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
-    ap.add_argument("--weights-root", action="append", default=[],
-                    help="load weight versions only from inside this directory (repeatable; none: anywhere)")
+    ap.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        help="load weight versions only from inside this directory (repeatable; none: anywhere)",
+    )
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s native-engine %(levelname)s: %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s native-engine %(levelname)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
     if args.parent_pid:
         threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
     torch.set_num_threads(max(1, int(os.environ.get("RLTRAIN_ENGINE_THREADS", torch.get_num_threads()))))
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
-    engine = NativeEngine(args.model_path, device=args.device, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                          seed=args.seed, backup_dir=args.backup_dir, deterministic=args.deterministic,
-                          ep_size=args.ep_size, ep_rank=args.ep_rank)
+    engine = NativeEngine(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch_size=args.max_batch_size,
+        seed=args.seed,
+        backup_dir=args.backup_dir,
+        deterministic=args.deterministic,
+        ep_size=args.ep_size,
+        ep_rank=args.ep_rank,
+    )
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
-    httpd = ThreadingHTTPServer((args.host, args.port),
-                                make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key)))
+    httpd = ThreadingHTTPServer(
+        (args.host, args.port), make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key))
+    )
     httpd.daemon_threads = True
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
-    log.info("serving %s on http://%s:%d (%s, %s) after %.1fs", args.model_path, args.host, httpd.server_address[1],
-             engine.device, engine.dtype, time.perf_counter() - t0)
+    log.info(
+        "serving %s on http://%s:%d (%s, %s) after %.1fs",
+        args.model_path,
+        args.host,
+        httpd.server_address[1],
+        engine.device,
+        engine.dtype,
+        time.perf_counter() - t0,
+    )
     try:
         httpd.serve_forever(poll_interval=0.2)
     finally:

@@ -14,7 +14,7 @@ Layouts (megatron-core's local layer spec, names of `GPTModel.state_dict()`):
     decoder.layers.i.self_attention.k_layernorm.weight ...self_attn.k_norm.weight     replicated (Qwen3)
     decoder.layers.i.self_attention.linear_proj.weight ...self_attn.o_proj.weight     row-parallel (dim 1)
     decoder.layers.i.pre_mlp_layernorm.weight         ...post_attention_layernorm     replicated
-    decoder.layers.i.mlp.linear_fc1.weight            gate_proj, up_proj              column-parallel, gate and up split apart
+    decoder.layers.i.mlp.linear_fc1.weight            gate_proj, up_proj              column-parallel, gate/up split
     decoder.layers.i.mlp.linear_fc2.weight            ...mlp.down_proj.weight         row-parallel (dim 1)
     decoder.layers.i.mlp.router.weight                ...mlp.gate.weight              replicated (MoE)
     decoder.layers.i.mlp.experts.local_experts.e.linear_fc1.weight  ...mlp.experts.e.gate_proj, up_proj (MoE)
@@ -28,10 +28,11 @@ the number of query groups must divide by TP. The fused fc1 weight on a TP rank 
 up shard], so it is sharded gate and up apart. The vocabulary is padded to a multiple of TP (the
 padding rows are zero and their logits are masked); export drops the padding.
 
-MoE (Qwen3-MoE, every layer sparse; Mixtral, whose experts are w1/w3/w2 under block_sparse_moe): expert names here use the *global* expert index; a model
-holding a block of experts (expert parallel) maps them to its local indices. Experts are not
-tensor-parallel sharded yet (MoE needs TP=1). HF's `norm_topk_prob` (renormalise the top-k
-probabilities) is megatron's top-k before the softmax (`moe_router_pre_softmax=False`).
+MoE (Qwen3-MoE, every layer sparse; Mixtral, whose experts are w1/w3/w2 under block_sparse_moe):
+expert names here use the *global* expert index; a model holding a block of experts (expert
+parallel) maps them to its local indices. Experts are not tensor-parallel sharded yet (MoE needs
+TP=1). HF's `norm_topk_prob` (renormalise the top-k probabilities) is megatron's top-k before the
+softmax (`moe_router_pre_softmax=False`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ import torch
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # HF names of an MoE layer per family: (MLP module, router, gate / up / down projection of an expert)
-_MOE_NAMES = {"qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
-              "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2"))}
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+}
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -91,8 +94,9 @@ def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     model_type = getattr(hf_config, "model_type", "")
     if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
-        raise ConversionError(f"trainer.backend=megatron supports {', '.join(SUPPORTED)}; this model is {arch} "
-                              f"({model_type})")
+        raise ConversionError(
+            f"trainer.backend=megatron supports {', '.join(SUPPORTED)}; this model is {arch} ({model_type})"
+        )
     experts = 0
     if model_type == "qwen3_moe":
         experts = int(getattr(hf_config, "num_experts", 0) or 0)
@@ -102,28 +106,41 @@ def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
             raise ConversionError("Mixtral with router_jitter_noise > 0 is not converted (the router would differ)")
     if experts:
         if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
-            raise ConversionError("Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not "
-                                  "converted yet: every layer must be sparse")
+            raise ConversionError(
+                "Qwen3-MoE with dense layers (mlp_only_layers / decoder_sparse_step) is not "
+                "converted yet: every layer must be sparse"
+            )
         if tp > 1 or pp > 1:
-            raise ConversionError(f"MoE models need trainer.tensor_parallel_size=1 and pipeline_parallel_size=1 for "
-                                  f"now (got {tp} and {pp}): expert weights are not sharded over them yet")
+            raise ConversionError(
+                f"MoE models need trainer.tensor_parallel_size=1 and pipeline_parallel_size=1 for "
+                f"now (got {tp} and {pp}): expert weights are not sharded over them yet"
+            )
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     if groups % tp or heads % tp:
-        raise ConversionError(f"tensor parallel size {tp} must divide the attention heads ({heads}) and key/value "
-                              f"heads ({groups})")
+        raise ConversionError(
+            f"tensor parallel size {tp} must divide the attention heads ({heads}) and key/value heads ({groups})"
+        )
     if pp < 1 or hf_config.num_hidden_layers % pp:
         raise ConversionError(f"pipeline parallel size {pp} must divide the {hf_config.num_hidden_layers} layers")
     if hf_config.intermediate_size % tp:
         raise ConversionError(f"tensor parallel size {tp} must divide intermediate_size {hf_config.intermediate_size}")
     vocab = hf_config.vocab_size
     return Dims(
-        layers=hf_config.num_hidden_layers, hidden=hf_config.hidden_size, heads=heads, groups=groups,
-        head_dim=head_dim, ffn=hf_config.intermediate_size, vocab=vocab, padded_vocab=-(-vocab // tp) * tp,
+        layers=hf_config.num_hidden_layers,
+        hidden=hf_config.hidden_size,
+        heads=heads,
+        groups=groups,
+        head_dim=head_dim,
+        ffn=hf_config.intermediate_size,
+        vocab=vocab,
+        padded_vocab=-(-vocab // tp) * tp,
         qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        experts=experts, topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        experts=experts,
+        topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0) if experts else 0,
         moe_ffn=int(getattr(hf_config, "moe_intermediate_size", 0) or hf_config.intermediate_size) if experts else 0,
         # Mixtral always renormalises its top-k routing weights
         norm_topk=(model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False))) if experts else False,
@@ -135,17 +152,33 @@ def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
     """The megatron `TransformerConfig` fields that describe the HF architecture."""
     d = dims(hf_config, 1)
     kw = dict(
-        num_layers=d.layers, hidden_size=d.hidden, num_attention_heads=d.heads, num_query_groups=d.groups,
-        kv_channels=d.head_dim, ffn_hidden_size=d.ffn, normalization="RMSNorm", gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=d.qkv_bias,
-        qk_layernorm=d.qk_norm, layernorm_epsilon=hf_config.rms_norm_eps,
+        num_layers=d.layers,
+        hidden_size=d.hidden,
+        num_attention_heads=d.heads,
+        num_query_groups=d.groups,
+        kv_channels=d.head_dim,
+        ffn_hidden_size=d.ffn,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=d.qkv_bias,
+        qk_layernorm=d.qk_norm,
+        layernorm_epsilon=hf_config.rms_norm_eps,
     )
     if d.experts:
         # No load-balancing loss: RL fine-tuning keeps the router as trained (as the HF forward does
         # without output_router_logits).
-        kw.update(num_moe_experts=d.experts, moe_router_topk=d.topk, moe_ffn_hidden_size=d.moe_ffn,
-                  moe_router_pre_softmax=not d.norm_topk, moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0, moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False)
+        kw.update(
+            num_moe_experts=d.experts,
+            moe_router_topk=d.topk,
+            moe_ffn_hidden_size=d.moe_ffn,
+            moe_router_pre_softmax=not d.norm_topk,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
     return kw
 
 
@@ -164,8 +197,10 @@ def mcore_names(d: Dims) -> list[str]:
         if d.experts:
             names.append(p + "mlp.router.weight")
             for e in range(d.experts):
-                names += [p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
-                          p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]
+                names += [
+                    p + f"mlp.experts.local_experts.{e}.linear_fc1.weight",
+                    p + f"mlp.experts.local_experts.{e}.linear_fc2.weight",
+                ]
         else:
             names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
     names.append("decoder.final_layernorm.weight")
@@ -175,6 +210,7 @@ def mcore_names(d: Dims) -> list[str]:
 
 
 # ---------------------------------------------------------------------- HF -> megatron (full)
+
 
 def hf_names_of(name: str, d: Dims) -> list[str]:
     """The HF checkpoint names a megatron weight is made of."""
@@ -215,8 +251,14 @@ def to_mcore(name: str, parts: list[torch.Tensor], d: Dims) -> torch.Tensor:
         q, k, v = parts
         per = d.heads // d.groups * d.head_dim
         tail = q.shape[1:]
-        fused = torch.cat([q.reshape(d.groups, per, *tail), k.reshape(d.groups, d.head_dim, *tail),
-                           v.reshape(d.groups, d.head_dim, *tail)], dim=1)
+        fused = torch.cat(
+            [
+                q.reshape(d.groups, per, *tail),
+                k.reshape(d.groups, d.head_dim, *tail),
+                v.reshape(d.groups, d.head_dim, *tail),
+            ],
+            dim=1,
+        )
         return fused.reshape(-1, *tail)
     if rest == "mlp.linear_fc1.weight" or rest.endswith(".linear_fc1.weight"):
         return torch.cat(parts, dim=0)
@@ -267,6 +309,7 @@ def full_shape(name: str, d: Dims) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------- TP sharding
 
+
 def tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
     """This TP rank's part of a full megatron tensor."""
     if tp == 1:
@@ -277,8 +320,10 @@ def tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
         return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
     if rest in _ROW_PARALLEL:
         return full.chunk(tp, dim=1)[rank]
-    if rest.startswith("self_attention.linear_qkv") or name in ("embedding.word_embeddings.weight",
-                                                                 "output_layer.weight"):
+    if rest.startswith("self_attention.linear_qkv") or name in (
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+    ):
         return full.chunk(tp, dim=0)[rank]
     return full  # replicated (norms)
 
@@ -293,8 +338,10 @@ def tp_unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     if rest in _ROW_PARALLEL:
         return torch.cat(parts, dim=1)
-    if rest.startswith("self_attention.linear_qkv") or name in ("embedding.word_embeddings.weight",
-                                                                 "output_layer.weight"):
+    if rest.startswith("self_attention.linear_qkv") or name in (
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+    ):
         return torch.cat(parts, dim=0)
     return parts[0]
 
@@ -306,8 +353,12 @@ def tp_partition_dim(name: str) -> int:
 
 def is_tp_sharded(name: str) -> bool:
     rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    return (rest == "mlp.linear_fc1.weight" or rest in _ROW_PARALLEL or rest.startswith("self_attention.linear_qkv")
-            or name in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    return (
+        rest == "mlp.linear_fc1.weight"
+        or rest in _ROW_PARALLEL
+        or rest.startswith("self_attention.linear_qkv")
+        or name in ("embedding.word_embeddings.weight", "output_layer.weight")
+    )
 
 
 def expert_of(name: str) -> int | None:
@@ -322,8 +373,9 @@ def local_expert_name(name: str, local: int) -> str:
     return re.sub(r"local_experts\.\d+\.", f"local_experts.{local}.", name)
 
 
-def hf_to_mcore_shards(hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int, ep_rank: int = 0,
-                       ep: int = 1) -> dict[str, torch.Tensor]:
+def hf_to_mcore_shards(
+    hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
+) -> dict[str, torch.Tensor]:
     """This rank's megatron state (its TP shard; with expert parallel, its block of experts under
     local indices) from a full HF state dict. Every HF weight must be used by some rank."""
     out, used = {}, set()

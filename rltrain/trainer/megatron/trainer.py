@@ -41,6 +41,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -103,8 +109,18 @@ class _Schedule:
 class MegatronTrainer:
     """The megatron-core trainer (interfaces.Trainer); the shared RL update is rl_update.py."""
 
-    def __init__(self, cfg: TrainerConfig, algo: AlgoConfig, model_path: str, device: torch.device, world: World,
-                 seed: int = 0, total_steps: int = 1, temperature: float = 1.0, pad_id: int = 0):
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        algo: AlgoConfig,
+        model_path: str,
+        device: torch.device,
+        world: World,
+        seed: int = 0,
+        total_steps: int = 1,
+        temperature: float = 1.0,
+        pad_id: int = 0,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("trainer.backend=megatron needs torch.distributed (run under torchrun)")
         self.cfg, self.algo = cfg, algo
@@ -123,8 +139,10 @@ class MegatronTrainer:
         self._hf_config = AutoConfig.from_pretrained(model_path)
         self.dims = dims(self._hf_config, self.tp, self.pp)
         if self.ep > 1 and (not self.dims.experts or self.dims.experts % self.ep):
-            raise ValueError(f"trainer.expert_parallel_size={self.ep} needs a MoE model whose expert count it "
-                             f"divides (this model has {self.dims.experts} experts)")
+            raise ValueError(
+                f"trainer.expert_parallel_size={self.ep} needs a MoE model whose expert count it "
+                f"divides (this model has {self.dims.experts} experts)"
+            )
         self.model: Any = None  # megatron DDP over the GPTModel
         self.ref_model: Any = None
         self.optimizer: Any = None
@@ -164,11 +182,11 @@ class MegatronTrainer:
         self._parked = None
 
     def _seed(self) -> None:
-        from megatron.core import tensor_parallel
 
         g = self._groups()
-        tensor_parallel.model_parallel_cuda_manual_seed(self.seed, tp_rank=g.tp_rank, ep_rank=g.ep_rank,
-                                                        etp_rank=g.tp_rank)
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            self.seed, tp_rank=g.tp_rank, ep_rank=g.ep_rank, etp_rank=g.tp_rank
+        )
 
     def _hf_shards(self) -> dict[str, torch.Tensor]:
         hf: dict[str, torch.Tensor] = {}
@@ -181,14 +199,13 @@ class MegatronTrainer:
         return to_stage(state, self.dims, self.pp, g.pp_rank)
 
     def _gpt(self) -> Any:
-        return build_gpt(self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep, self.pp,
-                         self._groups().pp_rank)
+        return build_gpt(
+            self._hf_config, self._pgs, self.tp, self.dtype, self.device, self.ep, self.pp, self._groups().pp_rank
+        )
 
     def _assemble(self, state: dict[str, Any]) -> None:
         """Modules, DDP and optimizer over the world's current groups, filled from `state`
         (megatron name -> this rank's tensor; None leaves the model uninitialised)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self._drop()
         pgs = self._pgs = self._groups().collection()
@@ -196,19 +213,29 @@ class MegatronTrainer:
         if state["model"] is not None:
             _fill(gpt, state["model"])
         dist_opt = self.cfg.distributed_optimizer
-        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                use_distributed_optimizer=dist_opt)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
+        )
         self.model = DistributedDataParallel(gpt.config, ddp_cfg, gpt, pg_collection=pgs)
         self.model.train()
-        opt_cfg = OptimizerConfig(optimizer="adam", lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                  adam_beta1=self.cfg.beta1, adam_beta2=self.cfg.beta2, adam_eps=self.cfg.eps,
-                                  clip_grad=self.cfg.grad_clip, bf16=self.dtype == torch.bfloat16,
-                                  params_dtype=self.dtype, use_distributed_optimizer=dist_opt)
+        opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            adam_beta1=self.cfg.beta1,
+            adam_beta2=self.cfg.beta2,
+            adam_eps=self.cfg.eps,
+            clip_grad=self.cfg.grad_clip,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=dist_opt,
+        )
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], pg_collection=pgs, use_gloo_process_groups=False)
         if state.get("optimizer") is not None:
             _load_optimizer(self.optimizer, state["optimizer"])
-        self.scheduler = _Schedule(self.optimizer, self.cfg.lr,
-                                   lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step))
+        self.scheduler = _Schedule(
+            self.optimizer, self.cfg.lr, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step)
+        )
         if "scheduler" in state:
             self.load_host_state(state)
         self.ref_model = None
@@ -269,8 +296,10 @@ class MegatronTrainer:
         copied to host memory — on GPU into page-locked buffers kept from the previous offload
         (pinning afresh per offload costs seconds)."""
         state: dict[str, Any] = {
-            "model": _weights(_unwrap(self.model)), "optimizer": _optimizer_state(self.optimizer),
-            "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None}
+            "model": _weights(_unwrap(self.model)),
+            "optimizer": _optimizer_state(self.optimizer),
+            "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None,
+        }
         if to_host and self.device.type == "cuda":
             if self._host is None:
                 self._host = _HostMirror()
@@ -305,10 +334,13 @@ class MegatronTrainer:
         """Every tensor this trainer holds, by kind, wherever it is (also while offloaded); the
         host mirror's buffers are spare host memory."""
         parked = self._parked or {}
-        return held((self.model, self.ref_model), self.optimizer,
-                    parked_weights=[parked.get("model"), parked.get("reference")],
-                    parked_optimizer=parked.get("optimizer"),
-                    spare=list(self._host.buffers) if self._host is not None else [])
+        return held(
+            (self.model, self.ref_model),
+            self.optimizer,
+            parked_weights=[parked.get("model"), parked.get("reference")],
+            parked_optimizer=parked.get("optimizer"),
+            spare=list(self._host.buffers) if self._host is not None else [],
+        )
 
     # ------------------------------------------------------------------ the RL update (rl_update.Backend)
 
@@ -327,16 +359,21 @@ class MegatronTrainer:
         (vocabulary padded to a multiple of TP) are left out."""
         shard = logits.shape[-1]
         start = self._groups().tp_rank * shard
-        return rl_update.logp_from_logits(logits, tokens, self.temperature, with_entropy,
-                                          group=self._pgs.tp if self.tp > 1 else None, vocab_start=start,
-                                          valid=max(0, min(shard, self.dims.vocab - start)))
+        return rl_update.logp_from_logits(
+            logits,
+            tokens,
+            self.temperature,
+            with_entropy,
+            group=self._pgs.tp if self.tp > 1 else None,
+            vocab_start=start,
+            valid=max(0, min(shard, self.dims.vocab - start)),
+        )
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def apply_gradients(self) -> float:
-        from megatron.core.distributed import finalize_model_grads
 
         # Sums gradients over data parallel, and over tensor parallel those of replicated weights
         # that see only this rank's heads (q/k layernorm). Losses already carry global token counts.
@@ -357,8 +394,12 @@ class MegatronTrainer:
         dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=group)
         start = sum(len(p) for p in parts[: dist.get_rank(group)])
         width = max(p.tokens.shape[1] for p in parts)
-        pooled = TrainBatch(**{k: (torch.cat([pad_width(getattr(p, k), width) for p in parts])
-                                   if v is not None else None) for k, v in parts[0].fields().items()})
+        pooled = TrainBatch(
+            **{
+                k: (torch.cat([pad_width(getattr(p, k), width) for p in parts]) if v is not None else None)
+                for k, v in parts[0].fields().items()
+            }
+        )
         return pooled, slice(start, start + len(batch))
 
     def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,8 +420,11 @@ class MegatronTrainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One RL step over the pooled samples of this rank's model replica."""
         assert self.scheduler is not None
-        step = self._pipeline_optimizer_step if self.pp > 1 else (
-            lambda mini, loss_cfg: rl_update.optimizer_step(self, self.model, mini, loss_cfg))
+        step = (
+            self._pipeline_optimizer_step
+            if self.pp > 1
+            else (lambda mini, loss_cfg: rl_update.optimizer_step(self, self.model, mini, loss_cfg))
+        )
         metrics = rl_update.train_step(self, self._pool(batch)[0], self.seed * 100003 + self.steps, step)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -393,8 +437,6 @@ class MegatronTrainer:
         """megatron's 1F1B schedule over fixed-shape micro-batches of `batch` (the replica's pooled
         batch: the same on every stage). `loss_fn(mb, logits)` runs on the last stage and returns
         (loss, token count, record); the records come back there, in order."""
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-        from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
         size = self.cfg.micro_batch_size
         n, L = batch.tokens.shape
@@ -409,9 +451,16 @@ class MegatronTrainer:
 
         p2p = P2PCommunicator(pp_group=self._pgs.pp, config=_unwrap(model).config)
         return forward_backward_pipelining_without_interleaving(
-            forward_step_func=step, data_iterator=iter(chunks), model=model, num_microbatches=len(chunks),
-            seq_length=L, micro_batch_size=size, forward_only=forward_only, p2p_communicator=p2p,
-            pg_collection=self._pgs)
+            forward_step_func=step,
+            data_iterator=iter(chunks),
+            model=model,
+            num_microbatches=len(chunks),
+            seq_length=L,
+            micro_batch_size=size,
+            forward_only=forward_only,
+            p2p_communicator=p2p,
+            pg_collection=self._pgs,
+        )
 
     @torch.no_grad()
     def _pipeline_logprobs(self, model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,8 +538,9 @@ class MegatronTrainer:
             else:
                 yield from self._pieces(src, self._tp_full(src, local[src]), wanted)
 
-    def _export_stages(self, sources: list[str], local: dict[str, torch.Tensor],
-                       wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _export_stages(
+        self, sources: list[str], local: dict[str, torch.Tensor], wanted: set[str] | None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Pipeline parallel: the stage that holds a weight gathers it over its TP group and
         broadcasts it to the other stages."""
         pp_rank = self._groups().pp_rank
@@ -509,8 +559,11 @@ class MegatronTrainer:
 
     def _broadcast_full(self, src: str, mine: torch.Tensor | None, group: Any, owner: int) -> torch.Tensor:
         """`mine` on the owner (its index in `group`), received by everyone else in the group."""
-        full = mine.contiguous() if mine is not None else torch.empty(
-            full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+        full = (
+            mine.contiguous()
+            if mine is not None
+            else torch.empty(full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+        )
         dist.broadcast(full, group=group, group_src=owner)
         return full
 
@@ -533,8 +586,10 @@ class MegatronTrainer:
         g = self._groups()
         layout = f"pp{g.pp_rank}of{self.pp}/tp{g.tp_rank}of{self.tp}"
         experts = f"{layout}/ep{g.ep_rank}of{self.ep}"  # expert weights differ per EP rank
-        model = {f"{experts if expert_of(n) is not None else layout}/{n}": p
-                 for n, p in _weights(_unwrap(self.model)).items()}
+        model = {
+            f"{experts if expert_of(n) is not None else layout}/{n}": p
+            for n, p in _weights(_unwrap(self.model)).items()
+        }
         _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
         tensors: list[torch.Tensor] = []
         tensors_in(_optimizer_state(self.optimizer, clone=False), tensors)
@@ -590,13 +645,16 @@ def _optimizer_state(optimizer: Any, clone: bool = True) -> list[dict[str, Any]]
     A distributed optimizer's `state_dict()` leaves out the parameter state (it is sharded);
     here the shard's Adam state and fp32 main parameters are taken as they are (`clone=False`:
     the live tensors)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     out = []
     for opt in _inner(optimizer):
         if isinstance(opt, DistributedOptimizer):
-            main = [p.detach().clone() if clone else p.detach()
-                    for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups) for g in groups for p in g]
+            main = [
+                p.detach().clone() if clone else p.detach()
+                for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)
+                for g in groups
+                for p in g
+            ]
             out.append({"inner": opt.optimizer.state_dict(), "main": main})
         else:
             out.append({"wrapper": opt.state_dict()})
@@ -612,8 +670,9 @@ def _ensure_optimizer_state(optimizer: Any) -> None:
         for group in torch_opt.param_groups:
             for p in group["params"]:
                 if not torch_opt.state[p]:
-                    torch_opt.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
-                                              exp_avg_sq=torch.zeros_like(p))
+                    torch_opt.state[p].update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
+                    )
 
 
 @torch.no_grad()
@@ -644,7 +703,8 @@ class _HostMirror:
         tensors: list[torch.Tensor] = []
         tensors_in(state, tensors)
         fits = len(tensors) == len(self.buffers) and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors))
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors)
+        )
         if not fits:
             self.buffers = []
             self.buffers = self._arena.like(tensors)
