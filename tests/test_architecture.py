@@ -85,7 +85,7 @@ def test_every_private_internal_is_in_this_install(name):
     entry = internals.REGISTRY[name]
     if entry.needs == "cuda" and not torch.backends.cuda.is_built():
         pytest.skip("exists only in CUDA builds of torch (checked on the H200 by test_gpu.py)")
-    if entry.needs == "megatron" and importlib.util.find_spec("megatron.core") is None:
+    if entry.needs == "megatron" and importlib.util.find_spec("megatron") is None:
         pytest.skip("megatron-core is not installed")
     assert internals.missing(entry) is None, internals.missing(entry)
 

@@ -113,7 +113,7 @@ def server_command(
             "--dtype",
             cfg.dtype,
             # The engine idles through every training phase; without this its scheduler spins a
-            # whole CPU core the whole time (measured: 101% -> 2% of a core while idle).
+            # whole CPU core the whole time.
             "--sleep-on-idle",
         ]
         if device == "cuda":

@@ -40,8 +40,8 @@ class Bridge:
         self.world_size = world_size
         self.timeout = timeout
         # Per torchrun attempt: a restarted job shares the agent's store with the attempt that
-        # died, whose peer addresses would otherwise be read back (seen: a restarted rank
-        # connected to the dead rank 0's port).
+        # died, whose peer addresses would otherwise be read back (a restarted rank would
+        # connect to the dead rank 0's port).
         self._store = dist.PrefixStore(f"{self.STORE_PREFIX}/{restart_attempt()}", base_store)
         try:
             # (Any: torch's stubs do not declare the backend's collectives)

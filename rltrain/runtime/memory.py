@@ -11,7 +11,7 @@ from rltrain.runtime import internals
 
 def free_cuda_caches() -> None:
     """Return the caching allocator's free blocks to the driver, cuBLAS workspaces (allocated
-    through the caching allocator, ~64 MiB on an H200) included."""
+    through the caching allocator) included."""
     if torch.cuda.is_available():
         internals.get("torch._C._cuda_clearCublasWorkspaces")()
     torch.cuda.empty_cache()

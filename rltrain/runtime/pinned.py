@@ -110,8 +110,8 @@ def all_pinned_host_bytes() -> int:
 class PinnedUpload:
     """Host-to-device copies out of pageable memory (a memory-mapped weight file) through a ring
     of page-locked buffers: host threads fill one buffer while the GPU drains the others. A
-    pageable copy is staged by the driver piece by piece on the calling thread: the engine loaded
-    a 8.8 GB version at 5.6 GB/s that way on the H200's machine, where a pinned copy runs at 55."""
+    pageable copy is staged by the driver piece by piece on the calling thread, at a fraction of
+    the pinned-copy rate."""
 
     def __init__(self, buffers: int = 3, size: int = 64 << 20, threads: int = 8, piece: int = 8 << 20):
         self.size, self.piece = size, piece

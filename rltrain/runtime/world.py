@@ -1,7 +1,7 @@
 """The reloadable world: a default process group that can be torn down and rebuilt between phases.
 
 Colocated RL alternates phases that each want the whole GPU. NCCL communicators hold device
-memory (~0.65 GiB per communicator set on an H200), so between phases rltrain destroys the
+memory (BENCHMARKS.md has the figures), so between phases rltrain destroys the
 default group and every subgroup made through `World.new_group`, and rebuilds them when the
 trainer needs them again. Ranks keep coordinating over the persistent Gloo `Bridge`.
 
@@ -22,7 +22,7 @@ Priming. After replay every group runs one all_reduce on its device in creation 
 connects eagerly anyway; NCCL would otherwise create communicators lazily on first use, and a
 point-to-point op between a subset of ranks as a group's first op can then hang.
 
-Teardown off the critical path. `destroy_process_group` is slow for NCCL (~0.5 s on an H200) and
+Teardown off the critical path. `destroy_process_group` is slow for NCCL and
 holds no information the next phase needs, so by default it runs in a background thread:
 `destroy()` returns once the handles are detached; `wait_destroyed()` (called by `rebuild()` and
 before memory is handed to the engine) joins it.

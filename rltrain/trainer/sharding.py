@@ -58,8 +58,8 @@ def reshard(model: torch.nn.Module) -> None:
 
 def free_storage(model: torch.nn.Module) -> None:
     """Return the memory of a module being dropped, now. FSDP2 modules sit in reference cycles
-    (hooks <-> state): dropping the last reference frees nothing until a gc pass, which costs
-    ~0.2 s with transformers loaded (measured) — and until then the GPU memory stays taken.
+    (hooks <-> state): dropping the last reference frees nothing until a gc pass, which is dear
+    with transformers loaded — and until then the GPU memory stays taken.
     The module must not be used afterwards."""
 
     if not isinstance(model, FSDPModule):
@@ -70,8 +70,7 @@ def free_storage(model: torch.nn.Module) -> None:
             local(t).untyped_storage().resize_(0)
     # Break the module <-> FSDP state cycle (through the hooks) so that dropping the module frees
     # it, and with it the destroyed group its mesh holds, by reference counting: a destroyed Gloo
-    # group keeps its sockets and threads until it is freed (the soak benchmark saw ~1.5 fds and
-    # ~1 thread more per world cycle, until a gc pass).
+    # group keeps its sockets and threads until it is freed.
     for module in model.modules():
         for hooks in (
             module._forward_pre_hooks,
@@ -191,15 +190,14 @@ def _row_sharded(t: torch.Tensor) -> bool:
 
 
 def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`full_tensor` of each, with ONE all-gather for all the row-sharded ones of a mesh (every
-    rank calls with the same list). Gathering parameter by parameter costs a collective each: on
-    two H200s a sync of a 4B model, ~400 parameters, took 0.125 s where the bytes alone need
-    0.017 s of all-gather and 0.016 s of CUDA IPC. The shards go into one buffer, a rank's block
-    after another's; rank r holds rows [r*c, (r+1)*c) of each tensor (c = ceil(rows / ranks), the
-    last ones short or empty, as FSDP2 and DTensor split), so each tensor is the concatenation of
-    its rows from every rank's block. On the CPU the staging buffers' fresh pages cost more than
-    gloo's per-tensor calls (a 75 MB bucket at 2 ranks: 0.20-0.30 s against 0.09-0.17 s), so
-    callers use this for CUDA tensors (`export_weights`)."""
+    """`full_tensor` of each, with ONE all-gather for all the row-sharded ones of a mesh (every rank
+    calls with the same list). Gathering parameter by parameter costs a collective each, several
+    times the bytes' own time for a model of ~400 parameters. The shards go into one buffer, a
+    rank's block after another's; rank r holds rows [r*c, (r+1)*c) of each tensor (c = ceil(rows /
+    ranks), the last ones short or empty, as FSDP2 and DTensor split), so each tensor is the
+    concatenation of its rows from every rank's block. On the CPU the staging buffers' fresh pages
+    cost more than gloo's per-tensor calls, so callers use this for CUDA tensors
+    (`export_weights`)."""
     first = next((t for t in tensors if isinstance(t, DTensor)), None)
     if (
         first is None
@@ -258,13 +256,13 @@ def rebind(model: torch.nn.Module, group: Any) -> str | None:
     rebuilt one (same ranks, same order: every rank keeps its rows). Returns None once done, or
     why it cannot (then nothing was changed, and the caller re-shards a fresh module instead).
 
-    Rebuilding the modules for every world cost 0.22 s of a 0.45 s onload for a 2B model on the
-    H200 (`fully_shard` of every block, the model built on `meta`, `to_empty`, the optimizer
-    re-wrapped), against 0.23 s of copying. FSDP2 keeps its process group in the mesh infos of
-    its parameter groups (`shard_process_group`); the DeviceMesh finds its group by name, and
-    the rebuilt default group has the old one's name. These are private fields of torch, so
-    every reference to a process group in those objects is checked first: one this function
-    does not know (another torch version, HSDP, a separate reduce-scatter group) stops it."""
+    Rebuilding the modules for every world (`fully_shard` of every block, the model built on `meta`,
+    `to_empty`, the optimizer re-wrapped) costs about as much as the copy. FSDP2 keeps its process
+    group in the mesh infos of its parameter groups (`shard_process_group`); the DeviceMesh finds
+    its group by name, and the rebuilt default group has the old one's name. These are private
+    fields of torch, so every reference to a process group in those objects is checked first: one
+    this function does not know (another torch version, HSDP, a separate reduce-scatter group) stops
+    it."""
 
     pg_type = dist.ProcessGroup
     try:
@@ -363,8 +361,7 @@ class HostPark:
         The storages are carved out of one block, allocated and returned to the caching
         allocator first: it splits a cached block for later requests, so the state lives in
         one segment, and the next offload hands it back to the driver with one cudaFree
-        instead of one per storage (~900 for a 2B model with Adam: most of the 0.07 s that
-        returning the memory took on the H200)."""
+        instead of one per storage (hundreds, for a model with Adam)."""
         large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
         if large:
             # Each request is rounded up to 512 bytes, as the allocator rounds it.

@@ -85,8 +85,7 @@ def bucket_layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[t
 class BucketViews:
     """Where a bucket's tensors lie in its buffer, checked once, and every tensor's 1-D view of
     a buffer taken in one `split` per run of one dtype. A view per tensor (`as_strided`, its
-    checks and its stride) costs ~10 us on both sides of every bucket of every sync; a bucket
-    of a 4B model holds ~25 tensors, and a sync is ~17 buckets."""
+    checks and its stride) costs on both sides of every tensor of every bucket of every sync."""
 
     def __init__(self, metadata: list[Any]):
         self.metadata = metadata
@@ -149,8 +148,7 @@ def flatten_bucket(
     if out is None:
         flat = torch.empty(size, dtype=torch.uint8, device=named_tensors[0][1].device)
         if flat.device.type == "cpu":
-            # Filled in shared memory directly: pickling a private buffer would copy it there again
-            # (that copy was 3/4 of a CPU sync, measured).
+            # Filled in shared memory directly: pickling a private buffer would copy it there again.
             flat.share_memory_()
     else:
         if out.dtype != torch.uint8 or out.numel() < size:

@@ -5,12 +5,11 @@ shards are written as they fill and the whole model is never held in host memory
 the writing rank keeps anything; the others drain the iterator. Every file is fsynced; making the
 directory appear atomically is the caller's job (write into a temporary directory, then rename).
 
-Shards are written here, not by `safetensors.save_file`, for two measured reasons (weight sync
-on an H200, 0.37 GB model): device tensors are copied into a reused page-locked staging buffer
-(per-tensor `.to("cpu")` into fresh pageable memory ran at 1.6 GB/s and was a third of the sync),
-and each file's xxh3 is computed from memory while it is written instead of by reading it back.
-The format is safetensors' (8-byte header length, JSON header, packed data); the files are read
-by `safetensors` and `from_pretrained` in the tests.
+Shards are written here, not by `safetensors.save_file`, for two reasons: device tensors are copied
+into a reused page-locked staging buffer (a per-tensor `.to("cpu")` into fresh pageable memory runs
+at a fraction of the pinned-copy rate), and each file's xxh3 is computed from memory while it is
+written instead of by reading it back. The format is safetensors' (8-byte header length, JSON
+header, packed data); the files are read by `safetensors` and `from_pretrained` in the tests.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ _DTYPES = {
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> str:
     """Write host tensors as one safetensors file, fsynced; returns the xxh3 of its bytes, hashed
-    on a second thread while the file is written (both release the GIL): hashing after each write
-    added 0.1 s per GB to the disk sync on the H200's machine."""
+    on a second thread while the file is written (both release the GIL), instead of after it."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, t in tensors.items():
@@ -184,7 +182,7 @@ def write_checkpoint(
     `config_from`. Returns the weight map (name -> file) on the writing rank. With `staging`
     (capacity >= shard_bytes is best), device tensors go through it; with two stagings, a shard
     is written on a writer thread while the next one is gathered and copied into the other
-    (copying a shard to the host was ~0.2 s of a 8.8 GB sync, serial with the writes). `digests`
+    (the copy to the host then overlaps the writes instead of adding to them). `digests`
     receives the xxh3 of every file written."""
     path = Path(path)
     stagings = staging if isinstance(staging, list) else [staging or HostStaging(0)]

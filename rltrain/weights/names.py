@@ -94,8 +94,8 @@ def checkpoint_specs(model: Any) -> list[tuple[str, str, torch.Size, torch.dtype
 
 def module_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
     """(module name, tensor) of every parameter and persistent buffer, tied parameters once, in
-    state_dict order — without calling `state_dict()`, whose FSDP2 hooks cost ~30 ms per call on
-    a 4B model (measured), paid for every bucket of every sync."""
+    state_dict order — without calling `state_dict()`, whose FSDP2 hooks are dear, and every
+    bucket of every sync asks."""
     out, seen = [], set()
     for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""

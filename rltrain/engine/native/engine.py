@@ -114,7 +114,7 @@ class NativeEngine:
         # Updates may name weights as checkpoints do (per-expert MoE names; see models/hf_names.py).
         self._checkpoint_names = checkpoint_index(self.model)
         # Parameter and buffer objects outlive release/resume (only their .data changes): looked
-        # up once, not per update (walking the module tree cost ~0.5 ms per bucket on a 4B model).
+        # up once, not per update (walking the module tree is dear per bucket).
         self._tensors = dict(self.model.named_parameters(remove_duplicate=False)) | dict(self.model.named_buffers())
         self._targets: dict[str, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         # Flattened buckets by layout: the bucket's views and the parameters they go to, checked

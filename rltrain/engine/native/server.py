@@ -346,7 +346,7 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         # Headers and body leave in two writes; with Nagle's algorithm the body then waits for
-        # the client's delayed ACK: ~40 ms on every keep-alive request (measured, per sync bucket).
+        # the client's delayed ACK on every keep-alive request (every sync bucket).
         disable_nagle_algorithm = True
 
         def log_message(self, fmt: str, *args: Any) -> None:
