@@ -8,7 +8,8 @@ the type checker where `setup.py` wires them together:
     Trainer     trainer.fsdp.FSDPTrainer,           the policy: create, train, offload/onload,
                 trainer.megatron.trainer.            release and re-create, export weights,
                 MegatronTrainer                      checkpoint state
-    NodeEngine  engine.launcher.NodeEngine          this node's engine, in the loop's verbs
+    NodeEngine  engine.launcher.NodeEngine          this node's engine, in the loop's verbs, and the
+                                                    client every rank generates through
     Transport   sync/transport.py                   one way of moving weights (sync only)
 """
 
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from rltrain.batch import TrainBatch
+from rltrain.generation import Completion, SamplingParams
 from rltrain.runtime.bridge import Bridge
 from rltrain.runtime.env import DistEnv
 
@@ -130,3 +132,39 @@ class Trainer(Protocol):
 
     # the memory ledger
     def held_tensors(self) -> HeldTensors: ...
+
+
+class RolloutClient(Protocol):
+    """What the rollout asks of a node's engine client (`engine.client.EngineClient`)."""
+
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        params: SamplingParams,
+        return_logprob: bool = True,
+        positions: list[int] | None = None,
+    ) -> list[Completion]: ...
+
+
+class NodeEngine(Protocol):
+    """This node's engine as the loop uses it (`engine.launcher.NodeEngine`): the phase verbs are
+    collectives over the bridge; the client is what every rank generates through."""
+
+    url: str
+
+    @property
+    def client(self) -> RolloutClient: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_weights(self) -> None: ...
+
+    def resume_kv(self) -> None: ...
+
+    def recover(self) -> bool: ...
+
+    def weight_version(self) -> str | None: ...
+
+    def memory_report(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...

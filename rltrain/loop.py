@@ -25,7 +25,7 @@ from rltrain.algo.advantages import compute_advantages
 from rltrain.algo.losses import kl_penalty
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.interfaces import Trainer, World
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.collect import Rollout, build_batch, collect, retry_failed

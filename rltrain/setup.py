@@ -10,6 +10,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from rltrain import interfaces
 from rltrain.between_steps import BetweenSteps, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored, find_resumable
 from rltrain.config import Config
@@ -32,7 +33,7 @@ class RunParts:
     rewards: RewardRunner
     trainer: Trainer
     cycle: TrainerCycle  # the trainer between steps
-    engine: NodeEngine
+    engine: interfaces.NodeEngine
     sync: WeightSync
     start_step: int
     initial_version: str | None

@@ -62,7 +62,7 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list
 
 def engine_greedy(client, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """An engine's greedy continuations (fixed length); fails the test on any failed sample."""
-    from rltrain.engine.protocol import SamplingParams
+    from rltrain.generation import SamplingParams
 
     out = client.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
     assert all(c.ok for c in out), [c.error for c in out if not c.ok]

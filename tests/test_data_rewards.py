@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.rollout import synthetic
 from rltrain.rollout.collect import build_batch, collect
 from rltrain.rollout.data import DataError, PromptSampler, read_records, tokenize_records

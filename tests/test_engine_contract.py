@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from models import engine_greedy, hf_greedy
 from rltrain.engine.client import EngineError
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.runtime.net import free_port
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights import bucket as tensor_payload

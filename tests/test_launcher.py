@@ -15,7 +15,7 @@ import pytest
 from conftest import engine_config, start_engine
 from multiproc import run_ranks, values
 from rltrain.engine.launcher import EngineCrashed, NodeEngine
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 

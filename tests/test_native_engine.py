@@ -11,7 +11,7 @@ import torch
 
 from models import engine_greedy, hf_greedy, make_model
 from rltrain.engine.client import EngineError
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8]]
 

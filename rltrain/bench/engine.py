@@ -27,7 +27,7 @@ import torch
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, server_command
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.runtime.net import free_port
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from rltrain.engine.protocol import Completion, ProtocolError, SamplingParams, generate_body, parse_generate_response
+from rltrain.generation import Completion, ProtocolError, SamplingParams, generate_body, parse_generate_response
 
 log = logging.getLogger("rltrain.engine")
 

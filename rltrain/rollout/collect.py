@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from rltrain.batch import TrainBatch
-from rltrain.engine.protocol import Completion, SamplingParams
+from rltrain.generation import Completion, SamplingParams
+from rltrain.interfaces import RolloutClient
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.rewards import RewardRunner
 
@@ -43,13 +44,18 @@ class Rollout:
 
 
 def collect(
-    client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
+    client: RolloutClient, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
 ) -> Rollout:
     return _summarize(_generate(client, prompts, list(range(len(prompts))), params, tokenizer, rewards), retried=0)
 
 
 def retry_failed(
-    rollout: Rollout, client: Any, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
+    rollout: Rollout,
+    client: RolloutClient,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    tokenizer: Any,
+    rewards: RewardRunner,
 ) -> Rollout:
     """Generate the groups whose generation failed once more (the engine was restarted), with the
     sampling seeds they had; what fails again stays failed and is dropped."""
@@ -63,7 +69,7 @@ def retry_failed(
 
 
 def _generate(
-    client: Any,
+    client: RolloutClient,
     prompts: list[Prompt],
     positions: list[int],
     params: SamplingParams,

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import measure_cuda_context

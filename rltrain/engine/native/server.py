@@ -29,7 +29,7 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
-from rltrain.engine.protocol import SamplingParams
+from rltrain.generation import SamplingParams
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights.bucket import deserialize
 

@@ -1,4 +1,7 @@
-"""SGLang's native HTTP protocol, as rltrain speaks it: request bodies and parsed responses.
+"""A generation request and its result: SGLang's native /generate protocol, as rltrain speaks it.
+
+Below the engine and the rollout, which both use it (the engine's client and server build and
+parse these; the rollout turns completions into samples).
 
 Both servers rltrain drives speak this: real SGLang (`python -m sglang.launch_server`) and the
 embedded engine (`python -m rltrain.engine.native`). Token ids in, token ids out
