@@ -31,7 +31,7 @@ from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow
 from rltrain.kernels import linear_logprobs_entropy
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
-from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.memory import free_cuda_caches
 from rltrain.trainer import rl_update
 from rltrain.trainer.rl_update import LogProbs
 from rltrain.trainer.sharding import (
@@ -46,7 +46,7 @@ from rltrain.trainer.sharding import (
     reshard,
     shard,
 )
-from rltrain.trainer.state import GC_EVERY, held, timed
+from rltrain.trainer.state import GC_EVERY, held, return_memory, timed
 from rltrain.weights.hf_files import write_checkpoint
 from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoint
 
@@ -221,11 +221,7 @@ class FSDPTrainer:
         self._free()
         self._drop()
         self._park = None
-        gc.collect()
-        if self.device.type == "cuda":
-            free_cuda_caches()
-        else:
-            trim_host_heap()
+        return_memory(self.device)
 
     def _drop(self) -> None:
         self.model = self.ref_model = self.optimizer = self.scheduler = None

@@ -8,6 +8,7 @@ offload or onload into the same `timings` dict (the benchmarks print it).
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from rltrain.interfaces import HeldTensors
+from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 # Re-assemblies of a trainer's modules between full garbage collections: dropped modules hold the
 # destroyed group through their mesh or DDP buffers in reference cycles, and a Gloo group keeps
@@ -82,3 +84,13 @@ def timed(timings: dict[str, float], what: str, device: torch.device) -> Iterato
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     timings[what] = time.perf_counter() - t0
+
+
+def return_memory(device: torch.device) -> None:
+    """After a trainer dropped its modules: collect what sits in reference cycles, then hand the
+    freed memory back (the allocator's cache to the driver on a GPU, the heap to the OS on CPU)."""
+    gc.collect()
+    if device.type == "cuda":
+        free_cuda_caches()
+    else:
+        trim_host_heap()

@@ -55,7 +55,7 @@ from rltrain.batch import TrainBatch, pad_rows, pad_width
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
-from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.memory import free_cuda_caches
 from rltrain.runtime.pinned import PinnedArena
 from rltrain.trainer import rl_update
 from rltrain.trainer.megatron.convert import (
@@ -74,7 +74,7 @@ from rltrain.trainer.megatron.convert import (
 )
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
 from rltrain.trainer.rl_update import LogProbs
-from rltrain.trainer.state import GC_EVERY, held, tensors_in, timed
+from rltrain.trainer.state import GC_EVERY, held, return_memory, tensors_in, timed
 from rltrain.weights.hf_files import write_checkpoint
 
 log = logging.getLogger("rltrain.trainer")
@@ -255,11 +255,7 @@ class MegatronTrainer:
         self._drop()
         self._parked = None
         self._host = None
-        gc.collect()
-        if self.device.type == "cuda":
-            free_cuda_caches()
-        else:
-            trim_host_heap()
+        return_memory(self.device)
 
     def offload(self) -> None:
         """Weights, optimizer state (and the reference) to page-locked host memory; the modules
