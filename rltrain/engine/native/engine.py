@@ -111,7 +111,7 @@ class NativeEngine:
             n: (tuple(p.shape), p.dtype) for n, p in self.model.named_parameters(remove_duplicate=False)
         }
         self._aliases = _alias_groups(self.model)
-        # Updates may name weights as checkpoints do (per-expert MoE names; see models/hf_names.py).
+        # Updates may name weights as checkpoints do (per-expert MoE names; see weights/names.py).
         self._checkpoint_names = checkpoint_index(self.model)
         # Parameter and buffer objects outlive release/resume (only their .data changes): looked
         # up once, not per update (walking the module tree is dear per bucket).
@@ -625,7 +625,7 @@ class NativeEngine:
 
     @torch.no_grad()
     def weights_checksum(self) -> dict[str, Any]:
-        """The checksum (sync/integrity.py) of every weight this engine owns, by checkpoint name."""
+        """The checksum (weights/checksum.py) of every weight this engine owns, by checkpoint name."""
         with self._model_lock:
             if "weights" in self.released:
                 raise EngineStateError("weights are released; resume weights before checking them")

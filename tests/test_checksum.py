@@ -1,4 +1,4 @@
-"""Weight checksums (sync/integrity.py) against a plain-Python reference of their definition."""
+"""Weight checksums (weights/checksum.py) against a plain-Python reference of their definition."""
 
 import pytest
 import torch
