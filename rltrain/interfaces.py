@@ -25,11 +25,10 @@ from rltrain.batch import TrainBatch
 from rltrain.generation import Completion, SamplingParams
 from rltrain.runtime.bridge import Bridge
 from rltrain.runtime.env import DistEnv
+from rltrain.runtime.ledger import HeldTensors
 
 # (checkpoint name, source name in the trainer, full shape, dtype) of one weight
 WeightSpecRow = tuple[str, str, torch.Size, torch.dtype]
-# Every tensor a trainer holds, by kind ("weights", "grads", "optimizer", "spare"), wherever it is
-HeldTensors = dict[str, list[torch.Tensor]]
 # One rank's shard of a released trainer, in host memory (trainer-specific layout)
 Snapshot = dict[str, Any]
 

@@ -35,7 +35,8 @@ import torch
 
 from rltrain.runtime.pinned import all_pinned_host_bytes
 
-HeldTensors = dict[str, list[torch.Tensor]]  # kind -> tensors (interfaces.HeldTensors)
+# Every tensor a trainer holds, by kind ("weights", "grads", "optimizer", "spare"), wherever it is
+HeldTensors = dict[str, list[torch.Tensor]]
 
 GIB = 2**30
 DEVICE_PARTS = (

@@ -5,7 +5,8 @@ freed: an 11.4 GiB offload held 16 GiB of page-locked memory that way, plus an e
 buffer. `pinned_empty` maps anonymous memory and registers it with the CUDA driver (what
 `cudaHostAlloc` does, without the rounding); the registration and the mapping go when the last
 tensor on the buffer is gone. Every page-locked buffer rltrain keeps comes from a `PinnedArena`
-(one such buffer, carved into aligned pieces, reused while it is large enough):
+(one such buffer, carved into aligned pieces, reused while it is large enough) or is one
+`pinned_empty` buffer allocated once:
 
     the trainer's offload buffer             trainer/sharding.py  HostPark
     megatron's host mirror of its state      trainer/megatron/trainer.py
@@ -115,7 +116,6 @@ class PinnedUpload:
 
     def __init__(self, buffers: int = 3, size: int = 64 << 20, threads: int = 8, piece: int = 8 << 20):
         self.size, self.piece = size, piece
-        self._arena = PinnedArena()
         self._buffers: list[torch.Tensor] = []
         self._done: list[torch.cuda.Event | None] = [None] * buffers
         self._threads = ThreadPoolExecutor(threads, thread_name_prefix="rltrain-upload")
@@ -136,7 +136,7 @@ class PinnedUpload:
         """Queue `dst.copy_(src)` for each pair (see `suits`) on the current stream; returns once
         every host byte has been read (the device copies may still run)."""
         if not self._buffers:
-            buf = self._arena.reserve(self.size * len(self._done))
+            buf = pinned_empty(self.size * len(self._done))
             self._buffers = [buf[k * self.size : (k + 1) * self.size] for k in range(len(self._done))]
         # buffer, bytes filled, (device slice, buffer slice, host slice)
         k, used, batch = 0, 0, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]()

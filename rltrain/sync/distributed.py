@@ -31,9 +31,9 @@ class DistributedTransport:
 
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
-        self.timings = weights.timings = dict.fromkeys(("gather",), 0.0)
+        self.timings = dict.fromkeys(("gather",), 0.0)
         if not ctx.leader:
-            for _ in weights.buckets():  # join every gather
+            for _ in weights.buckets(self.timings):  # join every gather
                 pass
             return 0
         sent, failure = 0, None
@@ -45,12 +45,12 @@ class DistributedTransport:
         except (EngineError, OSError, RuntimeError, ValueError) as e:
             failure = e
         try:
-            for i, bucket, named in weights.buckets():
+            for i, bucket, named in weights.buckets(self.timings):
                 if failure is not None:
                     continue  # keep joining the gathers; the failure is reported after
                 try:
                     for r in bucket.targets:  # routed: only the EP ranks that own these weights
-                        self._broadcast(r, named, version if i == ctx.plan.last_bucket(r) else None)
+                        self._broadcast(r, named, version if i == ctx.plan.last_buckets[r] else None)
                     sent += bucket.nbytes * len(bucket.targets)
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e

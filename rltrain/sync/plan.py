@@ -18,6 +18,7 @@ Every transport consumes the same plan. It is built from the trainer's weight me
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -94,9 +95,11 @@ class SyncPlan:
     def buckets_for(self, target: int) -> list[Bucket]:
         return [b for b in self.buckets if target in b.targets]
 
-    def last_bucket(self, target: int) -> int:
-        """Index of the last bucket `target` receives (-1: none): the one that carries the version."""
-        return max((i for i, b in enumerate(self.buckets) if target in b.targets), default=-1)
+    @functools.cached_property
+    def last_buckets(self) -> dict[int, int]:
+        """Target -> index of the last bucket it receives: the one that carries the version.
+        Asked for every bucket of every sync; the plan never changes."""
+        return {t: i for i, b in enumerate(self.buckets) for t in b.targets}
 
 
 def build_plan(

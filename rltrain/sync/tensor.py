@@ -43,9 +43,9 @@ class TensorTransport:
 
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
-        self.timings = weights.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
+        self.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
         if not ctx.leader:
-            for _ in weights.buckets():  # join every gather
+            for _ in weights.buckets(self.timings):  # join every gather
                 pass
             return 0
         sent, failure = 0, None
@@ -58,11 +58,11 @@ class TensorTransport:
         in_flight: collections.deque[Future[None]] = collections.deque()
         clock = time.perf_counter
         try:
-            for i, bucket, named in weights.buckets():
+            for i, bucket, named in weights.buckets(self.timings):
                 if failure is not None:
                     continue  # keep joining the gathers; the failure is reported after
                 try:
-                    tags = {r: version if i == ctx.plan.last_bucket(r) else None for r in bucket.targets}
+                    tags = {r: version if i == ctx.plan.last_buckets[r] else None for r in bucket.targets}
                     t0 = clock()
                     layout, views, by_slot = self._layout(i, named)
                     slot = i % len(self._ring) if self._ring else None

@@ -93,21 +93,17 @@ class WeightStream:
     """The trainer's tensors for one push, in checkpoint names: a collective, so every rank
     iterates what it is handed to the end (also after its own failure), in the same order.
     `gather(names)` is the trainer's export (the leader checksums each tensor as it passes);
-    `buckets()` walks the plan's buckets, one gather each."""
+    `buckets(timings)` walks the plan's buckets, one gather each, adding the gathers' seconds to
+    `timings["gather"]`."""
 
-    def __init__(
-        self,
-        plan: SyncPlan,
-        gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]],
-        timings: dict[str, float],
-    ):
-        self.plan, self.gather, self.timings = plan, gather, timings
+    def __init__(self, plan: SyncPlan, gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]]):
+        self.plan, self.gather = plan, gather
 
-    def buckets(self) -> Iterator[tuple[int, Bucket, Named]]:
+    def buckets(self, timings: dict[str, float]) -> Iterator[tuple[int, Bucket, Named]]:
         for i, bucket in enumerate(self.plan.buckets):
             t0 = time.perf_counter()
             named = list(self.gather(bucket.names))
-            self.timings["gather"] = self.timings.get("gather", 0.0) + time.perf_counter() - t0
+            timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
             yield i, bucket, named
 
 

@@ -98,7 +98,7 @@ class WeightSync:
         sums: Sums = {}
         error = None
         try:
-            sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums), {}))
+            sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
         except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
             error, sent = (
                 f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync.transport} failed: {e}",

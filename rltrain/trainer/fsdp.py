@@ -27,10 +27,11 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow
+from rltrain.interfaces import Snapshot, WeightSpecRow
 from rltrain.kernels import linear_logprobs_entropy
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
+from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
 from rltrain.trainer import rl_update
 from rltrain.trainer.rl_update import LogProbs

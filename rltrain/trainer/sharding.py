@@ -95,17 +95,17 @@ def capture(
     """The rank's part of the model (and optimizer) as plain tensors keyed by name.
     `to_host=False` keeps references to the live storage (no copy); `to_host` copies to host
     memory, with `pin` into one page-locked buffer of exactly their size."""
-    live = [local(t).detach() for t in (*model.parameters(), *model.buffers())]
-    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
-    nparams = len(list(model.parameters()))
     sd = optimizer.state_dict() if optimizer is not None else None
-    moved = (
-        [(i, k) for i, st in sd["state"].items() for k, v in st.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if sd is not None
-        else []
-    )
+    # Where each captured tensor goes: (section, name) of the model, (index, key) of the optimizer.
+    slots: list[tuple[str, Any, Any]] = [("params", n, None) for n, _ in model.named_parameters()]
+    slots += [("buffers", n, None) for n, _ in model.named_buffers()]
+    live = [local(t).detach() for t in (*model.parameters(), *model.buffers())]
     if sd is not None:
-        live += [local(sd["state"][i][k]).detach() for i, k in moved]
+        for i, st in sd["state"].items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    slots.append(("optim", i, k))
+                    live.append(local(v).detach())
     if to_host:
         hosts = pinned_like(live) if pin else [torch.empty(t.shape, dtype=t.dtype) for t in live]
         for h, t in zip(hosts, live):
@@ -113,14 +113,14 @@ def capture(
         if pin:
             torch.cuda.synchronize()
         live = hosts
-    state: dict[str, Any] = {
-        "params": dict(zip(names[:nparams], live[:nparams])),
-        "buffers": dict(zip(names[nparams:], live[nparams : len(names)])),
-    }
+    state: dict[str, Any] = {"params": {}, "buffers": {}}
+    optim_state = {i: dict(st) for i, st in sd["state"].items()} if sd is not None else {}
+    for (section, a, b), t in zip(slots, live):
+        if section == "optim":
+            optim_state[a][b] = t
+        else:
+            state[section][a] = t
     if sd is not None:
-        optim_state = {i: dict(st) for i, st in sd["state"].items()}
-        for (i, k), t in zip(moved, live[len(names) :]):
-            optim_state[i][k] = t
         state["optim"] = {"param_groups": sd["param_groups"], "state": optim_state}
     return state
 
@@ -369,7 +369,8 @@ class HostPark:
                 sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=self.parked[0][0].device
             )
             del block
-        buffer = self._arena.reserve(0)
+        buffer = self.buffer
+        assert buffer is not None or not self.parked
         for s, off, n in self.parked:
             s.resize_(n)
             _bytes(s).copy_(buffer[off : off + n], non_blocking=True)

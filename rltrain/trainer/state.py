@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rltrain.interfaces import HeldTensors
+from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 
 # Re-assemblies of a trainer's modules between full garbage collections: dropped modules hold the

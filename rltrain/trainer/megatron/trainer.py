@@ -53,8 +53,9 @@ from transformers import AutoConfig
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch, pad_rows, pad_width
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import HeldTensors, Snapshot, WeightSpecRow, World
+from rltrain.interfaces import Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
+from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
 from rltrain.runtime.pinned import PinnedArena
 from rltrain.trainer import rl_update
