@@ -86,6 +86,9 @@ def train(cfg: Config, env: DistEnv) -> int:
     from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
 
+    # NCCL's cuMem allocations and SGLang's memory saver do not mix, and both ends of an NCCL
+    # weight group must agree: off unless the user says otherwise (the engine inherits it).
+    os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
@@ -101,6 +104,9 @@ def train(cfg: Config, env: DistEnv) -> int:
     try:
         last = run(cfg, world)
         ok = True
+    except ConfigError as e:  # what only the machine shows (the engine layout, its device)
+        print(f"rltrain: rank {env.rank}: config error: {e}", file=sys.stderr)
+        return 2
     finally:
         if ok:
             world.close()

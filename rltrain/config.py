@@ -247,10 +247,20 @@ class SyncConfig:
     verify: bool = True  # compare the engine's weight checksum with the trainer's after every sync
     weights_dir: str = ""  # where weight versions are published (disk, delta); empty: <run dir>/weights
     keep_weight_versions: int = 2  # 0: keep every version
+    # After every sync (with sync.verify) each engine scores a fixed sequence of this many tokens
+    # and its log-probs must match the trainer's within probe_tolerance (mean absolute
+    # difference, nats; 0: 1e-3 for fp32 engines, 0.1 for bf16/fp16). 0 tokens: no probe.
+    probe_tokens: int = 32
+    probe_tolerance: float = 0.0
 
     def check(self) -> None:
         if self.bucket_mb < 1 or self.delta_full_every < 1:
             raise ConfigError("sync.bucket_mb and sync.delta_full_every must be >= 1")
+        if self.probe_tokens < 0 or self.probe_tolerance < 0 or self.probe_tokens == 1:
+            raise ConfigError(
+                f"sync.probe_tokens={self.probe_tokens}, sync.probe_tolerance={self.probe_tolerance}: "
+                "expected probe_tokens 0 (off) or >= 2 and a tolerance >= 0"
+            )
 
 
 @dataclass
@@ -270,7 +280,10 @@ class EngineConfig:
     model_path: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tp_size: int = 1
+    # Each engine's GPUs (its TP size): the node's GPUs are split into LOCAL_WORLD_SIZE /
+    # gpus_per_engine engines (engine/layout.py). 0: SGLang one engine over the node, the
+    # embedded engine one per GPU.
+    gpus_per_engine: int = 0
     mem_fraction_static: float = 0.8  # SGLang: share of GPU memory for weights + KV cache
     max_batch_size: int = 256  # embedded engine: sequences decoded together
     seed: int = 0
@@ -292,9 +305,17 @@ class EngineConfig:
     # loopback anyway). The embedded engine gets the key through its environment, SGLang through
     # its --api-key flag (visible in the process list: SGLang takes it no other way).
     api_key: str = ""
+    # Keep a host copy of the weights while they are released (SGLang's
+    # --enable-weights-cpu-backup; the embedded engine's --weights-backup). Off: released weights
+    # are discarded and come back as garbage until the sync rewrites every parameter — the
+    # post-sync verification is what proves it did — and no step pays a device->host->device
+    # copy of the whole model.
+    weights_backup: bool = False
 
     def check(self) -> None:
-        for key in ("tp_size", "max_batch_size", "max_inflight", "prompts_per_request"):
+        if self.gpus_per_engine < 0:
+            raise ConfigError(f"engine.gpus_per_engine={self.gpus_per_engine}: expected >= 1, or 0 for the default")
+        for key in ("max_batch_size", "max_inflight", "prompts_per_request"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 1")
         for key in ("retries", "max_restarts"):
@@ -305,8 +326,11 @@ class EngineConfig:
         for key in ("startup_timeout_s", "request_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected a positive number of seconds")
-        if self.backend == "native" and self.tp_size != 1:
-            raise ConfigError("engine.tp_size > 1 needs engine.backend=sglang: the embedded engine runs one device")
+        if self.backend == "native" and self.gpus_per_engine > 1:
+            raise ConfigError(
+                f"engine.gpus_per_engine={self.gpus_per_engine} needs engine.backend=sglang: the embedded engine "
+                "runs on one device (set engine.gpus_per_engine=1: one engine per GPU)"
+            )
 
 
 @dataclass
@@ -344,6 +368,8 @@ class Config:
                 "sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                 "disk, but colocated engines read the trainer's memory directly (use tensor)"
             )
+        if self.sync.transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
+            raise ConfigError(DISTRIBUTED_COLOCATED)
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
             raise ConfigError(
                 f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
@@ -366,6 +392,13 @@ class Config:
     @property
     def weights_dir(self) -> Path:
         return Path(self.sync.weights_dir) if self.sync.weights_dir else self.run_dir / "weights"
+
+
+DISTRIBUTED_COLOCATED = (
+    "sync.transport=distributed with loop.colocate=true on GPU puts each trainer rank and the engine TP rank "
+    "on its GPU into one NCCL group, which NCCL refuses (two ranks on one device): use sync.transport=tensor "
+    "(CUDA IPC, the colocated default) or disk, or loop.colocate=false with the engines on GPUs of their own"
+)
 
 
 # --------------------------------------------------------------------------- loading
@@ -413,7 +446,11 @@ def dump_config(cfg: Config) -> str:
 # --------------------------------------------------------------------------- internals
 
 # Keys that moved to another section: the old name is an error that names the new one.
-MOVED = {"loop.weights_dir": "sync.weights_dir", "loop.keep_weight_versions": "sync.keep_weight_versions"}
+MOVED = {
+    "loop.weights_dir": "sync.weights_dir",
+    "loop.keep_weight_versions": "sync.keep_weight_versions",
+    "engine.tp_size": "engine.gpus_per_engine",
+}
 
 
 def _parse_override(item: str) -> tuple[str, Any]:

@@ -71,18 +71,34 @@ class Completion:
         return self.error is None and self.finish_reason in ("stop", "length")
 
 
-def generate_body(input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True) -> dict[str, Any]:
-    """A batched /generate request body; SGLang expands each prompt into `params.n` samples."""
-    return {
-        "input_ids": input_ids,
-        "sampling_params": params.to_json(),
-        "return_logprob": return_logprob,
-        "stream": False,
-    }
+def generate_body(
+    input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True, first: int = 0
+) -> dict[str, Any]:
+    """A batched /generate request body with one row per sample: prompt i's `params.n` samples
+    are n rows of n=1, each with its own sampling seed (`sample_seed`) when `params` has one.
+    SGLang copies a request's sampling params to each of its n samples, and its seeded sampler
+    depends on (seed, position) only, so one seed for n samples makes them all the same; n > 1
+    in a batch also takes its slow path. `first`: the first prompt's place in the whole call."""
+    rows, per_row = [], []
+    one = {**params.to_json(), "n": 1}
+    for i, prompt in enumerate(input_ids):
+        for j in range(params.n):
+            rows.append(prompt)
+            seed = sample_seed(params, first + i, j)
+            per_row.append(one if seed is None else {**one, "sampling_seed": seed})
+    return {"input_ids": rows, "sampling_params": per_row, "return_logprob": return_logprob, "stream": False}
+
+
+def sample_seed(params: SamplingParams, prompt: int, sample: int) -> int | None:
+    """The sampling seed of sample `sample` of prompt `prompt` (None: unseeded): one stream each."""
+    if params.sampling_seed is None:
+        return None
+    return params.sampling_seed + prompt * params.n + sample
 
 
 def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: int = 0) -> list[Completion]:
-    """SGLang returns one entry per sample, prompt-major (prompt i, sample j at i * n + j)."""
+    """One entry per sample, prompt-major (prompt i, sample j at i * n + j), as SGLang returns
+    a request of n samples per prompt and `generate_body`'s one row per sample alike."""
     items = data if isinstance(data, list) else [data]
     if len(items) != num_prompts * n:
         raise ProtocolError(f"/generate returned {len(items)} results for {num_prompts} prompts x n={n}")

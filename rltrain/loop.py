@@ -1,14 +1,15 @@
 """The driver loop: every rank runs this, one step per iteration, phases in order.
 
-ROLLOUT        engine awake; each rank samples its prompts' groups and scores them
-ENGINE ->      release engine memory (weights, KV cache)               [colocate]
+ROLLOUT        engines awake; each rank samples its prompts' groups and scores them
+ENGINE ->      pause the engines, release their memory (weights, KV cache, CUDA graphs) [colocate]
 TRAIN          world rebuild, trainer back on the device (re-created if released), old/ref
                log-probs, advantages, optimizer steps, checkpoint
 SYNC           engine resumes weights; the trainer gathers its shards and sends the new
                version (sync.transport), every engine loads it; version and checksum verified
 RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
 PUT AWAY       trainer offloaded or released (between_steps.py)
-ENGINE <-      engine resumes the KV cache                               [colocate]
+ENGINE <-      engines resume the KV cache and CUDA graphs                [colocate]
+PROBE          every engine scores a fixed sequence as the trainer did (sync.verify)
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def run(cfg: Config, world: World) -> dict[str, float]:
     if cfg.loop.colocate:
         world.wait_destroyed()
     cycle.make_room()
+    engine.resume_kv()  # released during setup, for the trainer
+    parts.sync.probe_engines()  # of the weights the setup sent, if it did
     try:
         end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
         for step in range(parts.start_step, end):
@@ -125,6 +128,8 @@ def _to_rollout(phase: Phase, parts: RunParts, world: World, version: str) -> di
     with phase("engine_resume_kv"):
         world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
         parts.engine.resume_kv()
+    with phase("sync_probe"):
+        stats.update(parts.sync.probe_engines())  # the engines awake: do they score as the trainer does?
     return stats
 
 

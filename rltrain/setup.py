@@ -13,8 +13,8 @@ from transformers.utils import logging as hf_logging
 from rltrain import interfaces
 from rltrain.between_steps import BetweenSteps, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored, find_resumable
-from rltrain.config import Config
-from rltrain.engine.launcher import NodeEngine
+from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
+from rltrain.engine.launcher import NodeEngine, check_engine, resolve_device
 from rltrain.interfaces import Trainer, World
 from rltrain.metrics import last_recorded_step
 from rltrain.rollout import synthetic
@@ -107,6 +107,20 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s, cfg.reward.workers
     )
 
+    check_placement(cfg)
+    # The engines start first, on GPUs nothing else holds yet: SGLang sizes its KV pool from the
+    # free memory it sees at start-up. Colocated, they then let go of their memory for the trainer.
+    # The embedded engine loads weight versions only from the sync directory (and its own model).
+    engine = NodeEngine.launch(
+        cfg.engine,
+        cfg.engine_model_path,
+        world,
+        cfg.run_dir,
+        weights_roots=[str(cfg.weights_dir)],
+        colocate=cfg.loop.colocate,
+        vocab_size=model_cfg.vocab_size,
+    )
+    engine.release_memory()
     trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     trainer.create()
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
@@ -120,21 +134,17 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         (cfg.loop.steps, cfg.loop.stop_after),
     )
 
-    # The embedded engine loads weight versions only from the sync directory (and its own model).
-    engine = NodeEngine.launch(
-        cfg.engine,
-        cfg.engine_model_path,
-        world,
-        cfg.run_dir,
-        weights_roots=[str(cfg.weights_dir)],
-        colocate=cfg.loop.colocate,
-        vocab_size=model_cfg.vocab_size,
-    )
-    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path)
+    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout)
+    initial = None
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
         assert restored.version is not None, "a checkpoint records the weight version it was saved at"
-        sync.push(restored.version)
+        initial = restored.version
+    elif engine.releases:
+        initial = INITIAL_VERSION  # released without a backup: the engine's weights are gone
+    if initial is not None:
+        engine.resume_weights()
+        sync.push(initial)  # verified like every step's
     initial = engine.weight_version()
     log.info(
         "engine %s serves weight version %s; %d prompts, %d per step",
@@ -146,6 +156,16 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     return RunParts(
         tokenizer, sampler, rewards, trainer, cycle, engine, sync, restored.step if restored else 0, initial
     )
+
+
+INITIAL_VERSION = "0"  # the trainer's weights before its first step, when the setup sends them
+
+
+def check_placement(cfg: Config) -> None:
+    """What the config asks of the engines that cannot work where they run (ConfigError)."""
+    check_engine(cfg.engine, cfg.rollout.seeded)
+    if cfg.sync.transport == "distributed" and cfg.loop.colocate and resolve_device(cfg.engine.device) == "cuda":
+        raise ConfigError(DISTRIBUTED_COLOCATED)
 
 
 def _trainer(cfg: Config, world: World, model_path: str, pad_id: int) -> Trainer:

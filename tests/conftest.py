@@ -93,7 +93,8 @@ def big_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def native(big_model, tmp_path_factory):
-    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"))
+    # With a backup: these tests check that release and resume keep what the engine serves.
+    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"), weights_backup=True)
     yield srv
     srv.client.close()
     srv.process.stop()

@@ -42,7 +42,7 @@ def test_nccl_world_destroy_rebuild_with_subgroups(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cuda_native(model_a, tmp_path_factory):
-    srv = start_engine("native", model_a, tmp_path_factory.mktemp("gpu_native"), device="cuda")
+    srv = start_engine("native", model_a, tmp_path_factory.mktemp("gpu_native"), device="cuda", weights_backup=True)
     yield srv
     srv.client.close()
     srv.process.stop()

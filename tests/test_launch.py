@@ -62,7 +62,7 @@ def test_two_agents_as_two_nodes_each_with_its_engine_complete_the_quickstart(tm
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert set(rows[-1]["memory"]) == {"rank0", "rank1"} and all(r["generation_failed"] == 0 for r in rows)
     # Each "node" (agent) started its own engine from its local rank 0.
-    assert (run_dir / "engine" / "node0.log").is_file() and (run_dir / "engine" / "node1.log").is_file()
+    assert (run_dir / "engine" / "node0-engine0.log").is_file() and (run_dir / "engine" / "node1-engine0.log").is_file()
 
 
 # ---------------------------------------------------------------------------------------- Slurm

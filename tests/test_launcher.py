@@ -36,14 +36,18 @@ def _launch_rank(rank: int, world_size: int, model: str, run_dir: str) -> tuple:
         world.close()
 
 
-def test_local_rank_zero_launches_and_every_rank_uses_the_same_engine(model_a, tmp_path):
+def test_each_rank_launches_its_own_embedded_engine_one_per_gpu(model_a, tmp_path):
+    """The embedded engine's layout is one engine per GPU (rank): each rank is its engine's
+    leader, owns its process and talks to it alone; each engine logs to its own file."""
     results = values(run_ranks(_launch_rank, 2, str(model_a), str(tmp_path), deadline_s=180))
     (url0, out0, pid0), (url1, out1, pid1) = results
-    assert url0 == url1 and url0.startswith("http://127.0.0.1:")
-    assert out0 == out1 and len(out0) == 4
-    assert pid0 is not None and pid1 is None  # only local rank 0 owns the process
-    assert not psutil.pid_exists(pid0) or psutil.Process(pid0).status() == psutil.STATUS_ZOMBIE
-    assert "serving" in (tmp_path / "engine" / "node0.log").read_text()
+    assert url0 != url1 and url0.startswith("http://127.0.0.1:") and url1.startswith("http://127.0.0.1:")
+    assert out0 == out1 and len(out0) == 4  # the same model, greedy
+    assert pid0 is not None and pid1 is not None and pid0 != pid1
+    for pid in (pid0, pid1):
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert "serving" in (tmp_path / "engine" / "node0-engine0.log").read_text()
+    assert "serving" in (tmp_path / "engine" / "node0-engine1.log").read_text()
 
 
 JOB = """

@@ -60,16 +60,15 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         ):
             assert key in row, key
         assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
-        # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and on the
-        # rank that owns the engine its RSS from the engine's own report.
+        # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and the
+        # RSS of the engine each rank owns (the embedded engine: one per rank) from its report.
         assert set(row["memory"]) == {"rank0", "rank1"} and row["memory"]["rank1"]["train"]["rss"] > 0
         for rank in ("rank0", "rank1"):
             assert set(row["memory"][rank]) >= {"rollout", "train", "sync", "trainer_offload"}
             assert row["memory"][rank]["train"]["trainer_host"] > 0
-        assert (
-            row["memory"]["rank0"]["rollout"]["engine_rss"] > 0
-            and "engine_rss" not in row["memory"]["rank1"]["rollout"]
-        )
+        assert row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and row["memory"]["rank1"]["rollout"]["engine_rss"] > 0
+        # Every sync is probed on the engines: they score a fixed sequence as the trainer does.
+        assert 0 <= row["sync_probe_diff"] < 1e-3
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
         assert row["logp_diff_engine_trainer"] < 1e-3
     # Versions 2 and 3 kept (sync.keep_weight_versions=2), published atomically: no temp dirs left.
@@ -77,7 +76,7 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     assert (run_dir / "weights" / "weight_v000003" / "model.safetensors").is_file()
     for png in ("reward.png", "phase_time.png", "memory.png"):
         assert (run_dir / png).stat().st_size > 1000
-    assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0.log").is_file()
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "engine" / "node0-engine0.log").is_file()
     ledger = subprocess.run(
         [sys.executable, "-m", "rltrain.plot", str(run_dir), "--ledger", "2"], capture_output=True, text=True
     )

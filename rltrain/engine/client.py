@@ -10,7 +10,6 @@ sample in their place.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import http.client
 import json
 import logging
@@ -228,8 +227,7 @@ class EngineClient:
         positions = list(range(len(input_ids))) if positions is None else list(positions)
         if len(positions) != len(input_ids):
             raise ValueError(f"{len(positions)} positions for {len(input_ids)} prompts")
-        # A request holds consecutive positions: the engine seeds prompt i of a request with the
-        # request's seed + i * n.
+        # A request holds consecutive positions (seeds follow a prompt's position in the call).
         chunks, start = [], 0
         for i in range(1, len(positions) + 1):
             if i == len(positions) or i - start == self.prompts_per_request or positions[i] != positions[i - 1] + 1:
@@ -238,12 +236,10 @@ class EngineClient:
 
         def one(chunk: tuple[int, list[list[int]]]) -> list[Completion]:
             first, ids = chunk
-            p = params
-            if params.sampling_seed is not None:
-                # Seeds follow the prompt's position in the whole call, not in its chunk.
-                p = dataclasses.replace(params, sampling_seed=params.sampling_seed + first * params.n)
             try:
-                data = self._post("/generate", generate_body(ids, p, return_logprob), retry_read_errors=True)
+                data = self._post(
+                    "/generate", generate_body(ids, params, return_logprob, first), retry_read_errors=True
+                )
                 return parse_generate_response(data, len(ids), params.n, first)
             except (EngineError, ProtocolError) as e:
                 return [Completion(first + i, j, error=str(e)) for i in range(len(ids)) for j in range(params.n)]
@@ -271,7 +267,7 @@ class EngineClient:
     # ------------------------------------------------------------------ memory
 
     def release(self, tags: list[str] | None = None) -> None:
-        """Free engine memory: tags from {"weights", "kv_cache"}; None: all."""
+        """Free engine memory: tags from {"weights", "kv_cache", "cuda_graph"}; None: all."""
         self._post("/release_memory_occupation", {"tags": tags})
 
     def resume(self, tags: list[str] | None = None) -> None:
@@ -375,6 +371,38 @@ class EngineClient:
     def weights_checksum(self) -> dict:
         """The embedded engine's checksum of the weights it owns (GET /weights_checksum; SGLang has none)."""
         return _json_or_text(self._request("GET", "/weights_checksum"))
+
+    def weights_checker(self) -> list[dict[str, Any]]:
+        """SGLang's /weights_checker checksum: one entry per TP rank of the engine, each with its
+        `tp_rank`, `tp_size` and `per_gpu_checksum` (sha256 over that rank's parameters)."""
+        data = self._checked("/weights_checker", {"action": "checksum"})
+        ranks = data.get("ranks")
+        if not isinstance(ranks, list):
+            raise EngineError("/weights_checker", f"no per-rank checksums in the answer: {str(data)[:200]}")
+        out = []
+        for r in ranks:
+            info = r.get("parallelism_info") if isinstance(r, dict) else None
+            info = info[0] if isinstance(info, list) and info else info
+            if not isinstance(info, dict) or "per_gpu_checksum" not in r:
+                raise EngineError("/weights_checker", f"malformed rank entry: {str(r)[:200]}")
+            out.append({"tp_rank": info["tp_rank"], "tp_size": info["tp_size"], "checksum": r["per_gpu_checksum"]})
+        return sorted(out, key=lambda e: e["tp_rank"])
+
+    def score(self, input_ids: list[int]) -> list[float]:
+        """The engine's log-probs of `input_ids[1:]`, each given the tokens before it, at
+        temperature 1 (SGLang's input_token_logprobs: untempered)."""
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        data = self._post("/generate", body, retry_read_errors=True)
+        meta = data.get("meta_info", {}) if isinstance(data, dict) else {}
+        lps = meta.get("input_token_logprobs")
+        if not isinstance(lps, list) or len(lps) != len(input_ids):
+            raise EngineError("/generate", f"no input_token_logprobs for {len(input_ids)} tokens: {str(data)[:200]}")
+        return [float(e[0]) for e in lps[1:]]
 
     def memory_report(self) -> dict:
         """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""

@@ -1,11 +1,12 @@
-"""One engine server per node: started by local rank 0, shared with the node's ranks, never orphaned.
+"""The node's engine servers: each started by its leader rank, shared with its ranks, never orphaned.
 
-Local rank 0 starts the server (real SGLang or the embedded engine) as a child process on a free
-loopback port, in its own process group, with the parent-death signal set to SIGKILL — so the
-server dies with the rank even when the rank is SIGKILLed — and waits for /health with a timeout.
-The server's output goes to `<run_dir>/engine/node<k>.log`; a server that dies is reported with
-the tail of that log. The address goes to every rank over the Gloo bridge; each rank talks to the
-engine of its own node.
+The node's GPUs are split into engines (`engine/layout.py`); the first rank of each engine's GPUs
+starts its server (real SGLang over those GPUs, or the embedded engine on one) as a child process
+on a free loopback port, in its own process group, with the parent-death signal set to SIGKILL —
+so the server dies with the rank even when the rank is SIGKILLed — and waits for /health with a
+timeout. The server's output goes to `<run_dir>/engine/node<k>-engine<e>.log`; a server that dies
+is reported with the tail of that log. Every rank learns its engine's address over the Gloo bridge
+and generates through it.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 import psutil
 import torch
 
-from rltrain.config import EngineConfig
+from rltrain.config import ConfigError, EngineConfig
 from rltrain.engine.client import EngineClient, EngineError
+from rltrain.engine.layout import EngineLayout
 from rltrain.interfaces import World
 from rltrain.runtime.net import free_port
 
@@ -36,6 +38,10 @@ log = logging.getLogger("rltrain.engine")
 
 class EngineCrashed(RuntimeError):
     """The engine process exited; the message carries the tail of its log."""
+
+
+def resolve_device(device: str) -> str:
+    return device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def resolve_backend(backend: str) -> str:
@@ -54,18 +60,38 @@ def resolve_backend(backend: str) -> str:
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
 
 
+def check_engine(cfg: EngineConfig, seeded: bool) -> None:
+    """What the resolved engine cannot do, refused (or said) before it starts."""
+    backend, device = resolve_backend(cfg.backend), resolve_device(cfg.device)
+    if backend == "sglang" and device == "cpu" and cfg.deterministic:
+        raise ConfigError(
+            "engine.deterministic=true: SGLang on CPU cannot be deterministic (it refuses "
+            "--enable-deterministic-inference with the torch_native attention it runs on CPU); set "
+            "engine.deterministic=false (rollouts are then not repeatable), or use the embedded engine "
+            "(engine.backend=native), which is deterministic everywhere"
+        )
+    if backend == "sglang" and seeded and not cfg.deterministic:
+        log.warning(
+            "rollout.seeded=true but SGLang honours sampling seeds only with --enable-deterministic-inference "
+            "(engine.deterministic=true): every sample still gets its own seed, but rollouts will not repeat"
+        )
+
+
 def server_command(
     cfg: EngineConfig,
     model_path: str,
     port: int,
     host: str = "127.0.0.1",
     weights_roots: list[str] | tuple[str, ...] = (),
+    layout: EngineLayout | None = None,
 ) -> list[str]:
-    """The command line that starts the configured engine server (config: `EngineConfig`).
-    `weights_roots`: the only directories the embedded engine loads weight versions from (besides
-    its own model); SGLang loads any path it is given."""
+    """The command line that starts the configured engine server (config: `EngineConfig`) for
+    `layout`'s engine (None: one engine on the first device). `weights_roots`: the only
+    directories the embedded engine loads weight versions from (besides its own model); SGLang
+    loads any path it is given."""
     backend = resolve_backend(cfg.backend)
-    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(cfg.device)
+    tp_size, base_gpu = (layout.gpus_per_engine, layout.base_gpu_id) if layout is not None else (1, 0)
     if backend == "native":
         cmd = [
             sys.executable,
@@ -78,7 +104,7 @@ def server_command(
             "--port",
             str(port),
             "--device",
-            device,
+            device if device == "cpu" else f"cuda:{base_gpu}",
             "--dtype",
             cfg.dtype,
             "--seed",
@@ -90,6 +116,8 @@ def server_command(
         ]
         if cfg.deterministic:
             cmd.append("--deterministic")
+        if cfg.weights_backup:
+            cmd.append("--weights-backup")
         for root in weights_roots:
             cmd += ["--weights-root", str(root)]
     elif backend == "sglang":
@@ -104,7 +132,7 @@ def server_command(
             "--port",
             str(port),
             "--tp-size",
-            str(cfg.tp_size),
+            str(tp_size),
             "--mem-fraction-static",
             str(cfg.mem_fraction_static),
             "--skip-tokenizer-init",
@@ -117,7 +145,9 @@ def server_command(
             "--sleep-on-idle",
         ]
         if device == "cuda":
-            cmd.append("--enable-memory-saver")
+            cmd += ["--base-gpu-id", str(base_gpu), "--enable-memory-saver"]
+            if cfg.weights_backup:
+                cmd.append("--enable-weights-cpu-backup")
         else:
             # What runs on CPU (see README): torch-native attention, no CUDA graphs.
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
@@ -150,11 +180,30 @@ def secret_environment(cfg: EngineConfig) -> dict[str, str]:
     return {API_KEY_VARIABLE: cfg.api_key} if cfg.api_key else {}
 
 
+# SGLang's memory saver does not support expandable segments: the trainer's allocator settings
+# stay with the trainer.
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def engine_environment() -> dict[str, str]:
     """This process's environment without torchrun's rank variables: the engine is not a rank,
     and e.g. TORCHELASTIC_USE_AGENT_STORE would make its weight-update rendezvous wait for a
     store that torchrun's agent does not serve."""
     return {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and not k.startswith("TORCHELASTIC_")}
+
+
+def server_environment(cfg: EngineConfig, layout: EngineLayout | None = None) -> dict[str, str | None]:
+    """What the engine server's environment adds to (or, as None values, drops from) this process's."""
+    env: dict[str, str | None] = dict(secret_environment(cfg))
+    # Inherited as the trainer has it (cli sets 0 by default): both ends of an NCCL weight group
+    # must agree on cuMem, and SGLang's memory saver wants it off.
+    env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
+    if resolve_backend(cfg.backend) == "sglang":
+        env.update(dict.fromkeys(ALLOCATOR_VARIABLES))
+        on_cpu = resolve_device(cfg.device) == "cpu"
+        if on_cpu and layout is not None and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = layout.cpu_binding()
+    return env
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -176,7 +225,9 @@ class EngineProcess:
     log_path: Path
 
     @classmethod
-    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str] | None = None) -> EngineProcess:
+    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str | None] | None = None) -> EngineProcess:
+        """`env`: added to this process's environment (without torchrun's variables); a None
+        value removes the variable."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
@@ -186,7 +237,7 @@ class EngineProcess:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**engine_environment(), **(env or {})},
+                env={k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None},
                 start_new_session=True,
                 preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),  # noqa: B008 - this process's pid, now
             )
@@ -232,20 +283,27 @@ class EngineProcess:
 
 
 class NodeEngine:
-    """This rank's view of its node's engine, in the loop's verbs: a client, and on local rank 0
-    the process too. The phase verbs are collectives over the bridge (every rank of the job calls
-    them): the node's leader talks to the engine, the others wait for it.
+    """This rank's engine (one of its node's, `engine/layout.py`) in the loop's verbs: a client,
+    and on the engine's leader rank the process too. The phase verbs are collectives over the
+    bridge (every rank of the job calls them): each engine's leader talks to its engine, the
+    other ranks wait for it.
 
-        release_memory   every rank done generating, then the leader frees the KV cache and
-                         the weights                                             [colocated]
+        release_memory   every rank done generating, then each leader pauses its engine
+                         (aborting what is still in flight: a request a client gave up on) and
+                         frees its weights, KV cache and CUDA graphs              [colocated]
         resume_weights   the leader takes the weights' memory back (garbage until the sync
-                         rewrites every parameter), then every rank goes on      [colocated]
-        resume_kv        the leader takes the KV cache back (after the world's NCCL memory is
-                         freed: the caller waits for that), then every rank goes on [colocated]
+                         rewrites every parameter, unless engine.weights_backup), then every
+                         rank goes on                                             [colocated]
+        resume_kv        the leader takes the KV cache and CUDA graphs back (after the world's
+                         NCCL memory is freed: the caller waits for that) and lets the engine
+                         generate again, then every rank goes on                  [colocated]
         recover          after a rollout: restart what died (or stop the job with its log tail)
 
     Not colocated (`loop.colocate=false`), the engine keeps its memory and only the barriers run.
+    SGLang releases memory on CUDA only: on CPU the release is skipped (said once in the log).
     """
+
+    REGIONS = ["weights", "kv_cache", "cuda_graph"]  # SGLang's memory regions, all released
 
     def __init__(
         self,
@@ -256,13 +314,18 @@ class NodeEngine:
         colocate: bool = True,
         start: Callable[[], EngineProcess] | None = None,
         max_restarts: int = 0,
+        layout: EngineLayout | None = None,
+        releases: bool = True,
     ):
         self.client = client
         self.url = url
         self.process = process
         self.world = world
         self.colocate = colocate
-        self._start = start  # () -> a new healthy EngineProcess (local rank 0)
+        self.layout = layout or EngineLayout(0, 1, 0, 1)
+        # The engine frees memory between phases: colocated, and where it can (not SGLang on CPU).
+        self.releases = colocate and releases
+        self._start = start  # () -> a new healthy EngineProcess (the engine's leader)
         self.max_restarts, self.restarts = max_restarts, 0
         self._reports_memory = True  # False once the engine said it has no /memory (SGLang)
 
@@ -277,15 +340,32 @@ class NodeEngine:
         colocate: bool = True,
         vocab_size: int | None = None,
     ) -> NodeEngine:
-        """Collective over the bridge: local rank 0 starts and health-checks, every rank connects.
-        `vocab_size`: the model's, so that the client refuses token ids outside it."""
-        env = world.env
-        log_path = run_dir / "engine" / f"node{env.node_rank}.log"
+        """Collective over the bridge: each engine's leader starts and health-checks its engine,
+        every rank connects to its own. `vocab_size`: the model's, so that the client refuses
+        token ids outside it. The layout is checked against the node first (ConfigError)."""
+        backend, device = resolve_backend(cfg.backend), resolve_device(cfg.device)
+        visible = torch.cuda.device_count() if device == "cuda" else None
+        layout = EngineLayout.of(cfg, backend, world.env, visible)
+        log_path = run_dir / "engine" / f"{layout.name}.log"
+        if world.rank == 0:
+            log.info(
+                "engines: %d per node of %d GPU(s) each (%s, %s)",
+                layout.engines_per_node,
+                layout.gpus_per_engine,
+                backend,
+                device,
+            )
+        releases = not (backend == "sglang" and device == "cpu")
+        if colocate and not releases and world.rank == 0:
+            log.warning(
+                "SGLang releases memory on CUDA only: on CPU the engines keep their memory through training "
+                "(release and resume are skipped)"
+            )
 
         def start() -> EngineProcess:
-            return cls._start_healthy(cfg, model_path, log_path, weights_roots)
+            return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout)
 
-        process, url = _started_everywhere(world, start if env.is_node_leader else None, "engine launch")
+        process, url = _started_everywhere(world, layout, start if layout.is_engine_leader else None, "engine launch")
         assert url is not None
         client = EngineClient(
             url,
@@ -296,7 +376,16 @@ class NodeEngine:
             api_key=cfg.api_key,
             vocab_size=vocab_size,
         )
-        return cls(client, url, process, world, colocate, start, cfg.max_restarts)
+        return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases)
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def is_leader(self) -> bool:
+        """This rank started this engine and talks to it for the engine's ranks."""
+        return self.layout.is_engine_leader
 
     def _world(self) -> World:
         if self.world is None:
@@ -306,23 +395,26 @@ class NodeEngine:
     # ------------------------------------------------------------------ the loop's verbs
 
     def release_memory(self) -> None:
-        """Every rank of the node must be done generating before its engine lets go of its
-        memory: a release under a slower rank's requests fails them all."""
+        """Every rank of the job must be done generating before an engine lets go of its memory:
+        a release under a slower rank's requests fails them all. What is still in flight (a
+        request whose client timed out) is aborted first: SGLang releases only when idle."""
         world = self._world()
         world.bridge.barrier(phase="rollout done")
-        if self.colocate and world.env.is_node_leader:
-            self.client.release(["kv_cache", "weights"])
+        if self.releases and self.is_leader:
+            self.client.pause("abort")
+            self.client.release(self.REGIONS)
 
     def resume_weights(self) -> None:
         world = self._world()
-        if self.colocate and world.env.is_node_leader:
+        if self.releases and self.is_leader:
             self.client.resume(["weights"])
         world.bridge.barrier(phase="engine resume weights")
 
     def resume_kv(self) -> None:
         world = self._world()
-        if self.colocate and world.env.is_node_leader:
-            self.client.resume(["kv_cache"])
+        if self.releases and self.is_leader:
+            self.client.resume(["kv_cache", "cuda_graph"])
+            self.client.continue_generation()
         world.bridge.barrier(phase="engine resume kv")
 
     def weight_version(self) -> str | None:
@@ -351,40 +443,38 @@ class NodeEngine:
         return rep
 
     def recover(self) -> bool:
-        """Collective over the bridge, after a rollout: has any node's engine process died? Those
-        nodes start theirs again and their ranks talk to the new one; True then (the caller sends
-        the weights again and retries what failed). A death beyond `max_restarts` raises
+        """Collective over the bridge, after a rollout: has any engine process died? Their
+        leaders start them again and their ranks talk to the new ones; True then (the caller
+        sends the weights again and retries what failed). A death beyond `max_restarts` raises
         EngineCrashed on every rank, with the dead engine's log tail."""
         world = self._world()
-        env = world.env
         report = None
         try:
             self.check_alive()
         except EngineCrashed as e:
             report = str(e)
         died = report is not None
-        deaths = [(n, r) for n, r in world.bridge.all_gather_object((env.node_rank, report), phase="engine check") if r]
+        deaths = [(n, r) for n, r in world.bridge.all_gather_object((self.name, report), phase="engine check") if r]
         if not deaths:
             return False
         if self.restarts >= self.max_restarts:
             raise EngineCrashed(
                 f"the engine died again after {self.restarts} restart(s) "
-                f"(engine.max_restarts={self.max_restarts}); stopping.\n"
-                + "\n".join(f"node {n}: {r}" for n, r in deaths)
+                f"(engine.max_restarts={self.max_restarts}); stopping.\n" + "\n".join(f"{n}: {r}" for n, r in deaths)
             )
         self.restarts += 1
+        dead = {n for n, _ in deaths}
         log.warning(
-            "engine of node(s) %s died during rollout; starting it again (restart %d of %d). %s",
-            [n for n, _ in deaths],
+            "engine(s) %s died during rollout; starting them again (restart %d of %d). %s",
+            sorted(dead),
             self.restarts,
             self.max_restarts,
             deaths[0][1],
         )
-        mine = env.node_rank in {n for n, _ in deaths}
         process, url = _started_everywhere(
-            world, self._start if died else None, "engine restart", nodes={n for n, _ in deaths}
+            world, self.layout, self._start if died else None, "engine restart", engines=dead
         )
-        if mine:
+        if self.name in dead:
             if died:
                 self.process = process
                 self._reports_memory = True
@@ -399,16 +489,17 @@ class NodeEngine:
         model_path: str,
         log_path: Path,
         weights_roots: list[str] | tuple[str, ...] = (),
+        layout: EngineLayout | None = None,
         attempts: int = 2,
     ) -> EngineProcess:
         for attempt in range(attempts):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             proc = EngineProcess.start(
-                server_command(cfg, model_path, port, weights_roots=weights_roots),
+                server_command(cfg, model_path, port, weights_roots=weights_roots, layout=layout),
                 url,
                 log_path,
-                env=secret_environment(cfg),
+                env=server_environment(cfg, layout),
             )
             probe = EngineClient(url, retries=0, api_key=cfg.api_key)
             try:
@@ -428,7 +519,7 @@ class NodeEngine:
         raise AssertionError("unreachable")
 
     def check_alive(self) -> None:
-        """Local rank 0: raise EngineCrashed (with log tail) if the server process has exited."""
+        """The engine's leader: raise EngineCrashed (with log tail) if the server process has exited."""
         if self.process is not None and not self.process.alive:
             raise self.process.crashed_error("exited")
 
@@ -439,12 +530,16 @@ class NodeEngine:
 
 
 def _started_everywhere(
-    world: World, start: Callable[[], EngineProcess] | None, phase: str, nodes: set[int] | None = None
+    world: World,
+    layout: EngineLayout,
+    start: Callable[[], EngineProcess] | None,
+    phase: str,
+    engines: set[str] | None = None,
 ) -> tuple[EngineProcess | None, str | None]:
-    """Collective over the bridge: ranks given `start` (node leaders) start their engine; every
-    rank learns its node's URL. A failure anywhere raises on every rank; engines that did start
-    are stopped."""
-    env = world.env
+    """Collective over the bridge: ranks given `start` (engine leaders) start their engine;
+    every rank learns its engine's URL. A failure anywhere raises on every rank; engines that
+    did start are stopped. `engines`: only these engines (by name) were started; the others'
+    ranks get (None, None)."""
     process, url, error = None, None, None
     if start is not None:
         try:
@@ -452,12 +547,12 @@ def _started_everywhere(
             url = process.url
         except (EngineCrashed, EngineError, OSError) as e:
             error = str(e)
-    entries = world.bridge.all_gather_object((env.node_rank, env.local_rank, url, error), phase=phase)
+    entries = world.bridge.all_gather_object((layout.name, start is not None, url, error), phase=phase)
     failed = [e for e in entries if e[3] is not None]
     if failed:
         if process is not None:
             process.stop()
-        raise EngineCrashed("; ".join(f"node {n}: {err}" for n, _, _, err in failed))
-    if nodes is not None and env.node_rank not in nodes:
+        raise EngineCrashed("; ".join(f"{name}: {err}" for name, _, _, err in failed))
+    if engines is not None and layout.name not in engines:
         return None, None
-    return process, next(e[2] for e in entries if e[0] == env.node_rank and e[1] == 0)
+    return process, next(e[2] for e in entries if e[0] == layout.name and e[1])

@@ -35,14 +35,16 @@ class Bridge:
 
     STORE_PREFIX = "rltrain/bridge"
 
-    def __init__(self, base_store: dist.Store, rank: int, world_size: int, timeout: timedelta):
+    def __init__(self, base_store: dist.Store, rank: int, world_size: int, timeout: timedelta, name: str = ""):
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
+        self._base_store = base_store
         # Per torchrun attempt: a restarted job shares the agent's store with the attempt that
         # died, whose peer addresses would otherwise be read back (a restarted rank would
         # connect to the dead rank 0's port).
-        self._store = dist.PrefixStore(f"{self.STORE_PREFIX}/{restart_attempt()}", base_store)
+        self._prefix = f"{self.STORE_PREFIX}/{restart_attempt()}" + (f"/{name}" if name else "")
+        self._store = dist.PrefixStore(self._prefix, base_store)
         try:
             # (Any: torch's stubs do not declare the backend's collectives)
             self._pg: Any = ProcessGroupGloo(self._store, rank, world_size, timeout)
@@ -153,6 +155,14 @@ class Bridge:
         """Every rank's object on rank `dst` (others get None)."""
         gathered = self.all_gather_object(obj, phase=phase)
         return gathered if self.rank == dst else None
+
+    def subgroup(self, members: list[int], name: str) -> Bridge:
+        """A bridge among `members` (global ranks, this rank one of them) under its own store
+        prefix: only they call it, and its ranks are their places in `members`. Called by the
+        members only (no collective on this bridge)."""
+        if self.rank not in members:
+            raise BridgeError(f"rank {self.rank} is not one of the members {members} of bridge subgroup {name!r}")
+        return Bridge(self._base_store, members.index(self.rank), len(members), self.timeout, name=name)
 
     # ------------------------------------------------------------------ teardown
 

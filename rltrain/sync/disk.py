@@ -1,12 +1,12 @@
 """`sync.transport=disk` and `delta`: weight versions on a filesystem every node sees.
 
-disk   rank 0 publishes an HF checkpoint version (weights/versions.py); each node's leader has
-       its files verified against the manifest — by its engines as they read them where they
-       can (`caps.verifies_files`, the embedded engine), else first by itself — and its
-       engines load it from disk.
+disk   rank 0 publishes an HF checkpoint version (weights/versions.py); each node has its files
+       verified against the manifest — by its engines as they read them where they can
+       (`caps.verifies_files`, the embedded engine), else first by the node's leader, once —
+       and every engine's leader has its engine load it from disk.
 delta  rank 0 publishes a delta against the previous version (every `sync.delta_full_every`-th
-       time a full one, weights/delta.py); each leader rebuilds the full version next to its
-       engine from the one it holds, verified, and its engines load that.
+       time a full one, weights/delta.py); each node's leader rebuilds the full version next to
+       its engines from the one it holds, verified, and the node's engines load that.
 
 Old versions are pruned on a background thread while the engines load and the next step
 trains (deleting a version unlinks GBs of cached pages); the next publication waits for it.
@@ -79,12 +79,24 @@ class DiskTransport:
         errors = ctx.world.bridge.all_gather_object(error, phase="sync publish")
         if any(errors):
             raise OSError(next(e for e in errors if e))
-        if not ctx.leader:
-            return 0
-        sent = sum(f.stat().st_size for f in target.iterdir())
         t0 = clock()
-        path = self._local_full_version(target)
+        local: tuple[str | None, str | None] = (None, None)  # (the node's version directory, error)
+        if ctx.node_leader:
+            try:
+                local = (str(self._local_full_version(target)), None)
+            except (OSError, ValueError) as e:
+                local = (None, f"{ctx.engine_name}: weight version {version} at {target}: {e}")
+        node = ctx.world.env.node_rank
+        entries = ctx.world.bridge.all_gather_object((node, ctx.node_leader, local), phase="sync verify files")
+        failed = [err for _, _, (_, err) in entries if err]
+        if failed:
+            raise OSError("; ".join(failed))
         t1 = clock()
+        if not ctx.sender:
+            return 0
+        path = next(p for n, lead, (p, _) in entries if n == node and lead)
+        assert path is not None
+        sent = sum(f.stat().st_size for f in target.iterdir())
         for client in ctx.receivers:
             client.update_weights_from_disk(str(path), weight_version=version)
         timings["verify"], timings["load"] = t1 - t0, clock() - t1

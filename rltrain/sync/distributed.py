@@ -1,6 +1,7 @@
-"""`sync.transport=distributed`: per bucket, the node's leader broadcasts one flat buffer over a
-weight-update group it made once with each engine through /init_weights_update_group (NCCL on
-GPU, gloo on CPU), inside a weight-update session per version.
+"""`sync.transport=distributed`: per bucket, each engine's leader rank broadcasts one flat buffer
+over a weight-update group it made once with its engine's TP ranks through
+/init_weights_update_group (NCCL on GPU, gloo on CPU), inside a weight-update session per
+version. Not colocated on GPU: NCCL refuses two ranks of one group on one device (config.py).
 
 The trainer's end of each group is built outside torch's group registry
 (`runtime.weight_group.UnregisteredGroup`): the world's destroy between steps must not take it
@@ -27,12 +28,12 @@ class DistributedTransport:
         self.ctx = ctx
         self.timings: dict[str, float] = {}
         self._groups: list[UnregisteredGroup] = []
-        self._group_name = f"rltrain_weights_node{ctx.world.env.node_rank}"
+        self._group_name = f"rltrain_weights_{ctx.engine_name.replace('-', '_')}"
 
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
         self.timings = dict.fromkeys(("gather",), 0.0)
-        if not ctx.leader:
+        if not ctx.sender:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
             return 0
@@ -68,7 +69,7 @@ class DistributedTransport:
         ctx = self.ctx
         port = free_port()
         backend = "nccl" if ctx.device.type == "cuda" else "gloo"
-        size = 1 + ctx.engine_tp_size
+        size = 1 + ctx.tp_size
         with ThreadPoolExecutor(1) as pool:
             joined = pool.submit(
                 ctx.receivers[receiver].init_weights_update_group,

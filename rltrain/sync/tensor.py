@@ -1,6 +1,15 @@
 """`sync.transport=tensor`: each bucket handed to the engines by handle (CUDA IPC on GPU, shared
 memory on CPU), `load_format=flattened_bucket`, inside one weight-update session per version.
 
+An engine of TP size k gets one payload per TP rank, in TP-rank order
+(`serialized_named_tensors[tp_rank]`), and each TP rank's payload is built on that rank's own GPU
+by the trainer rank colocated there: a CUDA-IPC handle is opened by exactly one consumer
+(SGLang's TP rank k reads entry k only; a handle opened by several processes breaks the
+producer's IPC refcounting — freed under a peer's copy, or leaked — and puts a context of every
+TP process on one GPU). Per bucket the engine's ranks each flatten their copy, the engine's leader
+gathers the payloads over the engine's bridge subgroup and sends the one request, and all keep
+their buffers until a barrier after the engine's answer (`_send_across_tp`).
+
 The requests run on sender threads while the calling thread gathers and flattens the next
 bucket. Against SGLang one request is in flight and every bucket has a fresh buffer (SGLang
 answers before its copies out of the buffer are done). An engine that answers after them
@@ -44,7 +53,9 @@ class TensorTransport:
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
         self.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
-        if not ctx.leader:
+        if ctx.tp_group is not None:
+            return self._send_across_tp(version, weights)
+        if not ctx.sender:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
             return 0
@@ -144,7 +155,7 @@ class TensorTransport:
             filled.synchronize()
         for r, tag in tags.items():
             self.ctx.receivers[r].update_weights_from_tensor(
-                [payload] * self.ctx.engine_tp_size,
+                [payload],
                 load_format="flattened_bucket",
                 weight_version=tag,
                 flush_cache=tag is not None,
@@ -152,6 +163,58 @@ class TensorTransport:
         with self._timing_lock:
             self.timings["request"] += time.perf_counter() - t0
         del flat
+
+    def _send_across_tp(self, version: str, weights: WeightStream) -> int:
+        """An engine over several ranks' GPUs: every rank builds its TP rank's payload of each
+        bucket in a fresh buffer on its own device; the leader sends the gathered list. The
+        buffers are dropped after the engine has answered (the barrier), never before."""
+        ctx = self.ctx
+        group = ctx.tp_group
+        assert group is not None
+        sent, failure = 0, None
+        clock = time.perf_counter
+        if ctx.sender:
+            try:
+                for client in ctx.receivers:
+                    client.begin_weight_update()
+            except (EngineError, OSError, RuntimeError, ValueError) as e:
+                failure = e
+        try:
+            for i, bucket, named in weights.buckets(self.timings):
+                t0 = clock()
+                flat = flatten_bucket(named)
+                del named
+                if flat["flattened_tensor"].device.type == "cuda":
+                    torch.cuda.current_stream(flat["flattened_tensor"].device).synchronize()  # filled before shared
+                payloads = group.all_gather_object(serialize(flat), phase=f"sync bucket {i} payloads")
+                t1 = clock()
+                self.timings["flatten"] += t1 - t0
+                if ctx.sender and failure is None:
+                    try:
+                        for r in bucket.targets:
+                            tag = version if i == ctx.plan.last_buckets[r] else None
+                            ctx.receivers[r].update_weights_from_tensor(
+                                payloads,
+                                load_format="flattened_bucket",
+                                weight_version=tag,
+                                flush_cache=tag is not None,
+                            )
+                        sent += bucket.nbytes * len(bucket.targets)
+                    except (EngineError, OSError, RuntimeError, ValueError) as e:
+                        failure = e
+                self.timings["request"] += clock() - t1
+                group.barrier(phase=f"sync bucket {i} loaded")  # the engine answered: the buffers may go
+                del flat
+        finally:
+            if ctx.sender:
+                for client in ctx.receivers:
+                    try:
+                        client.end_weight_update()
+                    except EngineError as e:
+                        failure = failure or e
+        if failure is not None:
+            raise RuntimeError(f"{ctx.engine_name}: {failure}") from failure
+        return sent
 
     def engine_restarted(self) -> None:
         self._layouts.clear()  # the payload strings were the dead engine's slots

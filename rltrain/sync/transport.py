@@ -3,9 +3,11 @@ files `tensor.py`, `distributed.py` and `disk.py`.
 
 `WeightSync` owns what every transport shares — the plan, the stream of the trainer's tensors
 (a collective: every rank gathers every bucket), the verification after the load and the
-agreement of all ranks on errors. A transport only moves one version's tensors from this node's
-leader to its engines (`receivers`), by its own means. It is built once per run from a
-`SyncContext`, and every rank calls `send` (the non-leaders only join the gathers).
+agreement of all ranks on errors. A transport only moves one version's tensors to this rank's
+engines (`receivers`), by its own means: each engine's leader rank (`sender`) talks to it; the
+engine's other TP ranks help where the transport needs them (tensor: each builds its TP rank's
+payload on its own GPU) and otherwise only join the gathers. It is built once per run from a
+`SyncContext`, and every rank calls `send`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from rltrain.config import SyncConfig
 from rltrain.engine.client import EngineClient, EngineError
 from rltrain.interfaces import World
+from rltrain.runtime.bridge import Bridge
 from rltrain.sync.plan import Bucket, SyncPlan
 
 Named = list[tuple[str, torch.Tensor]]
@@ -35,6 +38,7 @@ class EngineCaps:
     synchronous: bool = False  # its update requests answer only after the copies out of the sender's buffers
     slots: int = 0  # buffers it keeps by slot number within a weight-update session (bucket.py)
     verifies_files: bool = False  # it checks a disk version's files against the version's manifest
+    weights_checker: bool = False  # it answers SGLang's /weights_checker (per-TP-rank sha256 of its parameters)
 
 
 def probe(clients: list[EngineClient]) -> EngineCaps:
@@ -48,6 +52,7 @@ def probe(clients: list[EngineClient]) -> EngineCaps:
         synchronous=all(c.synchronous for c in caps),
         slots=min(c.slots for c in caps),
         verifies_files=all(c.verifies_files for c in caps),
+        weights_checker=all(c.weights_checker for c in caps),
     )
 
 
@@ -64,9 +69,17 @@ def _probe_one(client: EngineClient) -> EngineCaps:
         rep = client.weights_checksum()
     except (EngineError, ValueError, TypeError):
         rep = None
+    checker = not synchronous and _has_weights_checker(client)  # SGLang's; the embedded engine has its own
     if not isinstance(rep, dict) or "dtype" not in rep:
-        return EngineCaps(None, False, synchronous, slots, verifies)
-    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies)
+        return EngineCaps(None, False, synchronous, slots, verifies, checker)
+    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies, checker)
+
+
+def _has_weights_checker(client: EngineClient) -> bool:
+    try:
+        return bool(client.weights_checker())
+    except (EngineError, ValueError, TypeError):
+        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,17 +88,22 @@ class SyncContext:
 
     cfg: SyncConfig
     world: World
-    receivers: list[EngineClient]  # this node's engines, by EP rank; the leader talks to them
+    receivers: list[EngineClient]  # this rank's engines, by EP rank; the sender talks to them
     plan: SyncPlan
-    caps: EngineCaps  # (the leader's probe; defaults on other ranks)
+    caps: EngineCaps  # (the sender's probe; defaults on other ranks)
     device: torch.device  # the trainer's
     model_path: str  # the trainer's model: config files of a published version
     weights_dir: Path
-    engine_tp_size: int
     request_timeout_s: float
+    sender: bool = True  # this rank talks to `receivers` (its engine's leader)
+    tp_rank: int = 0  # this rank's TP rank in its engine
+    tp_size: int = 1  # its engine's TP size
+    tp_group: Bridge | None = None  # the engine's ranks, in TP order (tp_size > 1)
+    engine_name: str = "engine"
 
     @property
-    def leader(self) -> bool:
+    def node_leader(self) -> bool:
+        """Does what is done once per node (disk: verify or rebuild the version)."""
         return self.world.env.is_node_leader
 
 

@@ -2,7 +2,8 @@
 
 Every rank calls `push(version)` with the world up: a sharded trainer all-gathers each weight
 (`trainer.export_weights(names)`, the same names in the same order on every rank), and each
-node's leader hands the full tensors to its engines by the configured transport (one file each):
+engine's leader rank hands the full tensors to its engine by the configured transport (one file
+each; the engine's other ranks build their TP ranks' payloads where the transport needs them):
 
     tensor       per bucket, a buffer passed by handle (CUDA IPC / shared memory)   sync/tensor.py
     distributed  per bucket, a broadcast over a weight-update group                 sync/distributed.py
@@ -10,10 +11,20 @@ node's leader hands the full tensors to its engines by the configured transport 
 
 What every transport shares lives here: the plan (plan.py: coverage, routing, buckets), the
 stream of the trainer's tensors, the agreement of every rank on a failure (no rank waits on a
-failed one), and the verification afterwards. Integrity: while sending, the leader checksums each
-tensor in the engine's dtype; afterwards each engine reports its version and its own checksum over
-what it owns, and a mismatch fails the step on every rank (`WeightMismatchError`). SGLang has no
-checksum endpoint: there the version is verified (and said so once in the log).
+failed one), and the verification afterwards (`sync.verify`; the checks are in verify.py):
+
+    every engine     reports the version it was sent
+    embedded engine  its checksum over what it owns = the one the sender computed, in the
+                     engine's dtype, over the tensors as they passed
+    SGLang           every engine's /weights_checker digest per TP rank agrees with the other
+                     engines' of its TP size
+    every engine     a fixed probe sequence's log-probs (the engine's at temperature 1) match
+                     the trainer's within `sync.probe_tolerance`: the trainer's are taken in
+                     `push` (it is on the device), the engines' by `probe_engines` once they
+                     are awake again (a forward needs the KV cache the engines get back last)
+
+A failed check fails the step on every rank (`WeightMismatchError`, `StaleWeightsError`) naming
+the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ from transformers import AutoConfig
 
 from rltrain.config import Config
 from rltrain.engine.client import EngineClient, EngineError
+from rltrain.engine.layout import EngineLayout
 from rltrain.interfaces import Trainer, World
+from rltrain.sync import verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
 from rltrain.sync.plan import EngineTopology, SyncPlan, WeightSpec, build_plan
@@ -54,23 +67,38 @@ def make_transport(name: str, ctx: SyncContext) -> Transport:
 
 
 class WeightSync:
-    """`receivers`: this node's engine clients, indexed by EP rank (one per engine instance; the
-    loop has one per node). With several and a MoE model, experts are routed (plan.py). The
-    leader talks to them; every rank must hold the same list (each checks the served version)."""
+    """`receivers`: this rank's engine clients, indexed by EP rank (the loop: its one engine;
+    with several and a MoE model, experts are routed, plan.py). `engine`: this rank's place in
+    its engine (`engine/layout.py`): its leader sends, its TP ranks build their payloads (None:
+    one engine of TP size 1 per node, sent to by the node's leader). Every rank of an engine
+    holds the same list (each checks the served version)."""
 
     def __init__(
-        self, cfg: Config, world: World, trainer: Trainer, receivers: list[EngineClient], engine_model_path: str
+        self,
+        cfg: Config,
+        world: World,
+        trainer: Trainer,
+        receivers: list[EngineClient],
+        engine_model_path: str,
+        engine: EngineLayout | None = None,
     ):
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
-        self.leader = world.env.is_node_leader
+        env = world.env
+        self.engine_name = engine.name if engine is not None else f"node{env.node_rank}-engine0"
+        self.leader = engine.is_engine_leader if engine is not None else env.is_node_leader
+        tp_rank, tp_size = (engine.tp_rank, engine.gpus_per_engine) if engine is not None else (0, 1)
+        tp_group = None
+        if engine is not None and tp_size > 1:
+            tp_group = world.bridge.subgroup(engine.ranks(world.rank - env.local_rank), f"sync/{engine.name}")
         weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in trainer.weight_specs()]
         engine_names, aliases = checkpoint_names(engine_model_path)
-        experts = num_experts(AutoConfig.from_pretrained(engine_model_path))
+        model_cfg = AutoConfig.from_pretrained(engine_model_path)
+        experts = num_experts(model_cfg)
         topology = EngineTopology((len(self.receivers),), experts)
         self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
         self.caps = probe(self.receivers) if self.leader else EngineCaps()
-        if self.leader and cfg.sync.verify and not self.caps.checksums:
-            log.info("engine reports no weight checksum (SGLang): syncs are verified by version only")
+        self.probe = verify.probe_tokens(model_cfg.vocab_size, cfg.sync.probe_tokens) if cfg.sync.probe_tokens else []
+        self.tp_group = tp_group
         self.transport: Transport = make_transport(
             cfg.sync.transport,
             SyncContext(
@@ -82,10 +110,15 @@ class WeightSync:
                 device=trainer.device,
                 model_path=trainer.model_path,
                 weights_dir=cfg.weights_dir,
-                engine_tp_size=cfg.engine.tp_size,
                 request_timeout_s=cfg.engine.request_timeout_s,
+                sender=self.leader,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                tp_group=tp_group,
+                engine_name=self.engine_name,
             ),
         )
+        self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
 
     @property
     def timings(self) -> dict[str, float]:
@@ -126,31 +159,81 @@ class WeightSync:
             yield name, t
 
     def _verify(self, version: str, sums: Sums) -> None:
-        error: str | None = None
-        kind: type[RuntimeError] = WeightMismatchError
+        """Every check of the module docstring; all ranks agree on the outcome (a collective)."""
+        stale: list[str] = []  # engines at another version
+        wrong: list[str] = []  # engines at the version with other weights
+        check = self.cfg.sync.verify
+        digests: list[verify.EngineDigest] = []
         try:
             for r, client in enumerate(self.receivers):
-                if error is None and self.leader and self.cfg.sync.verify and self.caps.checksums:
+                name = self._name(r)
+                served = client.weight_version()
+                if served != version:
+                    stale.append(f"{name} serves weight version {served!r} after loading {version!r}")
+                    continue
+                if not (check and self.leader):
+                    continue
+                if self.caps.checksums:
                     rep = client.weights_checksum()
                     owned = {n: v for n, v in sums.items() if r in self.plan.targets[n]}
                     mine = combine(owned)
                     if rep["weight_version"] != version or rep["checksum"] != mine:
-                        error = (
-                            f"rank {self.world.rank}: after syncing version {version}, engine {r} serves version "
-                            f"{rep['weight_version']!r} with weight checksum {rep['checksum']} over {rep['count']} "
-                            f"tensors; the trainer's is {mine} over {len(owned)}"
+                        wrong.append(
+                            f"after syncing version {version}, {name} serves version {rep['weight_version']!r} "
+                            f"with weight checksum {rep['checksum']} over {rep['count']} tensors; the trainer's is "
+                            f"{mine} over {len(owned)}"
                         )
-                served = client.weight_version()
-                if error is None and served != version:
-                    kind = StaleWeightsError
-                    error = (
-                        f"rank {self.world.rank}: engine {r} serves weight version {served!r} after loading {version!r}"
-                    )
+                if self.caps.weights_checker:
+                    ranks = client.weights_checker()
+                    digests.append(verify.EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks)))
         except EngineError as e:
-            error = f"rank {self.world.rank}: cannot verify weight version {version}: {e}"
-        errors = self.world.bridge.all_gather_object(error, phase="sync verify")
-        if any(errors):
-            raise kind(next(e for e in errors if e))
+            wrong.append(f"cannot verify weight version {version} on {self.engine_name}: {e}")
+        if check and self.probe:
+            # A collective (a sharded trainer): every rank scores the probe; `probe_engines` compares.
+            self._probe_due = (
+                version,
+                self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:],
+            )
+        gathered = self.world.bridge.all_gather_object((stale, wrong, digests), phase="sync verify")
+        wrong = [f"rank {r}: {e}" for r, (_, w, _) in enumerate(gathered) for e in w]
+        wrong += verify.disagreements([d for _, _, ds in gathered for d in ds])
+        stale = [f"rank {r}: {e}" for r, (st, _, _) in enumerate(gathered) for e in st]
+        if wrong:
+            raise WeightMismatchError("; ".join(stale + wrong))
+        if stale:
+            raise StaleWeightsError("; ".join(stale))
+
+    def probe_engines(self) -> dict[str, float]:
+        """The probe of the last push, on the engines (awake: weights and KV cache back), against
+        the trainer's log-probs taken then. Collective over the bridge; a mismatch anywhere raises
+        WeightMismatchError on every rank, naming the engine. Returns the largest mean absolute
+        difference seen ({} when no probe is due)."""
+        due, self._probe_due = self._probe_due, None
+        if due is None:
+            return {}
+        version, trainer_logp = due
+        errors: list[str] = []
+        diff = 0.0
+        if self.leader:
+            tol = verify.probe_tolerance(self.cfg.sync.probe_tolerance, self.caps.dtype, self.plan.weights[0].dtype)
+            for r, client in enumerate(self.receivers):
+                try:
+                    logp = client.score(self.probe)
+                except EngineError as e:
+                    errors.append(f"{self._name(r)} could not score the probe of version {version}: {e}")
+                    continue
+                error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
+                if error is not None:
+                    errors.append(f"version {version}: {error}")
+                diff = max(diff, float((torch.tensor(logp, dtype=torch.float64) - trainer_logp.double()).abs().mean()))
+        gathered = self.world.bridge.all_gather_object((errors, diff), phase="sync probe")
+        found = [f"rank {r}: {e}" for r, (errs, _) in enumerate(gathered) for e in errs]
+        if found:
+            raise WeightMismatchError("; ".join(found))
+        return {"sync_probe_diff": max(d for _, d in gathered)}
+
+    def _name(self, receiver: int) -> str:
+        return self.engine_name if len(self.receivers) == 1 else f"{self.engine_name} (EP rank {receiver})"
 
     def engine_restarted(self) -> None:
         """This node's engine was started again (its weight-update groups died with it)."""

@@ -369,15 +369,18 @@ class FSDPTrainer:
             self.optimizer.step()
         return float(grad_norm)
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log-probs [B, L] (and entropy) of the policy, or of the reference model.
-        Sharded: a collective (every rank calls it, with however many samples it has)."""
+    def logprobs(
+        self, batch: TrainBatch, reference: bool = False, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probs [B, L] (and entropy) of the policy, or of the reference model, at
+        the sampling temperature (or `temperature`). Sharded: a collective (every rank calls it,
+        with however many samples it has)."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("reference log-probs need algo.kl_coef > 0" if reference else "trainer not created")
         was_training = model.training
         model.eval()
-        out = rl_update.logprobs(self, model, batch)
+        out = rl_update.logprobs(self, model, batch, temperature)
         if self.sharded:
             reshard(model)  # no backward follows: do not keep the root's gathered parameters
         model.train(was_training)

@@ -44,6 +44,7 @@ class Backend(Protocol):
     algo: AlgoConfig
     device: torch.device
     pad_id: int
+    temperature: float  # log-probs are taken at the sampling temperature
 
     @property
     def sharded(self) -> bool: ...  # whether the ranks run collectives together (micro-batch counts agreed)
@@ -204,17 +205,25 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
 
 
 @torch.no_grad()
-def logprobs(backend: Backend, model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs(
+    backend: Backend, model: Any, batch: TrainBatch, temperature: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, L] of `model` on `batch`, on the host. A collective
-    when sharded (every rank calls it, with however many samples it has)."""
+    when sharded (every rank calls it, with however many samples it has). `temperature`: instead
+    of the sampling temperature (1.0: the engine's untempered scores of a probe)."""
     L = batch.tokens.shape[1]
     outs, ents = [torch.zeros(0, L)], [torch.zeros(0, L)]
-    for mb, real in micro_batches(backend, batch):
-        lp, ent = backend.forward_logp(model, mb.to(backend.device), with_entropy=True)
-        if real:
-            assert ent is not None
-            outs.append(lp.cpu())
-            ents.append(ent.cpu())
+    sampling = backend.temperature
+    backend.temperature = sampling if temperature is None else temperature
+    try:
+        for mb, real in micro_batches(backend, batch):
+            lp, ent = backend.forward_logp(model, mb.to(backend.device), with_entropy=True)
+            if real:
+                assert ent is not None
+                outs.append(lp.cpu())
+                ents.append(ent.cpu())
+    finally:
+        backend.temperature = sampling
     return torch.cat(outs), torch.cat(ents)
 
 

@@ -54,6 +54,7 @@ class GenRequest:
     params: SamplingParams
     return_logprob: bool
     future: Future = field(default_factory=Future)
+    seeds: list[int | None] | None = None  # per prompt, with n=1: one row per sample (generate_body)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class NativeEngine:
         max_batch_size: int = 256,
         seed: int = 0,
         backup_dir: str | None = None,
+        weights_backup: bool = True,
         deterministic: bool = False,
         ep_size: int = 1,
         ep_rank: int = 0,
@@ -104,7 +106,11 @@ class NativeEngine:
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # The prefill computes logits for the last position only, where the model can.
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
-        self._backup_dir = Path(backup_dir or tempfile.mkdtemp(prefix="rltrain-native-backup-"))
+        # Released weights: backed up (pinned host memory on GPU, a file on CPU) and restored on
+        # resume, or — like SGLang without --enable-weights-cpu-backup — discarded, and garbage
+        # (NaN) after resume until updates rewrite them.
+        self.weights_backup = weights_backup
+        self._backup_dir = Path(backup_dir) if backup_dir else None
         # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
         # are grouped so a checkpoint may carry either name.
         self._param_meta = {
@@ -149,8 +155,18 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ scheduling
 
-    def submit(self, input_ids: list[list[int]], params: SamplingParams, return_logprob: bool) -> Future:
+    def submit(
+        self,
+        input_ids: list[list[int]],
+        params: SamplingParams,
+        return_logprob: bool,
+        seeds: list[int | None] | None = None,
+    ) -> Future:
+        """Sample `params.n` continuations of each prompt; `seeds`: one sampling seed per prompt
+        instead of `params.sampling_seed` (with n=1: a request of one row per sample)."""
         params.validate()
+        if seeds is not None and (len(seeds) != len(input_ids) or params.n != 1):
+            raise ValueError(f"{len(seeds)} per-row seeds for {len(input_ids)} prompts with n={params.n}")
         if not input_ids or any(not isinstance(p, list) or not p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token-id lists")
         vocab = self.config.vocab_size
@@ -159,9 +175,20 @@ class NativeEngine:
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         self._check_can_generate()
-        req = GenRequest(input_ids, params, return_logprob)
+        req = GenRequest(input_ids, params, return_logprob, seeds=seeds)
         self._queue.put(req)
         return req.future
+
+    @torch.no_grad()
+    def score(self, input_ids: list[int]) -> list[float]:
+        """Log-probs of `input_ids[1:]`, each given the tokens before it, at temperature 1
+        (SGLang's input_token_logprobs): one forward over the sequence."""
+        self._check_can_generate()
+        with self._model_lock:
+            ids = torch.tensor([input_ids], device=self.device)
+            logits = self.model(input_ids=ids).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+        return logp.cpu().tolist()
 
     def _check_can_generate(self) -> None:
         if self.released:
@@ -245,7 +272,9 @@ class NativeEngine:
             for i, prompt in enumerate(req.input_ids):
                 for j in range(req.params.n):
                     seed = None
-                    if req.params.sampling_seed is not None:
+                    if req.seeds is not None:
+                        seed = req.seeds[i]
+                    elif req.params.sampling_seed is not None:
                         # One stream per sample: seed + its index in the request (prompt-major).
                         seed = req.params.sampling_seed + i * req.params.n + j
                     rows.append(_Row(req, prompt, i, j, seed))
@@ -377,7 +406,9 @@ class NativeEngine:
     def _backup_and_free_weights(self) -> None:
         t0 = time.perf_counter()
         state = {n: p.detach() for n, p in self.model.named_parameters()}
-        if self.device.type == "cuda":
+        if not self.weights_backup:
+            self._weights_backup = None
+        elif self.device.type == "cuda":
             # Pinned buffers are allocated once and reused: pinning is the slow part
             # (page-locking host memory), the copy itself runs at the pinned-copy bandwidth.
             if self._pinned is None:
@@ -387,6 +418,8 @@ class NativeEngine:
             torch.cuda.synchronize(self.device)
             self._weights_backup = self._pinned
         else:
+            if self._backup_dir is None:
+                self._backup_dir = Path(tempfile.mkdtemp(prefix="rltrain-native-backup-"))
             path = self._backup_dir / "weights_backup.safetensors"
             save_file({n: t.contiguous() for n, t in state.items()}, str(path))
             self._weights_backup = path
@@ -395,8 +428,12 @@ class NativeEngine:
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         log.info(
-            "weights released (backup to %s) in %.2fs",
-            "pinned host memory" if isinstance(self._weights_backup, dict) else self._weights_backup,
+            "weights released (%s) in %.2fs",
+            "discarded"
+            if self._weights_backup is None
+            else "backed up to pinned host memory"
+            if isinstance(self._weights_backup, dict)
+            else f"backed up to {self._weights_backup}",
             time.perf_counter() - t0,
         )
 
@@ -413,6 +450,11 @@ class NativeEngine:
         elif isinstance(backup, dict):
             self._copy_into(backup.items())
         else:
+            # What SGLang serves after a resume without a backup is whatever the memory holds;
+            # NaN makes every parameter a sync missed show in generations, log-probs and checksums.
+            for p in self.model.parameters():
+                if p.is_floating_point():
+                    p.data.fill_(float("nan"))
             self.weights_valid = False
         self._weights_backup = None
 

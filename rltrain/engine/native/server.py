@@ -181,15 +181,35 @@ class NativeServer:
         if not isinstance(batch, list) or not all(isinstance(p, list) for p in batch):
             raise BadRequest("input_ids must be a list of token ids or a list of such lists")
         sp = body.get("sampling_params") or {}
+        seeds = None
         if isinstance(sp, list):
-            if len({json.dumps(s, sort_keys=True) for s in sp}) > 1:
-                raise BadRequest("per-prompt sampling_params are not supported; send one dict")
-            sp = sp[0] if sp else {}
+            # One dict per row: rows may differ in their sampling seed only (one row per sample).
+            if len(sp) != len(batch) or not all(isinstance(s, dict) for s in sp):
+                raise BadRequest(f"sampling_params: a list needs one dict per prompt ({len(batch)}), got {len(sp)}")
+            rest = {json.dumps({k: v for k, v in s.items() if k != "sampling_seed"}, sort_keys=True) for s in sp}
+            if len(rest) > 1:
+                raise BadRequest("per-prompt sampling_params may differ in sampling_seed only; send one dict")
+            seeds = [s.get("sampling_seed") for s in sp]
+            if not all(x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in seeds):
+                raise BadRequest("sampling_params[*].sampling_seed: expected an integer or null")
+            sp = {k: v for k, v in sp[0].items() if k != "sampling_seed"} if sp else {}
         try:
             params = SamplingParams.from_json(sp)
         except (TypeError, ValueError) as err:
             raise BadRequest(f"sampling_params: {err}") from None
-        samples = self.engine.submit(batch, params, bool(body.get("return_logprob", False))).result()
+        if seeds is not None and params.n != 1:
+            raise BadRequest("per-prompt sampling_params need n=1 (one row per sample)")
+        start = body.get("logprob_start_len")
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+            raise BadRequest(f"logprob_start_len={start!r}: expected an integer >= 0")
+        return_logprob = bool(body.get("return_logprob", False))
+        samples = self.engine.submit(batch, params, return_logprob, seeds=seeds).result()
+        if return_logprob and start is not None:
+            for k, prompt in enumerate(batch):  # SGLang's input_token_logprobs: untempered, the first has none
+                scored = self.engine.score(prompt)
+                entries = [[None, prompt[0], None]] + [[lp, t, None] for lp, t in zip(scored, prompt[1:])]
+                for s in samples[k * params.n : (k + 1) * params.n]:
+                    s["meta_info"]["input_token_logprobs"] = entries[start:]
         return samples[0] if single and params.n == 1 else samples
 
     def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -448,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--ep-rank", type=int, default=0)
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
+    ap.add_argument(
+        "--weights-backup",
+        action="store_true",
+        help="keep released weights in host memory and restore them on resume (default: discard them, "
+        "as SGLang does without --enable-weights-cpu-backup: garbage until updated)",
+    )
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     ap.add_argument(
         "--weights-root",
@@ -477,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_size=args.max_batch_size,
         seed=args.seed,
         backup_dir=args.backup_dir,
+        weights_backup=args.weights_backup,
         deterministic=args.deterministic,
         ep_size=args.ep_size,
         ep_rank=args.ep_rank,

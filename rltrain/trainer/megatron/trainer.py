@@ -399,7 +399,9 @@ class MegatronTrainer:
         )
         return pooled, slice(start, start + len(batch))
 
-    def logprobs(self, batch: TrainBatch, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs(
+        self, batch: TrainBatch, reference: bool = False, temperature: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pooled, mine = self._pool(batch)
         model = self.ref_model if reference else self.model
         if model is None:
@@ -407,9 +409,13 @@ class MegatronTrainer:
         was_training = model.training
         model.eval()
         if self.pp == 1:
-            lp, ent = rl_update.logprobs(self, model, pooled)
+            lp, ent = rl_update.logprobs(self, model, pooled, temperature)
         else:
-            lp, ent = self._pipeline_logprobs(model, pooled)
+            sampling, self.temperature = self.temperature, self.temperature if temperature is None else temperature
+            try:
+                lp, ent = self._pipeline_logprobs(model, pooled)
+            finally:
+                self.temperature = sampling
         model.train(was_training)
         L = batch.tokens.shape[1]
         return lp[mine, :L], ent[mine, :L]

@@ -1,0 +1,114 @@
+"""How a node's GPUs are split into engines, and which engine and TP rank each rank is.
+
+A node runs `local_world_size` ranks, one per GPU (rank with local rank L on GPU L). Its GPUs
+are cut into `local_world_size / gpus_per_engine` engines of `gpus_per_engine` consecutive GPUs
+each; engine e of the node spans GPUs `e * gpus_per_engine ...` (SGLang's `--base-gpu-id`,
+`--tp-size gpus_per_engine`) and is started by the first rank on them, its leader. The rank on
+GPU `base + k` is the engine's TP rank k: it generates through that engine, and under
+`sync.transport=tensor` it builds TP rank k's share of every weight bucket on its own GPU.
+
+    gpus_per_engine=0 (auto)   SGLang: one engine over the whole node; the embedded engine
+                               (one device each): one engine per GPU
+    gpus_per_engine=1          one engine per GPU (small models)
+    gpus_per_engine=8          one engine per 8-GPU node
+
+On CPU a "GPU" is a rank: the same layout, with the node's CPU cores shared out between the
+engines' TP ranks (`cpu_binding`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rltrain.config import ConfigError, EngineConfig
+from rltrain.runtime.env import DistEnv
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """This rank's place among the node's engines (pure: from the config and the environment)."""
+
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    gpus_per_engine: int
+
+    @classmethod
+    def of(cls, cfg: EngineConfig, backend: str, env: DistEnv, visible_gpus: int | None) -> EngineLayout:
+        """The layout the config asks for, checked against the node: `backend` is the resolved
+        engine backend, `visible_gpus` the GPUs this process sees (None on CPU)."""
+        n = env.local_world_size
+        per = cfg.gpus_per_engine or (n if backend == "sglang" else 1)
+        if backend == "native" and per != 1:
+            raise ConfigError(
+                f"engine.gpus_per_engine={per}: the embedded engine runs on one device; set "
+                "engine.gpus_per_engine=1 (one engine per GPU) or engine.backend=sglang for tensor parallelism"
+            )
+        if per > n:
+            raise ConfigError(
+                f"engine.gpus_per_engine={per} is larger than the node: LOCAL_WORLD_SIZE={n} ranks "
+                f"(torchrun --nproc-per-node); an engine spans GPUs of one node only, so set "
+                f"engine.gpus_per_engine to a divisor of {n}"
+            )
+        if n % per:
+            divisors = [d for d in range(1, n + 1) if n % d == 0]
+            raise ConfigError(
+                f"engine.gpus_per_engine={per} does not divide the node's {n} GPUs (LOCAL_WORLD_SIZE={n}): "
+                f"set it to one of {divisors}"
+            )
+        if visible_gpus is not None and visible_gpus < n:
+            raise ConfigError(
+                f"LOCAL_WORLD_SIZE={n} ranks on this node but only {visible_gpus} GPU(s) visible: run one rank "
+                f"per GPU (torchrun --nproc-per-node={visible_gpus}) or make all {n} visible (CUDA_VISIBLE_DEVICES)"
+            )
+        return cls(env.local_rank, n, env.node_rank, per)
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.local_world_size // self.gpus_per_engine
+
+    @property
+    def engine(self) -> int:
+        """This rank's engine on the node."""
+        return self.local_rank // self.gpus_per_engine
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's TP rank in its engine (its GPU's place in the engine)."""
+        return self.local_rank % self.gpus_per_engine
+
+    @property
+    def is_engine_leader(self) -> bool:
+        """The first rank of an engine's GPUs starts it and talks to it for the engine's ranks."""
+        return self.tp_rank == 0
+
+    @property
+    def base_gpu_id(self) -> int:
+        return self.engine * self.gpus_per_engine
+
+    @property
+    def name(self) -> str:
+        """node<k>-engine<e>: the engine's name in logs, errors and file names."""
+        return f"node{self.node_rank}-engine{self.engine}"
+
+    def local_ranks(self) -> list[int]:
+        """The local ranks of this rank's engine, in TP-rank order."""
+        return list(range(self.base_gpu_id, self.base_gpu_id + self.gpus_per_engine))
+
+    def ranks(self, node_first_rank: int) -> list[int]:
+        """The global ranks of this rank's engine, in TP-rank order (torchrun numbers a node's
+        ranks consecutively from `node_first_rank`)."""
+        return [node_first_rank + r for r in self.local_ranks()]
+
+    def cpu_binding(self, cores: list[int] | None = None) -> str:
+        """SGLang's SGLANG_CPU_OMP_THREADS_BIND for this engine on CPU: the node's cores split
+        evenly between its ranks, each TP rank bound to its rank's share ("0|1" for TP 2 on two
+        cores). Without it SGLang refuses more TP ranks than NUMA nodes."""
+        cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+        share = max(1, len(cores) // self.local_world_size)
+        parts = []
+        for r in self.local_ranks():
+            mine = cores[(r * share) % len(cores) : (r * share) % len(cores) + share] or cores[:1]
+            parts.append(",".join(map(str, mine)))
+        return "|".join(parts)
