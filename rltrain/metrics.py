@@ -144,6 +144,7 @@ class MetricsWriter:
             "generation_failed": tot("generation_failed"),
             "reward_failed": tot("reward_failed"),
             "groups_dropped": tot("groups_dropped"),
+            "groups_identical": tot("groups_identical"),
             # Generations lost to an engine that died, sampled again after its restart.
             "generation_retried": sum(g.get("generation_retried", 0.0) for g in gathered),
             "engine_restarts": max(g.get("engine_restarts", 0.0) for g in gathered),

@@ -208,3 +208,71 @@ def test_concurrent_clients_get_their_own_results(server):
     with ThreadPoolExecutor(12) as pool:
         got = list(pool.map(lambda p: greedy(server.client, [p])[0], prompts))
     assert got == expected
+
+
+def test_every_sample_is_its_own_request_row_with_its_own_seed(server):
+    """n samples of a prompt go as n rows of n=1, each with its own sampling seed (SGLang copies a
+    request's params to its n samples and seeds by (seed, position): one seed for n would make
+    them one sample n times; n > 1 also takes its slow batch path). They differ on both engines."""
+    from rltrain.generation import generate_body
+
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, sampling_seed=1000, ignore_eos=True)
+    body = generate_body(PROMPTS[:2], params, first=5)
+    assert body["input_ids"] == [PROMPTS[0]] * 4 + [PROMPTS[1]] * 4
+    assert {p["n"] for p in body["sampling_params"]} == {1}
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [
+        1000 + (5 + i) * 4 + j for i in range(2) for j in range(4)
+    ]
+    out = server.client.generate(PROMPTS[:2], params)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(2) for s in range(4)]
+    for p in range(2):
+        assert len({tuple(c.output_ids) for c in out if c.prompt_index == p}) > 1
+
+
+def test_probe_scores_are_the_models_log_softmax_and_tell_other_weights_apart(server, model_a, model_b):
+    """What the post-sync probe relies on: the engine's log-probs of a fixed sequence (at
+    temperature 1, whatever the request's) are transformers' own, and weights other than the
+    trainer's fail the probe."""
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.sync.verify import probe_error, probe_tokens
+
+    probe = probe_tokens(256, 24)
+    model = AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([probe])).logits[0, :-1].float(), -1)
+    ref = logp.gather(-1, torch.tensor(probe[1:])[:, None])[:, 0]
+    assert probe_error("engine", server.client.score(probe), ref, 1e-3) is None
+    before = server.client.weight_version()
+    try:
+        server.client.update_weights_from_disk(str(model_b), weight_version="v-b")
+        error = probe_error("node0-engine0", server.client.score(probe), ref, 1e-3)
+        assert error is not None and error.startswith("node0-engine0's log-probs of the probe sequence differ")
+    finally:
+        server.client.update_weights_from_disk(str(model_a), weight_version=before)
+
+
+def test_sglang_weights_checker_digests_follow_the_weights(server, model_a, model_b):
+    """SGLang's /weights_checker, as the sync's agreement check uses it: one digest per TP rank,
+    the same for the same weights (across calls and reloads), different for other weights — so
+    an engine that missed an update disagrees with the engines that did not."""
+    if server.kind != "sglang":
+        pytest.skip("SGLang's endpoint; the embedded engine has its own checksum (test_sync.py)")
+    from rltrain.sync.verify import EngineDigest, disagreements
+
+    a = server.client.weights_checker()
+    assert [(e["tp_rank"], e["tp_size"]) for e in a] == [(0, 1)] and len(a[0]["checksum"]) == 64
+    assert server.client.weights_checker() == a
+    before = server.client.weight_version()
+    try:
+        server.client.update_weights_from_disk(str(model_b), weight_version="v-b")
+        b = server.client.weights_checker()
+    finally:
+        server.client.update_weights_from_disk(str(model_a), weight_version=before)
+    assert b != a and server.client.weights_checker() == a
+    digests = [EngineDigest(f"node{k}-engine0", 1, (d[0]["checksum"],)) for k, d in enumerate([a, b, a])]
+    assert disagreements(digests) == [
+        f"node1-engine0 holds a different TP-rank-0 shard (sha256 {b[0]['checksum'][:16]}…) than 2 of the 3 "
+        f"engines of TP size 1 ({a[0]['checksum'][:16]}…)"
+    ]
+    assert disagreements(digests[:2]) and len(disagreements(digests[:2])) == 2  # two that differ: both named

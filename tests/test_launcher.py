@@ -119,3 +119,84 @@ def test_sglang_command_places_the_server_on_the_configured_device(deterministic
     assert "--device" not in gpu and "--enable-memory-saver" in gpu
     assert ("--enable-deterministic-inference" in cpu) == ("--enable-deterministic-inference" in gpu) == deterministic
     assert "--sleep-on-idle" in cpu and "--sleep-on-idle" in gpu
+
+
+# ---------------------------------------------------------------------------------- engine layout
+
+
+def _env(local_rank: int, local_world_size: int = 8, node: int = 0):
+    from rltrain.runtime.env import DistEnv
+
+    n = local_world_size
+    return DistEnv(node * n + local_rank, 2 * n, local_rank, n, node, "127.0.0.1", 1, True)
+
+
+def test_sglang_spans_the_node_by_default_and_the_embedded_engine_takes_one_gpu_each():
+    from rltrain.config import EngineConfig
+    from rltrain.engine.layout import EngineLayout
+
+    sg = [EngineLayout.of(EngineConfig(backend="sglang"), "sglang", _env(r), 8) for r in range(8)]
+    assert {(x.engines_per_node, x.gpus_per_engine, x.engine) for x in sg} == {(1, 8, 0)}
+    assert [x.tp_rank for x in sg] == list(range(8)) and [x.is_engine_leader for x in sg] == [True] + [False] * 7
+    native = [EngineLayout.of(EngineConfig(backend="native"), "native", _env(r), 8) for r in range(8)]
+    assert [(x.engine, x.tp_rank, x.base_gpu_id, x.is_engine_leader) for x in native] == [
+        (r, 0, r, True) for r in range(8)
+    ]
+    four = [
+        EngineLayout.of(EngineConfig(backend="sglang", gpus_per_engine=4), "sglang", _env(r, node=1), 8)
+        for r in range(8)
+    ]
+    assert [(x.engine, x.tp_rank, x.base_gpu_id) for x in four] == [(r // 4, r % 4, r // 4 * 4) for r in range(8)]
+    assert four[5].name == "node1-engine1" and four[5].ranks(node_first_rank=8) == [12, 13, 14, 15]
+
+
+def test_engine_layouts_that_cannot_work_are_refused_with_what_to_set():
+    from rltrain.config import ConfigError, EngineConfig
+    from rltrain.engine.layout import EngineLayout
+
+    with pytest.raises(ConfigError, match=r"gpus_per_engine=3 does not divide the node's 8 GPUs.*\[1, 2, 4, 8\]"):
+        EngineLayout.of(EngineConfig(backend="sglang", gpus_per_engine=3), "sglang", _env(0), 8)
+    with pytest.raises(ConfigError, match=r"gpus_per_engine=16 is larger than the node: LOCAL_WORLD_SIZE=8"):
+        EngineLayout.of(EngineConfig(backend="sglang", gpus_per_engine=16), "sglang", _env(0), 8)
+    with pytest.raises(ConfigError, match=r"LOCAL_WORLD_SIZE=8 ranks .* only 4 GPU\(s\) visible.*--nproc-per-node=4"):
+        EngineLayout.of(EngineConfig(backend="sglang"), "sglang", _env(0), 4)
+    with pytest.raises(ConfigError, match=r"the embedded engine runs on one device"):
+        EngineLayout.of(EngineConfig(backend="auto", gpus_per_engine=2), "native", _env(0), 8)
+
+
+def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monkeypatch):
+    from rltrain.config import EngineConfig
+    from rltrain.engine.launcher import server_command, server_environment
+    from rltrain.engine.layout import EngineLayout
+
+    cfg = EngineConfig(backend="sglang", device="cuda", gpus_per_engine=4)
+    second = EngineLayout.of(cfg, "sglang", _env(4), 8)
+    cmd = server_command(cfg, "/m", 1, layout=second)
+    assert cmd[cmd.index("--tp-size") + 1] == "4" and cmd[cmd.index("--base-gpu-id") + 1] == "4"
+    assert "--enable-weights-cpu-backup" not in cmd  # no device->host->device copy of the model every step
+    assert "--enable-weights-cpu-backup" in server_command(
+        EngineConfig(**{**cfg.__dict__, "weights_backup": True}), "/m", 1
+    )
+    native = server_command(EngineConfig(backend="native", device="cuda"), "/m", 1, layout=EngineLayout(3, 8, 0, 1))
+    assert native[native.index("--device") + 1] == "cuda:3" and "--weights-backup" not in native
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    env = server_environment(cfg, second)
+    # SGLang's memory saver does not take expandable segments; NCCL cuMem off on both ends.
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] is None and env["PYTORCH_ALLOC_CONF"] is None
+    assert env["NCCL_CUMEM_ENABLE"] == "0"
+    cpu = server_environment(EngineConfig(backend="sglang", device="cpu", gpus_per_engine=2), EngineLayout(0, 2, 0, 2))
+    assert cpu["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1  # one core set per TP rank
+
+
+def test_what_sglang_cannot_do_where_it_runs_is_refused_at_start_up():
+    from rltrain.config import ConfigError, EngineConfig, load_config
+    from rltrain.engine.launcher import check_engine
+
+    with pytest.raises(ConfigError, match="SGLang on CPU cannot be deterministic"):
+        check_engine(EngineConfig(backend="sglang", device="cpu", deterministic=True), seeded=True)
+    check_engine(EngineConfig(backend="native", device="cpu", deterministic=True), seeded=True)
+    with pytest.raises(ConfigError, match="NCCL refuses .* use sync.transport=tensor"):
+        load_config(
+            None, ["model.path=/m", "data.path=synthetic:addition", "sync.transport=distributed", "engine.device=cuda"]
+        )

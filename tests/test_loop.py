@@ -66,7 +66,9 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         for rank in ("rank0", "rank1"):
             assert set(row["memory"][rank]) >= {"rollout", "train", "sync", "trainer_offload"}
             assert row["memory"][rank]["train"]["trainer_host"] > 0
-        assert row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and row["memory"]["rank1"]["rollout"]["engine_rss"] > 0
+        assert (
+            row["memory"]["rank0"]["rollout"]["engine_rss"] > 0 and row["memory"]["rank1"]["rollout"]["engine_rss"] > 0
+        )
         # Every sync is probed on the engines: they score a fixed sequence as the trainer does.
         assert 0 <= row["sync_probe_diff"] < 1e-3
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).

@@ -172,3 +172,82 @@ def test_seeded_sampling_noise_is_uniform_and_samples_the_softmax():
     drawn = torch.argmax(logits - torch.log(-torch.log(u)).float(), dim=-1)
     freq = torch.bincount(drawn, minlength=8).double() / len(seeds)
     assert torch.allclose(freq, torch.softmax(logits.double(), -1), atol=0.01), freq
+
+
+@pytest.fixture(scope="module")
+def discarding(model_a, tmp_path_factory):
+    """The embedded engine as the loop runs it: released weights are discarded, as SGLang does
+    without --enable-weights-cpu-backup."""
+    from conftest import start_engine
+
+    srv = start_engine("native", model_a, tmp_path_factory.mktemp("discarding_logs"))
+    yield srv
+    srv.client.close()
+    srv.process.stop()
+
+
+def test_released_weights_are_discarded_and_garbage_until_every_parameter_is_synced(discarding, model_a, model_b):
+    """What a real engine serves after a resume without a backup: nothing until weights are
+    loaded, and wherever a sync missed a parameter, garbage that the verification catches (the
+    probe's log-probs are not finite, the checksum differs). No host copy is made on release."""
+    from safetensors.torch import load_file
+
+    from rltrain.weights.bucket import serialize
+
+    client = discarding.client
+    probe = [3, 1, 4, 1, 5, 9, 2, 6]
+    good_score = client.score(probe)
+    sums = client.weights_checksum()
+    client.release()
+    report = client.memory_report()
+    assert report["released"] == ["cuda_graph", "kv_cache", "weights"] and report["weight_bytes"] == 0
+    assert not list((discarding.process.log_path.parent).glob("**/weights_backup*"))
+    assert "discarded" in discarding.process.log_tail()
+    client.resume(["weights"])
+    client.resume(["kv_cache", "cuda_graph"])
+    failed = client.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    assert all(not c.ok and "update the weights" in c.error for c in failed)
+    # A sync that misses one parameter: the engine serves, but not what the trainer has.
+    state = load_file(str(model_a / "model.safetensors"))
+    missed = "model.norm.weight"
+    named = [(n, t) for n, t in sorted(state.items()) if n != missed]
+    client.update_weights_from_tensor([serialize(named)], load_format="direct", weight_version="partial")
+    assert not all(torch.isfinite(torch.tensor(client.score(probe))))
+    assert client.weights_checksum()["checksum"] != sums["checksum"]
+    client.update_weights_from_disk(str(model_a), weight_version="default")  # every parameter
+    assert client.score(probe) == pytest.approx(good_score, abs=1e-6)
+    assert client.weights_checksum()["checksum"] == sums["checksum"]
+
+
+def test_release_memory_pauses_with_abort_and_frees_every_region(discarding, model_a):
+    """The loop's release: a request still in flight (its client gave up on it) is aborted
+    first — a failed completion, never a sample — then weights, KV cache and CUDA graphs go;
+    resume brings the weights back, then KV cache and graphs, and generation continues."""
+    import threading
+    import time
+
+    from rltrain.engine.launcher import NodeEngine
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=60)
+    node = NodeEngine(discarding.client, discarding.process.url, discarding.process, world)
+    out: list = []
+    slow = threading.Thread(
+        target=lambda: out.extend(
+            discarding.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4000, ignore_eos=True))
+        )
+    )
+    try:
+        slow.start()
+        time.sleep(1.0)
+        node.release_memory()
+        slow.join(60)
+        assert out and not out[0].ok and "abort" in out[0].error, out
+        assert discarding.client.memory_report()["released"] == ["cuda_graph", "kv_cache", "weights"]
+        node.resume_weights()
+        discarding.client.update_weights_from_disk(str(model_a), weight_version="default")
+        node.resume_kv()
+        assert discarding.client.memory_report()["released"] == []
+        assert greedy(discarding.client)
+    finally:
+        world.close()

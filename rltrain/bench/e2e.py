@@ -39,6 +39,7 @@ SWITCHES = (
     "world_destroy",
     "trainer_offload",
     "engine_resume_kv",
+    "sync_probe",
 )
 TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
 ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other")
@@ -149,6 +150,11 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
     lines.append(
         f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
         f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)"
+    )
+    probe = mean(lambda r: r.get("sync_probe_diff", float("nan")))
+    lines.append(
+        f"{'probe log-prob difference':>28s} {probe:13.4f}   engine vs trainer, mean |diff| over the probe "
+        "(bf16; sync.probe_tolerance default 0.1)"
     )
     # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase.
     moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30

@@ -1,13 +1,15 @@
 """Soak: many phase cycles on real processes, with what leaks when phase switches leak sampled.
 
-    python -m rltrain.bench.soak [--cycles 200] [--ranks 2] [--device cpu|cuda]
+    python -m rltrain.bench.soak [--cycles 200] [--ranks 2] [--device cpu|cuda] [--transport tensor]
 
-Each cycle does what the colocated loop does between phases, without the work itself:
+Each cycle does what the colocated loop does between phases, without rollout and training:
 
     world destroy (+ wait) -> engine release -> world rebuild -> trainer onload ->
-    trainer offload -> engine resume
+    engine resume weights -> weight sync (verified) -> trainer offload -> engine resume KV -> probe
 
-There is one engine: the embedded engine, started by rank 0 as the loop starts it. The trainer
+The engines are the embedded engine laid out as the loop lays it out: one per GPU, each rank
+its own engine's leader, so under `tensor` every rank builds the payloads of its own engine on
+its own GPU; released weights are discarded (the sync rewrites every parameter). The trainer
 is the torch-native one, FSDP2 over the world, on a small Qwen2 built locally. After each cycle
 every rank samples its RSS, open file descriptors, threads and child processes, plus the
 engine's RSS; on CUDA also the device memory in use, at the end of the cycle and at its low point
@@ -41,6 +43,10 @@ BOUNDS = {
     "children": 0,
     "cuda_used_mib": 64.0,
     "cuda_low_mib": 16.0,
+    "trainer_allocated_mib": 1.0,
+    "trainer_reserved_mib": 64.0,
+    "engine_allocated_mib": 1.0,
+    "engine_reserved_mib": 64.0,
 }
 
 
@@ -71,82 +77,102 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
-    from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
-    from rltrain.runtime.net import free_port
+    from rltrain.config import build_config
+    from rltrain.engine.launcher import NodeEngine
+    from rltrain.runtime.ledger import device_used
     from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
     from rltrain.trainer.fsdp import FSDPTrainer
 
     device = torch.device(args["device"] if args["device"] == "cpu" else f"cuda:{rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cfg = build_config(
+        {
+            "run": {"dir": out, "name": "soak"},
+            "model": {"path": args["model"]},
+            "data": {"path": "synthetic:addition"},
+            "engine": {
+                "backend": "native",
+                "device": device.type,
+                "dtype": "float32" if device.type == "cpu" else "bfloat16",
+                "gpus_per_engine": 1,  # the embedded engine's layout: one per GPU, each rank its own
+            },
+            "trainer": {"lr": 1e-4},
+            "sync": {"transport": args["transport"]},
+        }
+    )
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=120)
-    engine = client = None
-    if rank == 0:
-        eport = free_port()
-        ecfg = EngineConfig(
-            backend="native", device=device.type, dtype="float32" if device.type == "cpu" else "bfloat16"
-        )
-        engine = EngineProcess.start(
-            server_command(ecfg, args["model"], eport), f"http://127.0.0.1:{eport}", Path(out) / "engine.log"
-        )
-        client = EngineClient(engine.url, retries=0)
-        client.wait_healthy(300, alive=lambda: engine.alive)
-    trainer = FSDPTrainer(TrainerConfig(lr=1e-4), AlgoConfig(), args["model"], device)
+    engine = NodeEngine.launch(cfg.engine, args["model"], world, Path(out), weights_roots=[str(cfg.weights_dir)])
+    trainer = FSDPTrainer(cfg.trainer, cfg.algo, args["model"], device)
     trainer.create()
-    me = psutil.Process()
     parts = args["parts"]
+    sync = WeightSync(cfg, world, trainer, [engine.client], args["model"], engine.layout) if "sync" in parts else None
+    me = psutil.Process()
     samples = []
     try:
         for cycle in range(args["cycles"]):
             t0 = time.perf_counter()
             world.destroy()
             world.wait_destroyed()
-            if client is not None and "engine" in parts:
-                client.release(["kv_cache", "weights"])
-            world.bridge.barrier(phase="soak release")
+            if "engine" in parts:
+                engine.release_memory()
             world.rebuild()
             if "trainer" in parts:
                 trainer.onload()
+            if "engine" in parts:
+                engine.resume_weights()
+            t_sync = time.perf_counter()
+            if sync is not None:
+                sync.push(str(cycle + 1))
+            t_sync = time.perf_counter() - t_sync
+            if "trainer" in parts:
                 trainer.offload()
             world.bridge.barrier(phase="soak offload")
             low = None
             if device.type == "cuda":  # the cycle's low point: engine released, trainer offloaded, world down
                 world.destroy()
                 world.wait_destroyed()
-                free, total = torch.cuda.mem_get_info(device)
-                low = (total - free) / 2**20
+                low = device_used(device) / 2**20
                 world.rebuild()
-            if client is not None and "engine" in parts:
-                client.resume(["weights", "kv_cache"])
+            if "engine" in parts:
+                engine.resume_kv()
+            if sync is not None:
+                sync.probe_engines()
             world.bridge.barrier(phase="soak resume")
             row = {
                 "cycle": cycle,
                 "s": time.perf_counter() - t0,
+                "sync_s": t_sync,
                 "rss_mib": me.memory_info().rss / 2**20,
                 "fds": me.num_fds(),
                 "threads": me.num_threads(),
                 "children": len(me.children(recursive=True)),
             }
-            if engine is not None:
-                row["engine_rss_mib"] = psutil.Process(engine.proc.pid).memory_info().rss / 2**20
+            if engine.process is not None:
+                row["engine_rss_mib"] = psutil.Process(engine.process.proc.pid).memory_info().rss / 2**20
             if device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(device)
-                row["cuda_used_mib"] = (total - free) / 2**20
+                row["cuda_used_mib"] = device_used(device) / 2**20  # NVML: every process on the GPU
                 row["cuda_low_mib"] = low
+                row["trainer_allocated_mib"] = torch.cuda.memory_allocated(device) / 2**20
+                row["trainer_reserved_mib"] = torch.cuda.memory_reserved(device) / 2**20
+                rep = engine.memory_report()
+                if "cuda_allocated" in rep:
+                    row["engine_allocated_mib"] = rep["cuda_allocated"] / 2**20
+                    row["engine_reserved_mib"] = rep["cuda_reserved"] / 2**20
             samples.append(row)
     finally:
         Path(out, f"rank{rank}.json").write_text(json.dumps(samples))
-        if client is not None:
-            client.close()
-        if engine is not None:
-            engine.stop()
+        if sync is not None:
+            sync.close()
+        engine.shutdown()
         trainer.release()
         world.close()
 
 
-def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,trainer") -> tuple[list[str], bool]:
+def run(
+    cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,trainer,sync", transport: str = "tensor"
+) -> tuple[list[str], bool]:
     import torch.multiprocessing as mp
 
     from rltrain.runtime.net import free_port
@@ -154,12 +180,19 @@ def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,
     with tempfile.TemporaryDirectory(prefix="rltrain-soak-") as tmp:
         model = Path(tmp) / "model"
         _build(model)
-        args = {"cycles": cycles, "device": device, "model": str(model), "parts": parts.split(",")}
+        args = {
+            "cycles": cycles,
+            "device": device,
+            "model": str(model),
+            "parts": parts.split(","),
+            "transport": transport,
+        }
         mp.start_processes(_worker, args=(ranks, free_port(), args, tmp), nprocs=ranks, start_method="spawn")
         per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(ranks)]
     lines = [
         f"# rltrain.bench.soak  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {ranks} ranks on {device}, "
-        f"{cycles} cycles (destroy, release, rebuild, onload, offload, resume), warm-up {warmup}",
+        f"{cycles} cycles (destroy, release, rebuild, onload, resume weights, sync by {transport}, offload, "
+        f"resume kv, probe; parts: {parts}), warm-up {warmup}",
         f"{'rank':>4s} {'metric':>15s} {'after warm-up':>14s} {'last':>10s} {'max':>10s} {'growth':>8s} "
         f"{'bound':>6s}  ok",
     ]
@@ -182,6 +215,8 @@ def run(cycles: int, ranks: int, device: str, warmup: int, parts: str = "engine,
             )
         secs = sorted(x["s"] for x in rows)
         lines.append(f"{r:>4d} {'cycle s':>15s} median {secs[len(secs) // 2]:.3f}, max {secs[-1]:.3f}")
+        syncs = sorted(x["sync_s"] for x in rows)
+        lines.append(f"{r:>4d} {'sync s':>15s} median {syncs[len(syncs) // 2]:.3f}, max {syncs[-1]:.3f}")
     return lines, ok
 
 
@@ -193,14 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument(
         "--parts",
-        default="engine,trainer",
-        help="what cycles besides the world (to find what grows): engine, trainer, both",
+        default="engine,trainer,sync",
+        help="what cycles besides the world (to find what grows): engine, trainer, sync (needs both)",
     )
+    ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
     a = ap.parse_args(argv)
     if a.cycles <= a.warmup:
         print(f"--cycles must exceed --warmup ({a.warmup})", file=sys.stderr)
         return 2
-    lines, ok = run(a.cycles, a.ranks, a.device, a.warmup, a.parts)
+    lines, ok = run(a.cycles, a.ranks, a.device, a.warmup, a.parts, a.transport)
     print("\n".join(lines))
     return 0 if ok else 1
 

@@ -118,6 +118,11 @@ def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retrie
         "generation_retried": float(retried),
         "reward_failed": float(reward_failed),
         "groups_dropped": float(len(groups) - len(kept)),
+        # Groups whose samples are all the same response: no advantage, nothing learned from them.
+        # All of them, step after step, means the samples share a seed (or the engine is greedy).
+        "groups_identical": float(
+            sum(1 for g in kept if len(g) > 1 and len({tuple(s.completion.output_ids) for s in g}) == 1)
+        ),
         "response_tokens": float(sum(len(s.completion.output_ids) for s in ok)),
     }
     return Rollout(kept, stats, groups)

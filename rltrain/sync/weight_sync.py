@@ -220,7 +220,10 @@ class WeightSync:
                 try:
                     logp = client.score(self.probe)
                 except EngineError as e:
-                    errors.append(f"{self._name(r)} could not score the probe of version {version}: {e}")
+                    if e.status is None:  # gone: the next rollout's recover() restarts it and syncs again
+                        log.warning("%s did not answer the probe of version %s: %s", self._name(r), version, e)
+                    else:
+                        errors.append(f"{self._name(r)} could not score the probe of version {version}: {e}")
                     continue
                 error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
                 if error is not None:

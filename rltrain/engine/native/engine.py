@@ -693,11 +693,13 @@ class NativeEngine:
 
 
 def _tags(tags: list[str] | None) -> list[str]:
-    tags = list(tags) if tags else ["weights", "kv_cache"]
+    """SGLang's memory regions (None: all). This engine has no CUDA graphs: that region holds
+    nothing here, but is released and resumed like the others (generation waits for it)."""
+    tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
     bad = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
     if bad:
-        raise ValueError(f"unknown memory tags {bad}; expected weights, kv_cache")
-    return [t for t in tags if t != "cuda_graph"]
+        raise ValueError(f"unknown memory tags {bad}; expected weights, kv_cache, cuda_graph")
+    return tags
 
 
 def _eos_ids(model: Any) -> set[int]:
