@@ -123,6 +123,7 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     engine.release_memory()
     trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     trainer.create()
+    log.info("trainer created (%s), after the engines started", cfg.trainer.backend)
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler)
     cycle = TrainerCycle(

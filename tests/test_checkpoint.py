@@ -267,7 +267,7 @@ def test_an_engine_dying_mid_rollout_is_restarted_and_its_lost_generations_are_r
     r = _engine_dies(tmp_path, "1", *DET)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "engine_died_at_v1").exists()  # it did die
-    assert "died during rollout; starting it again (restart 1 of 1)" in r.stderr, r.stderr[-3000:]
+    assert "died during rollout; starting them again (restart 1 of 1)" in r.stderr, r.stderr[-3000:]
     run_dir = tmp_path / "quickstart"
     got = rows(run_dir)
     assert [x["step"] for x in got] == [1, 2, 3, 4]

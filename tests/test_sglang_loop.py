@@ -47,9 +47,11 @@ def _run(tmp_path: Path, *overrides: str, steps: int = 20, env: dict[str, str] |
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_steps(rows: list[dict], steps: int) -> None:
+def _check_steps(rows: list[dict], steps: int, engines: int) -> None:
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     for row in rows:
+        # Every engine's /weights_checker digests were compared with the others' after every sync.
+        assert row["sync_digests"] == engines and row["sync_verify_s"] > 0
         # Every sync was verified on every engine (a mismatch fails the step): the probe's
         # log-probs agree with the trainer's (fp32 on both sides).
         assert 0 <= row["sync_probe_diff"] < 1e-3, row
@@ -68,7 +70,7 @@ def test_loop_on_one_sglang_engine_per_rank(tmp_path, transport):
         f"sync.transport={transport}",
         env={"RLTRAIN_TEST_BAD_GENERATE": "1:3"},  # rank 1's 4th request: refused by SGLang
     )
-    _check_steps(rows, 20)
+    _check_steps(rows, 20, engines=2)
     failed = [row["generation_failed"] for row in rows]
     assert sum(failed) >= 8 and sum(f > 0 for f in failed) == 1, failed  # counted, in one step
     bad = next(row for row in rows if row["generation_failed"])
@@ -88,7 +90,7 @@ def test_loop_on_one_sglang_engine_at_tp2_over_both_ranks(tmp_path):
         steps=8,
         env={"RLTRAIN_TEST_RECORD_PAYLOADS": str(record)},
     )
-    _check_steps(rows, 8)
+    _check_steps(rows, 8, engines=1)
     assert all(row["generation_failed"] == 0 for row in rows)
     # Rank 0 (the engine's leader) sent every request; entry k of each names rank k's memory alone.
     pids = [int((record / f"rank{r}.pid").read_text()) for r in (0, 1)]

@@ -33,21 +33,23 @@ PROBE_TOLERANCE_HALF = 0.1  # bf16 / fp16 engines
 
 @dataclass(frozen=True)
 class EngineDigest:
-    """One engine's /weights_checker answer: its sha256 per TP rank."""
+    """One engine's /weights_checker answer: its sha256 per TP rank. `shard`: which weights it
+    holds beyond its TP size — its EP rank where the sync routes experts ("" for a replica)."""
 
     engine: str
     tp_size: int
     by_tp_rank: tuple[str, ...]
+    shard: str = ""
 
 
 def disagreements(digests: Sequence[EngineDigest]) -> list[str]:
-    """Engines whose digest at some TP rank differs from the most common one of the engines of
-    their TP size (with two engines that disagree, both are named)."""
+    """Engines whose digest at some TP rank differs from the most common one of the engines that
+    hold the same shard (TP size and `shard`); with two engines that disagree, both are named."""
     errors = []
-    by_size: dict[int, list[EngineDigest]] = defaultdict(list)
+    by_size: dict[tuple[int, str], list[EngineDigest]] = defaultdict(list)
     for d in digests:
-        by_size[d.tp_size].append(d)
-    for size, group in sorted(by_size.items()):
+        by_size[d.tp_size, d.shard].append(d)
+    for (size, _), group in sorted(by_size.items()):
         if len(group) < 2:
             continue
         for k in range(size):

@@ -140,7 +140,7 @@ class WeightSync:
         errors = self.world.bridge.all_gather_object(error, phase="sync")
         if any(errors):
             raise SyncError(next(e for e in errors if e))
-        self._verify(version, sums)
+        stats = self._verify(version, sums)
         log.debug(
             "synced version %s by %s: %d bytes in %.3fs",
             version,
@@ -148,7 +148,7 @@ class WeightSync:
             sent,
             time.perf_counter() - t0,
         )
-        return {"sync_bytes": float(sent)}  # its time is the loop's "sync" phase
+        return {"sync_bytes": float(sent), **stats}  # its time is the loop's "sync" phase
 
     def _tensors(self, names: list[str] | None, sums: Sums) -> Iterator[tuple[str, torch.Tensor]]:
         """The trainer's tensors (a collective); the leader checksums each in the engine's dtype."""
@@ -158,8 +158,10 @@ class WeightSync:
                 sums[name] = entry(t if dtype is None else t.to(dtype))
             yield name, t
 
-    def _verify(self, version: str, sums: Sums) -> None:
-        """Every check of the module docstring; all ranks agree on the outcome (a collective)."""
+    def _verify(self, version: str, sums: Sums) -> dict[str, float]:
+        """Every check of the module docstring; all ranks agree on the outcome (a collective).
+        Returns its seconds and how many engines' /weights_checker digests were compared."""
+        t0 = time.perf_counter()
         stale: list[str] = []  # engines at another version
         wrong: list[str] = []  # engines at the version with other weights
         check = self.cfg.sync.verify
@@ -185,7 +187,8 @@ class WeightSync:
                         )
                 if self.caps.weights_checker:
                     ranks = client.weights_checker()
-                    digests.append(verify.EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks)))
+                    shard = f"ep{r}/{len(self.receivers)}" if len(self.receivers) > 1 else ""
+                    digests.append(verify.EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks), shard))
         except EngineError as e:
             wrong.append(f"cannot verify weight version {version} on {self.engine_name}: {e}")
         if check and self.probe:
@@ -202,6 +205,10 @@ class WeightSync:
             raise WeightMismatchError("; ".join(stale + wrong))
         if stale:
             raise StaleWeightsError("; ".join(stale))
+        return {
+            "sync_verify_s": time.perf_counter() - t0,
+            "sync_digests": float(sum(len(ds) for _, _, ds in gathered)),
+        }
 
     def probe_engines(self) -> dict[str, float]:
         """The probe of the last push, on the engines (awake: weights and KV cache back), against
