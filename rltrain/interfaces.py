@@ -8,8 +8,8 @@ the type checker where `setup.py` wires them together:
     Trainer     trainer.fsdp.FSDPTrainer,           the policy: create, train, offload/onload,
                 trainer.megatron.trainer.            release and re-create, export weights,
                 MegatronTrainer                      checkpoint state
-    NodeEngine  engine.launcher.NodeEngine          this node's engine, in the loop's verbs, and the
-                                                    client every rank generates through
+    NodeEngine  engine.launcher.NodeEngine          this rank's engine (one of its node's), in the
+                                                    loop's verbs, and the client it generates through
     Transport   sync/transport.py                   one way of moving weights (sync only)
 """
 
@@ -148,8 +148,9 @@ class RolloutClient(Protocol):
 
 
 class NodeEngine(Protocol):
-    """This node's engine as the loop uses it (`engine.launcher.NodeEngine`): the phase verbs are
-    collectives over the bridge; the client is what every rank generates through."""
+    """This rank's engine as the loop uses it (`engine.launcher.NodeEngine`; `engine/layout.py`
+    says which of its node's engines): the phase verbs are collectives over the bridge (each
+    engine's leader talks to it); the client is what this rank generates through."""
 
     url: str
 

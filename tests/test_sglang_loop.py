@@ -51,7 +51,7 @@ def _check_steps(rows: list[dict], steps: int, engines: int) -> None:
     assert [row["step"] for row in rows] == list(range(1, steps + 1))
     for row in rows:
         # Every engine's /weights_checker digests were compared with the others' after every sync.
-        assert row["sync_digests"] == engines and row["sync_verify_s"] > 0
+        assert row["sync_digests"] == engines
         # Every sync was verified on every engine (a mismatch fails the step): the probe's
         # log-probs agree with the trainer's (fp32 on both sides).
         assert 0 <= row["sync_probe_diff"] < 1e-3, row
