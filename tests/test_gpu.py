@@ -19,6 +19,9 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8]]
 
 
 def test_nccl_world_destroy_rebuild_with_subgroups(monkeypatch):
+    """NCCL groups are torn down (their device memory freed) and rebuilt; a gloo subgroup holds
+    no device memory and stays up: the same communicator across cycles, still correct."""
+    from rltrain.runtime.ledger import device_used
     from rltrain.runtime.world import World
 
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
@@ -27,15 +30,23 @@ def test_nccl_world_destroy_rebuild_with_subgroups(monkeypatch):
     try:
         g = world.new_group([0], description="tp")
         cpu = world.new_group([0], backend="gloo", description="tp-gloo")
+        kept, nccl = cpu.pg, g.pg
+        freed = []
         for _ in range(3):
+            torch.cuda.synchronize()
+            before = device_used(world.device)
             world.destroy()
             world.wait_destroyed()
+            freed.append(before - device_used(world.device))
             world.rebuild()
             x = torch.full((4,), 2.0, device="cuda")
             dist.all_reduce(x, group=g.pg)
             y = torch.ones(2)
             dist.all_reduce(y, group=cpu.pg)
             assert x.sum().item() == 8.0 and y.sum().item() == 2.0
+            assert cpu.pg is kept and g.pg is not nccl
+            nccl = g.pg
+        assert all(f > 100 * 2**20 for f in freed), freed  # the communicators' memory went back
     finally:
         world.close()
 

@@ -85,7 +85,9 @@ def _cycles_rank(rank: int, world_size: int, async_destroy: bool) -> dict:
 def test_megatron_groups_survive_destroy_rebuild_cycles(async_destroy):
     results = values(run_ranks(_cycles_rank, 4, async_destroy, deadline_s=180))
     for r in results:
-        assert r["groups"] == 52
+        assert (
+            r["groups"] == 53
+        )  # what megatron-core makes (test_the_megatron_group_plan_is_the_set_megatron_core_creates)
         assert r["probes"] == [True] * CYCLES
         assert r["prefixes"] == [f"rltrain/world/0/{g}" for g in range(1, CYCLES + 1)]  # attempt 0
     # Every membership of every group was checked on its rank.
@@ -209,3 +211,144 @@ def test_megatron_plan_matches_megatron_layout():
     assert len(by_kind["dp-gloo"]) == len(by_kind["dp"])
     with pytest.raises(ValueError, match="not divisible"):
         ParallelDims(6, tp=4)
+
+
+# ------------------------------------------------------------ kept CPU groups, handle ranks, instances
+
+
+def _kept_rank(rank: int, world_size: int) -> dict:
+    world = World(backend="gloo", timeout=60)
+    sub = world.new_group([2, 0], description="unsorted")  # torch orders a group's ranks
+    everyone = world.new_group(description="all")
+    pg0, default0 = everyone.pg, dist.group.WORLD
+    out = {"ranks": sub.ranks, "handle_rank": sub.rank(), "torch_rank": dist.get_rank(sub.pg) if sub.is_member else -1}
+    same, sums, defaults = [], [], []
+    for _ in range(3):
+        world.destroy()
+        world.wait_destroyed()
+        world.rebuild()
+        same.append(everyone.pg is pg0)
+        defaults.append(dist.group.WORLD is default0)
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=everyone.pg)  # the kept communicator, through torch's own API
+        if sub.is_member:
+            s = torch.tensor([float(rank)])
+            dist.broadcast(s, src=2, group=sub.pg)  # a global source rank: torch's rank map is back
+            sums.append((t.item(), s.item(), dist.get_rank(sub.pg)))
+        else:
+            sums.append((t.item(), None, None))
+        late = world.new_group([0, 1], description=f"late{world.generation}")  # named clear of the kept ones
+        if late.is_member:
+            u = torch.ones(1)
+            dist.all_reduce(u, group=late.pg)
+            assert u.item() == 2
+    out.update(same=same, defaults=defaults, sums=sums, kept=world.keeps(everyone.spec))
+    world.close()
+    return out
+
+
+def test_gloo_subgroups_stay_up_across_cycles_as_the_same_communicators():
+    """A gloo subgroup holds no accelerator memory: the world keeps its communicator across
+    destroy/rebuild (the same object, usable through torch.distributed), while the default group
+    is a new one each generation. Handle ranks follow torch's order for unsorted ranks."""
+    results = values(run_ranks(_kept_rank, 3))
+    for rank, r in enumerate(results):
+        assert r["ranks"] == (0, 2) and r["kept"] and r["same"] == [True] * 3 and r["defaults"] == [False] * 3
+        if rank in (0, 2):
+            assert r["handle_rank"] == r["torch_rank"] == (0 if rank == 0 else 1)
+            assert r["sums"] == [(6.0, 2.0, r["torch_rank"])] * 3
+        else:
+            assert r["handle_rank"] == r["torch_rank"] == -1 and r["sums"] == [(6.0, None, None)] * 3
+
+
+def _second_world_rank(rank: int, world_size: int) -> list:
+    seen = []
+    for _ in range(2):  # a library user (or a test) that closes one World and opens another
+        world = World(backend="gloo", timeout=20)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        seen.append((world.instance, world.store_prefix(), t.item(), world.bridge.all_gather_object(rank)))
+        world.close()
+    return seen
+
+
+def test_a_second_world_in_the_same_job_uses_store_prefixes_of_its_own():
+    results = values(run_ranks(_second_world_rank, 2, deadline_s=120))
+    for r in results:
+        (i0, p0, s0, g0), (i1, p1, s1, g1) = r
+        assert i1 == i0 + 1 and p0 != p1 and s0 == s1 == 2.0 and g0 == g1 == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("configured", "value", "expected"),
+    [
+        (True, "FALSE", False),
+        (True, "off", False),
+        (True, "no", False),
+        (True, "0", False),
+        (False, "1", True),
+        (False, "True", True),
+        (False, "ON", True),
+        (True, "yes", True),
+        (True, None, True),
+    ],
+)
+def test_the_reload_escape_hatch_takes_the_usual_spellings_and_says_what_it_did(caplog, configured, value, expected):
+    from rltrain.runtime.world import reload_setting
+
+    with caplog.at_level(logging.INFO, logger="rltrain.world"):
+        assert reload_setting(configured, value) is expected
+    if value is not None:
+        said = caplog.text
+        assert f"RLTRAIN_RELOAD_WORLD={value}" in said and ("reload on" if expected else "reload off") in said
+        if expected != configured:
+            assert f"overrides world.reload={str(configured).lower()}" in said
+
+
+def test_the_reload_escape_hatch_refuses_what_it_cannot_read():
+    from rltrain.runtime.world import reload_setting
+
+    with pytest.raises(WorldError, match=r"RLTRAIN_RELOAD_WORLD='maybe': expected one of 1, true, yes, on"):
+        reload_setting(True, "maybe")
+
+
+def _megatron_groups_rank(rank: int, world_size: int) -> list:
+    """The groups megatron-core's own initialize_model_parallel asks torch for (on CPU: gloo)."""
+    from megatron.core import parallel_state
+
+    from megatron_shim import megatron_on_cpu
+
+    dist.init_process_group("gloo")
+    seen: list = []
+    real = dist.new_group
+
+    def recording(ranks=None, timeout=None, backend=None, pg_options=None, **kw):
+        seen.append((tuple(sorted(ranks)) if ranks is not None else None, backend))
+        return real(ranks=ranks, timeout=timeout, backend="gloo", **kw)  # NCCL is not on this machine
+
+    dist.new_group = recording
+    try:
+        with megatron_on_cpu():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=2,
+                expert_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+            )
+    finally:
+        dist.new_group = real
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return seen
+
+
+def test_the_megatron_group_plan_is_the_set_megatron_core_creates():
+    """rltrain.bench.topology's plan (what the world benchmark registers) against megatron-core
+    itself: the same groups, in the same order, the Gloo twins included."""
+    pytest.importorskip("megatron.core")
+    theirs = values(run_ranks(_megatron_groups_rank, 4, deadline_s=240))[0]
+    plan = megatron_group_plan(ParallelDims(4, tp=2, pp=2, ep=2, etp=1))
+    mine = [(e.ranks, e.backend) for e in plan]
+    assert len(mine) == len(theirs), (len(mine), len(theirs), theirs)
+    assert [r for r, _ in mine] == [r for r, _ in theirs]
+    assert [b == "gloo" for _, b in mine] == [b == "gloo" for _, b in theirs]

@@ -101,12 +101,13 @@ def megatron_group_plan(dims: ParallelDims, gloo_twins: bool = True) -> list[Gro
     add("cp", dense_groups("cp"))
     add("mp", dense_groups("tp", "pp"))
     add("tp", dense_groups("tp"))
-    pp_groups = dense_groups("pp")
-    add("pp", pp_groups)
-    # Embedding groups tie the first and last pipeline stage (word embeddings / LM head);
-    # position embeddings live on the first stage only.
-    add("embd", [sorted({g[0], g[-1]}) for g in pp_groups])
-    add("pos-embd", [[g[0]] for g in pp_groups])
+    # Per pipeline group, as megatron-core makes them: the group, then its embedding group (the
+    # first and last stage: word embeddings / LM head), then its position-embedding group (the
+    # first stage).
+    for g in dense_groups("pp"):
+        add("pp", [g])
+        add("embd", [sorted({g[0], g[-1]})])
+        add("pos-embd", [[g[0]]])
     add("tp-dp-cp", dense_groups("tp", "dp", "cp"))
     add("tp-dp", dense_groups("tp", "dp"))
     add("tp-cp", dense_groups("tp", "cp"))
@@ -119,4 +120,12 @@ def megatron_group_plan(dims: ParallelDims, gloo_twins: bool = True) -> list[Gro
     add("tp-ep", expert_groups("tp", "ep"))
     add("tp-ep-pp", expert_groups("tp", "ep", "pp"))
     add("edp", expert_groups("dp"), gloo=True)
+    # The distributed optimizer's instance groups (one instance, megatron's default): the ranks of
+    # `expert dp` consecutive tp-ep-pp groups each.
+    chunk: list[int] = []
+    for k, g in enumerate(expert_groups("tp", "ep", "pp"), start=1):
+        chunk += g
+        if k % dims.expert_dp == 0:
+            add("dist-opt", [chunk])
+            chunk = []
     return plan

@@ -40,6 +40,7 @@ class Bridge:
         self.world_size = world_size
         self.timeout = timeout
         self._base_store = base_store
+        self._name = name
         # Per torchrun attempt: a restarted job shares the agent's store with the attempt that
         # died, whose peer addresses would otherwise be read back (a restarted rank would
         # connect to the dead rank 0's port).
@@ -162,7 +163,8 @@ class Bridge:
         members only (no collective on this bridge)."""
         if self.rank not in members:
             raise BridgeError(f"rank {self.rank} is not one of the members {members} of bridge subgroup {name!r}")
-        return Bridge(self._base_store, members.index(self.rank), len(members), self.timeout, name=name)
+        inner = f"{self._name}/{name}" if self._name else name
+        return Bridge(self._base_store, members.index(self.rank), len(members), self.timeout, name=inner)
 
     # ------------------------------------------------------------------ teardown
 

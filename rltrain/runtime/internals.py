@@ -66,8 +66,15 @@ REGISTRY: dict[str, Internal] = {
         ),
         Internal(
             "torch.distributed.distributed_c10d._world",
-            "runtime/weight_group.py",
-            "registers the weight-update group's rank map, as SGLang does",
+            "runtime/weight_group.py, runtime/kept_groups.py",
+            "registers the weight-update group's rank map, as SGLang does; takes gloo subgroups out of the "
+            "registry before the world's destroy and puts them back after its rebuild",
+            _TORCH,
+        ),
+        Internal(
+            "torch.distributed.distributed_c10d._register_process_group",
+            "runtime/kept_groups.py: attach",
+            "a kept group's name back in the C++ registry (functional collectives look groups up by name)",
             _TORCH,
         ),
         Internal(

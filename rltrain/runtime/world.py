@@ -31,6 +31,7 @@ before memory is handed to the engine) joins it.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import threading
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.config import WorldConfig
+from rltrain.runtime import kept_groups
 from rltrain.runtime.bridge import Bridge, BridgeError, restart_attempt
 from rltrain.runtime.env import DistEnv
 from rltrain.runtime.ledger import device_used, measure_cuda_context
@@ -54,6 +56,42 @@ RELOAD_ENV = "RLTRAIN_RELOAD_WORLD"
 
 class WorldError(RuntimeError):
     """A world transition failed; the message names the phase, the generation and the rank."""
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def reload_setting(configured: bool, env_value: str | None) -> bool:
+    """`world.reload`, unless RLTRAIN_RELOAD_WORLD says otherwise (any usual spelling of true or
+    false, any case); what it did is logged. Another value is an error that names the spellings."""
+    if env_value is None:
+        return configured
+    value = env_value.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise WorldError(
+            f"{RELOAD_ENV}={env_value!r}: expected one of {', '.join(_TRUE)} (reload on) or {', '.join(_FALSE)} (off)"
+        )
+    wanted = value in _TRUE
+    if wanted == configured:
+        log.info("%s=%s: reload %s, as world.reload says", RELOAD_ENV, env_value, "on" if wanted else "off")
+    else:
+        log.info(
+            "%s=%s overrides world.reload=%s: reload %s (%s)",
+            RELOAD_ENV,
+            env_value,
+            str(configured).lower(),
+            "on" if wanted else "off",
+            "groups are torn down and rebuilt between phases"
+            if wanted
+            else "destroy/rebuild are no-ops, groups stay up",
+        )
+    return wanted
+
+
+# A World's number among those this process made: with the torchrun attempt, part of every store
+# prefix it uses, so a World opened after another was closed never reads the closed one's keys.
+# Every rank makes its Worlds in the same order (SPMD), so the numbers agree across ranks.
+_INSTANCES = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -79,6 +117,7 @@ class GroupHandle:
         self._world = world
         self.spec = spec
         self._pg: Any = None
+        self._kept: kept_groups.Detached | None = None  # out of torch's registry while the world is down
 
     @property
     def description(self) -> str:
@@ -135,6 +174,7 @@ class World:
         timeout: timedelta | float = 600.0,
         reload: bool = True,
         async_destroy: bool = True,
+        keep_cpu_groups: bool = True,
     ):
         self.env = env or DistEnv.from_environ()
         self.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
@@ -143,11 +183,13 @@ class World:
         if backend == "nccl" and not torch.cuda.is_available():
             raise WorldError("world.backend=nccl needs CUDA, and no CUDA device is visible; use gloo or auto")
         self.backend = backend
-        env_reload = os.environ.get(RELOAD_ENV)
-        self.reload = reload and env_reload not in ("0", "false", "False")
-        if not self.reload and env_reload is not None:
-            log.info("%s=%s: destroy/rebuild are no-ops, groups stay up", RELOAD_ENV, env_reload)
+        self.reload = reload_setting(reload, os.environ.get(RELOAD_ENV))
         self.async_destroy = async_destroy
+        # Gloo subgroups hold no accelerator memory: kept across destroy/rebuild (kept_groups.py).
+        self.keep_cpu_groups = keep_cpu_groups
+        if keep_cpu_groups and (why := kept_groups.unsupported()) is not None:
+            log.warning("gloo subgroups are torn down and rebuilt with the world: cannot keep them (%s)", why)
+            self.keep_cpu_groups = False
         self.device = torch.device("cpu")
         # (bytes this process's CUDA context took, bytes in use on the device before it): the ledger's
         self.cuda_context: tuple[int | None, int | None] = (None, None)
@@ -157,6 +199,8 @@ class World:
             self.cuda_context = measure_cuda_context(self.device)  # first touch of the GPU: measured
             torch.cuda.set_device(self.device)
 
+        self.instance = next(_INSTANCES)
+        self._kept_names: set[str] = set()  # torch's names of the kept groups (every rank's, members or not)
         self.generation = -1
         self._groups: list[GroupHandle] = []
         self._destroyer: threading.Thread | None = None
@@ -167,7 +211,13 @@ class World:
         self._base_store = self._connect_store()
         t_store = time.perf_counter()
         try:
-            self.bridge = Bridge(self._base_store, self.rank, self.world_size, self.timeout)
+            self.bridge = Bridge(
+                self._base_store,
+                self.rank,
+                self.world_size,
+                self.timeout,
+                name=f"w{self.instance}" if self.instance else "",
+            )
         except BridgeError as e:
             raise WorldError(f"rank {self.rank}: world init failed at the Gloo bridge: {e}") from e
         t_bridge = time.perf_counter()
@@ -209,7 +259,8 @@ class World:
 
     def store_prefix(self, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation
-        return f"rltrain/world/{restart_attempt()}/{g}"
+        world = f"/w{self.instance}" if self.instance else ""
+        return f"rltrain/world/{restart_attempt()}{world}/{g}"
 
     # ------------------------------------------------------------------ groups
 
@@ -231,6 +282,8 @@ class World:
             bad = [r for r in ranks if not 0 <= r < self.world_size]
             if bad or len(set(ranks)) != len(ranks):
                 raise WorldError(f"new_group ranks {list(ranks)}: expected distinct ranks in [0, {self.world_size})")
+            # torch orders a group's ranks: group rank i is the i-th smallest global rank.
+            ranks = tuple(sorted(ranks))
         spec = GroupSpec(
             index=len(self._groups),
             ranks=ranks,
@@ -246,8 +299,14 @@ class World:
         return handle
 
     def _create(self, spec: GroupSpec, phase: str) -> Any:
+        name = None
+        if self.keep_cpu_groups:
+            # torch names groups by a counter that restarts with every generation; the kept groups
+            # keep the names they were given (the same on every rank), so new ones go around them.
+            kept_groups.skip_names(self._kept_names)
+            name = kept_groups.next_name()
         try:
-            return dist.new_group(
+            pg = dist.new_group(
                 ranks=list(spec.ranks) if spec.ranks is not None else None,
                 timeout=spec.timeout or self.timeout,
                 backend=spec.backend,
@@ -256,6 +315,15 @@ class World:
             )
         except Exception as e:
             raise self._error(phase, f"creating group {spec.description!r} {spec.ranks}", e) from e
+        if name is not None and self.keeps(spec):
+            self._kept_names.add(name)
+        return pg
+
+    def keeps(self, spec: GroupSpec) -> bool:
+        """Whether the group outlives the world's destroy: a gloo group (it holds no accelerator
+        memory), when this torch lets it be kept. A group's backend decides, the same on every rank."""
+        backend = spec.backend or self.backend
+        return self.keep_cpu_groups and str(backend).lower() == "gloo"
 
     def _group_device(self, spec: GroupSpec | None) -> torch.device:
         backend = (spec.backend if spec is not None else None) or self.backend
@@ -305,6 +373,8 @@ class World:
             raise self._error("destroy", "waiting for every rank at the bridge barrier", e) from e
         t1 = time.perf_counter()
         for h in self._groups:
+            if self.keeps(h.spec) and h.is_member:
+                h._kept = kept_groups.detach(h._pg)  # out of torch's registry: the teardown leaves it alone
             h._pg = None
         if block:
             self._teardown()
@@ -370,10 +440,20 @@ class World:
         except Exception as e:
             raise self._error(kind, "initialising the default group", e) from e
         t1 = time.perf_counter()
+        for h in self._groups:  # the same communicators, back in torch's registry
+            if h._kept is not None:
+                kept_groups.attach(h._kept)
+                h._pg, h._kept = h._kept.pg, None
+        fresh = []
         for h in self._groups:
+            if self.keeps(h.spec) and kind != "init":
+                if not h.is_member:
+                    h._pg = dist.GroupMember.NON_GROUP_MEMBER
+                continue
             h._pg = self._create(h.spec, kind)
+            fresh.append(h)
         t2 = time.perf_counter()
-        self._prime([None, *self._groups], kind)
+        self._prime([None, *fresh], kind)
         t3 = time.perf_counter()
         try:
             self.bridge.barrier(phase=f"world {kind} (generation {generation})")
@@ -403,6 +483,11 @@ class World:
         try:
             if self._destroyer is not None:
                 self.wait_destroyed()
+            if not dist.is_initialized():
+                for h in self._groups:  # kept groups, out of torch's registry while the world is down
+                    if h._kept is not None:
+                        h._kept.pg.shutdown()
+                        h._kept = None
             elif dist.is_initialized():
                 self.bridge.barrier(phase="close")
                 for h in self._groups:
