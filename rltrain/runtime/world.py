@@ -1,9 +1,11 @@
 """The reloadable world: a default process group that can be torn down and rebuilt between phases.
 
 Colocated RL alternates phases that each want the whole GPU. NCCL communicators hold device
-memory (BENCHMARKS.md has the figures), so between phases rltrain destroys the
-default group and every subgroup made through `World.new_group`, and rebuilds them when the
-trainer needs them again. Ranks keep coordinating over the persistent Gloo `Bridge`.
+memory (BENCHMARKS.md has the figures), so between phases rltrain destroys the default group and
+every NCCL subgroup made through `World.new_group`, and rebuilds them when the trainer needs them
+again. Gloo subgroups hold no accelerator memory: they stay up across the cycle, the same
+communicators taken out of torch's registry and put back (`kept_groups.py`). Ranks keep
+coordinating over the persistent Gloo `Bridge`.
 
 Store prefixes. torchrun's TCPStore (reached through the `env://` rendezvous) is the base store
 and stays up for the whole job, across torchrun's restarts of it: the attempt
@@ -14,9 +16,10 @@ counter at 0 after a destroy, so reusing a prefix would make a rank read the pre
 generation's keys and connect to dead peers; a fresh prefix per generation makes that impossible.
 
 Group handles. `new_group` records the creation arguments and returns a `GroupHandle`. After a
-rebuild the registry replays every recorded group in creation order (all ranks call
-`dist.new_group` in the same order, as torch requires) and points the handles at the new
-groups, so code that holds a handle keeps working. Nothing in torch.distributed is patched.
+rebuild the registry puts the kept gloo groups back and replays every other recorded group in
+creation order (all ranks call `dist.new_group` in the same order, as torch requires), and points
+the handles at them, so code that holds a handle keeps working. Nothing in torch.distributed is
+patched; its registry is edited for the kept groups only, checked first.
 
 Priming. After replay every group runs one all_reduce on its device in creation order. Gloo
 connects eagerly anyway; NCCL would otherwise create communicators lazily on first use, and a
