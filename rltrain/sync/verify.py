@@ -91,6 +91,11 @@ def probe_tolerance(configured: float, engine_dtype: torch.dtype | None, trainer
     return PROBE_TOLERANCE_HALF
 
 
+def probe_diff(engine_logp: Sequence[float], trainer_logp: torch.Tensor) -> float:
+    """Mean absolute difference of the engine's probe log-probs from the trainer's."""
+    return float((torch.tensor(list(engine_logp), dtype=torch.float64) - trainer_logp.double()).abs().mean())
+
+
 def probe_error(engine: str, engine_logp: Sequence[float], trainer_logp: torch.Tensor, tolerance: float) -> str | None:
     """None if the engine's probe log-probs match the trainer's [L-1] within `tolerance` (mean
     absolute difference), else the error naming the engine."""

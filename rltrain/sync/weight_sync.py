@@ -235,7 +235,7 @@ class WeightSync:
                 error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
                 if error is not None:
                     errors.append(f"version {version}: {error}")
-                diff = max(diff, float((torch.tensor(logp, dtype=torch.float64) - trainer_logp.double()).abs().mean()))
+                diff = max(diff, verify.probe_diff(logp, trainer_logp))
         gathered = self.world.bridge.all_gather_object((errors, diff), phase="sync probe")
         found = [f"rank {r}: {e}" for r, (errs, _) in enumerate(gathered) for e in errs]
         if found:
