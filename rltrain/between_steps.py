@@ -62,7 +62,8 @@ class TrainerCycle:
         self.colocate = colocate
         # Saved every `interval` steps and at the run's end: loop.steps, or loop.stop_after.
         self.interval, self.last_steps = checkpoint_interval, last_steps
-        self.saved: Path | None = None  # the newest checkpoint this run wrote
+        self.saved: Path | None = None  # the newest checkpoint this run wrote or resumed from
+        self.saved_step = 0  # the step `saved` holds (0: none)
         self.snapshot: Snapshot | None = None  # RELEASE_HOST: the released trainer's state
 
     def make_room(self) -> None:
@@ -95,14 +96,19 @@ class TrainerCycle:
         last = step + 1 in self.last_steps
         return self.interval > 0 and ((step + 1) % self.interval == 0 or last)
 
-    def keep_state(self, step: int, extra: dict[str, Any]) -> None:
-        """This step's checkpoint (verified) when due, and the snapshot a host release needs —
-        before the trainer may be released: a failed save raises with the trainer still alive and
-        the previous checkpoint untouched."""
-        if self.save_due(step):
-            self.saved = self.checkpointer.save(step + 1, self.trainer, str(step + 1), extra)
+    def keep_state(self, step: int, extra: dict[str, Any], force: bool = False) -> None:
+        """This step's checkpoint (verified) when due or forced, and the snapshot a host release
+        needs — before the trainer may be released: a failed save raises with the trainer still
+        alive and the previous checkpoint untouched."""
+        if force or self.save_due(step):
+            self.save(step + 1, extra)
         if self.between is BetweenSteps.RELEASE_HOST:
             self.snapshot = self.trainer.snapshot()
+
+    def save(self, done: int, extra: dict[str, Any]) -> None:
+        """A verified checkpoint of the trainer after `done` steps (its weights are version `done`)."""
+        self.saved = self.checkpointer.save(done, self.trainer, str(done), extra)
+        self.saved_step = done
 
     def put_away(self) -> None:
         if self.between.releases:

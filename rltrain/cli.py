@@ -83,12 +83,15 @@ def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
 
 
 def train(cfg: Config, env: DistEnv) -> int:
+    from rltrain.history import HistoryError  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
+    from rltrain.runtime.stop import StopRequest  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
 
     # NCCL's cuMem allocations and SGLang's memory saver do not mix, and both ends of an NCCL
     # weight group must agree: off unless the user says otherwise (the engine inherits it).
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
+    stop = StopRequest().install()  # a stop signal from here on ends the run after a checkpoint
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
@@ -102,10 +105,14 @@ def train(cfg: Config, env: DistEnv) -> int:
     world = World.from_config(cfg.world, env)
     ok = False
     try:
-        last = run(cfg, world)
+        last = run(cfg, world, stop)
         ok = True
     except ConfigError as e:  # what only the machine shows (the engine layout, its device)
         print(f"rltrain: rank {env.rank}: config error: {e}", file=sys.stderr)
+        return 2
+    except HistoryError as e:
+        if env.rank == 0:
+            print(f"rltrain: refusing to start: {e}", file=sys.stderr)
         return 2
     finally:
         if ok:

@@ -35,6 +35,9 @@ class RunConfig:
     # Run directory = <dir>/<name>. Resolved config, logs and metrics go there.
     dir: str = "runs"
     seed: int = 0
+    # Begin again at step 1 where the run directory has history (metrics, checkpoints): the old
+    # files are kept beside, renamed *.before-<time>. Without it such a start is refused.
+    start_over: bool = False
 
     def check(self) -> None:
         if not self.name or "/" in self.name:

@@ -10,6 +10,10 @@ RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stay
 PUT AWAY       trainer offloaded or released (between_steps.py)
 ENGINE <-      engines resume the KV cache and CUDA graphs                [colocate]
 PROBE          every engine scores a fixed sequence as the trainer did (sync.verify)
+
+A stop request (SIGTERM, SIGUSR1: runtime/stop.py) is agreed on by all ranks before a step's
+rollout (the last finished step is saved, nothing else runs) and before its save (the step is
+saved and recorded, its weights not synced); then the loop ends.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import torch
 
@@ -31,6 +36,7 @@ from rltrain.interfaces import Trainer, World
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.collect import Rollout, build_batch, collect, retry_failed
 from rltrain.runtime.ledger import MemoryLedger
+from rltrain.runtime.stop import StopRequest, write_marker
 from rltrain.setup import RunParts, setup_run
 from rltrain.weights.versions import StaleWeightsError
 
@@ -39,7 +45,8 @@ log = logging.getLogger("rltrain.loop")
 Phase = Callable[[str], AbstractContextManager[None]]
 
 
-def run(cfg: Config, world: World) -> dict[str, float]:
+def run(cfg: Config, world: World, stop: StopRequest | None = None) -> dict[str, float]:
+    stop = stop if stop is not None else StopRequest()
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, cycle, sampler = parts.engine, parts.trainer, parts.cycle, parts.sampler
     clock = PhaseClock(
@@ -69,6 +76,9 @@ def run(cfg: Config, world: World) -> dict[str, float]:
         end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
         for step in range(parts.start_step, end):
             clock.start_step(step + 1)
+            if reason := stop.agreed(world, "before the rollout"):
+                _stop_at_step_boundary(cfg, parts, world, step, reason)
+                break
             with clock.phase("rollout"):
                 step_params = params
                 if cfg.rollout.seeded:
@@ -92,14 +102,42 @@ def run(cfg: Config, world: World) -> dict[str, float]:
                 train_stats = trainer.train_step(batch)
                 cycle.after_train()
             with clock.phase("save"):
-                cycle.keep_state(step, {"sampler": sampler.state_dict()})
+                reason = stop.agreed(world, "after the train step")
+                cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)
             version = str(step + 1)
-            train_stats.update(_to_rollout(clock.phase, parts, world, version))
+            if reason is None:
+                train_stats.update(_to_rollout(clock.phase, parts, world, version))
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
+            if reason is not None:
+                _stopped(cfg, world, step + 1, cycle.saved, reason)
+                break
     finally:
         writer.close()
         parts.close()
     return last
+
+
+def _stop_at_step_boundary(cfg: Config, parts: RunParts, world: World, done: int, reason: str) -> None:
+    """Stop before step `done + 1`: `done` finished steps, saved first unless a checkpoint has them.
+    The engines are stopped, not released (the job's signal may have stopped SGLang already)."""
+    if done > parts.cycle.saved_step:
+        parts.engine.shutdown()
+        world.rebuild()
+        parts.cycle.bring_back()
+        parts.cycle.save(done, {"sampler": parts.sampler.state_dict()})
+    _stopped(cfg, world, done, parts.cycle.saved, reason)
+
+
+def _stopped(cfg: Config, world: World, step: int, checkpoint: Path | None, reason: str) -> None:
+    if world.rank == 0:
+        marker = write_marker(cfg.run_dir, step, checkpoint, reason)
+        log.warning(
+            "stopped on %s after step %d, checkpoint %s (%s); start the job again to continue from it",
+            reason,
+            step,
+            checkpoint if checkpoint is not None else "none (nothing trained yet)",
+            marker,
+        )
 
 
 def _to_training(phase: Phase, parts: RunParts, world: World) -> None:

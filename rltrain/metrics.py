@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,8 +92,8 @@ class MetricsWriter:
         if world.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._keep_steps_up_to(start_step)
-            if cfg.metrics.progress_bar:
-                self.bar = tqdm(total=cfg.loop.steps, desc="rltrain", dynamic_ncols=True)
+            if cfg.metrics.progress_bar and sys.stderr.isatty():
+                self.bar = tqdm(total=cfg.loop.steps, initial=start_step, desc="rltrain", dynamic_ncols=True)
             if cfg.metrics.tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - tensorboard is optional
@@ -102,12 +103,26 @@ class MetricsWriter:
                     print("metrics.tensorboard=true but tensorboard is not installed; skipping it")
 
     def _keep_steps_up_to(self, start_step: int) -> None:
-        """A fresh run starts an empty file; a resumed one keeps the steps its checkpoint covers and
-        drops any written after it (they are run again), so no step is ever counted twice."""
+        """A resumed run keeps the rows its checkpoint covers; the rows after it (their steps run
+        again) move to metrics.dropped.jsonl, so no step is counted twice and none is lost. (A run
+        that starts at step 1 over existing rows was refused before: rltrain/history.py.)"""
         if not self.path.exists():
             return
-        kept = [line for step, line in recorded(self.path) if step <= start_step]
-        atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        rows = recorded(self.path)
+        dropped = [line for step, line in rows if step > start_step]
+        if not dropped:
+            return
+        with open(self.path.with_name("metrics.dropped.jsonl"), "a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+            f.flush()
+            os.fsync(f.fileno())
+        atomic_write_text(self.path, "".join(line + "\n" for step, line in rows if step <= start_step))
+        log.warning(
+            "resuming after step %d: %d metrics row(s) of later steps, which run again, moved to %s",
+            start_step,
+            len(dropped),
+            self.path.with_name("metrics.dropped.jsonl"),
+        )
 
     def step(
         self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict, clock: PhaseClock
@@ -167,6 +182,16 @@ class MetricsWriter:
                 pass_rate=f"{rec['pass_rate']:.2f}",
                 kl=f"{rec.get('kl', 0.0):.3f}",
                 step_s=f"{rec['time']['step']:.1f}",
+            )
+        elif self.cfg.metrics.progress_bar:  # not a terminal (a batch log): a line, not \r frames
+            log.info(
+                "step %d/%d: reward %.3f, pass rate %.2f, kl %.3f, %.1f s",
+                step + 1,
+                self.cfg.loop.steps,
+                mean,
+                rec["pass_rate"],
+                rec.get("kl", 0.0),
+                rec["time"]["step"],
             )
         if self.tb is not None:
             for k, v in rec.items():

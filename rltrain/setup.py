@@ -10,16 +10,17 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
-from rltrain import interfaces
+from rltrain import history, interfaces
 from rltrain.between_steps import BetweenSteps, TrainerCycle
-from rltrain.checkpoint import Checkpointer, CheckpointError, Restored, find_resumable
+from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
 from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
 from rltrain.engine.launcher import NodeEngine, check_engine, resolve_device
+from rltrain.history import HistoryError
 from rltrain.interfaces import Trainer, World
-from rltrain.metrics import last_recorded_step
 from rltrain.rollout import synthetic
 from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
 from rltrain.rollout.rewards import RewardRunner, load_reward
+from rltrain.runtime.stop import clear_marker
 from rltrain.sync.weight_sync import WeightSync
 from rltrain.trainer.fsdp import FSDPTrainer
 
@@ -59,6 +60,8 @@ def _on_rank0(world: World, what: str, fn: Callable[[], object]) -> None:
 
 def setup_run(cfg: Config, world: World) -> RunParts:
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
+    # Where the run begins, or a refusal that would lose its history: before anything starts.
+    resume_from = _begin(cfg, world)
     model_path = Path(cfg.model.path)
     if cfg.model.build == "tiny-addition":
         # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
@@ -125,7 +128,7 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     trainer.create()
     log.info("trainer created (%s), after the engines started", cfg.trainer.backend)
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
-    restored = _resume(cfg, checkpointer, trainer, sampler)
+    restored = _resume(cfg, checkpointer, trainer, sampler, resume_from)
     cycle = TrainerCycle(
         trainer,
         checkpointer,
@@ -134,6 +137,8 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         cfg.checkpoint.interval,
         (cfg.loop.steps, cfg.loop.stop_after),
     )
+    if restored is not None:
+        cycle.saved, cycle.saved_step = restored.path, restored.step
 
     sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout)
     initial = None
@@ -200,19 +205,30 @@ def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
 
 
-def _resume(cfg: Config, checkpointer: Checkpointer, trainer: Trainer, sampler: PromptSampler) -> Restored | None:
-    """checkpoint.resume: auto (newest complete, corrupt ones skipped), none, or a directory."""
+def _begin(cfg: Config, world: World) -> Path | None:
+    """Rank 0 reads the run directory's history (history.begin) and every rank takes its answer:
+    all must load the same checkpoint, and a refusal stops every rank with the same message."""
+    choice: Path | str | None = None
+    if world.rank == 0:
+        try:
+            choice = history.begin(cfg, checkpoint_dir(cfg))
+        except HistoryError as e:
+            choice = str(e)
+        if not isinstance(choice, str):
+            clear_marker(cfg.run_dir)  # this job runs: no longer the one that stopped
+    choice = world.bridge.broadcast_object(choice, src=0, phase="where the run begins")
+    if isinstance(choice, str):
+        raise HistoryError(choice)
+    return choice
+
+
+def _resume(
+    cfg: Config, checkpointer: Checkpointer, trainer: Trainer, sampler: PromptSampler, found: Path | None
+) -> Restored | None:
+    """checkpoint.resume: auto (`found`: newest complete, corrupt ones skipped), none, or a directory."""
     mode = cfg.checkpoint.resume
-    if mode == "none":
-        return None
-    if mode == "auto":
-        # Rank 0 chooses and every rank takes its choice: all must load the same checkpoint.
-        found = None
-        if checkpointer.world.rank == 0 and checkpointer.root.is_dir():
-            # A checkpoint is saved mid-step, its metrics row written at the step's end: a job that
-            # died in between left a checkpoint of an unrecorded step, which runs again.
-            found = find_resumable(checkpointer.root, last_recorded_step(cfg.run_dir / "metrics.jsonl"))
-        path = checkpointer.world.bridge.broadcast_object(found, src=0, phase="resume choice")
+    if mode in ("none", "auto"):
+        path = found
         if path is None:
             return None
     else:

@@ -286,3 +286,119 @@ def test_a_second_engine_death_stops_the_job_with_the_engines_log(tmp_path):
     assert "the engine died again after 1 restart(s)" in r.stderr, r.stderr[-3000:]
     assert "last lines of" in r.stderr and "rltrain.engine.native" in r.stderr, r.stderr[-3000:]
     assert [x["step"] for x in rows(tmp_path / "quickstart")] == [1, 2]  # steps done before it stay recorded
+
+
+# ------------------------------------------------------------------ stop requests (runtime/stop.py)
+
+SYNC_STATS = "sync"  # a row's sync_* keys: a step stopped after its save syncs nothing
+
+
+def _stopped_then_resumed(tmp_path: Path, fault: str) -> tuple[Path, dict, str]:
+    """A run whose rank 1 alone gets SIGTERM (`fault`), with no checkpoint interval: every rank
+    stops at the same point after saving; the marker says where; the job run again resumes."""
+    r = _faulty(tmp_path, fault, *DET, "checkpoint.interval=0")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run_dir = tmp_path / "quickstart"
+    marker = json.loads((run_dir / "stopped.json").read_text())
+    assert marker["reason"] == "SIGTERM" and Path(marker["checkpoint"]).name == f"step_{marker['step']:06d}"
+    verify(Path(marker["checkpoint"]))
+    assert [x["step"] for x in rows(run_dir)] == list(range(1, marker["step"] + 1))
+    assert "stop requested (SIGTERM on rank(s) [1])" in r.stderr, r.stderr[-3000:]
+    again = run_quickstart(tmp_path, *DET, "checkpoint.interval=0")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"step {marker['step']}, weight version {marker['step']}" in again.stderr, again.stderr[-3000:]
+    assert not (run_dir / "stopped.json").exists()  # the run that goes on is not the stopped one
+    return run_dir, marker, r.stderr
+
+
+def _without_sync(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(SYNC_STATS)}
+
+
+def test_sigterm_in_a_rollout_saves_that_step_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path, straight):
+    run_dir, marker, log = _stopped_then_resumed(tmp_path, "1:rollout:3:term")
+    assert marker["step"] == 3 and "stopping after the train step" in log
+    got, want = rows(run_dir), rows(straight)
+    assert [x["step"] for x in got] == [1, 2, 3, 4]
+    # Step 3 trained and saved, its weights not synced: its row has no sync figures.
+    assert not [k for k in got[2] if k.startswith(SYNC_STATS)]
+    assert [_without_sync(x) for x in got] == [_without_sync(x) for x in want]
+    assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
+
+
+def test_sigterm_after_a_save_point_stops_at_the_step_boundary_with_that_step_saved(tmp_path, straight):
+    run_dir, marker, log = _stopped_then_resumed(tmp_path, "1:sync:2:term")
+    assert marker["step"] == 2 and "stopping before the rollout" in log
+    assert rows(run_dir) == rows(straight)
+    assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
+
+
+# ------------------------------------------------------------------ history (rltrain/history.py)
+
+
+def test_a_restart_without_a_checkpoint_is_refused_and_keeps_the_history(tmp_path):
+    r = run_quickstart(tmp_path)  # checkpoint.interval=0: no checkpoint
+    assert r.returncode == 0, r.stderr[-3000:]
+    metrics = tmp_path / "quickstart" / "metrics.jsonl"
+    before = metrics.read_text()
+    again = run_quickstart(tmp_path, "loop.steps=5")
+    assert again.returncode != 0
+    assert "would start again at step 1" in again.stderr and "run.start_over=true" in again.stderr, again.stderr[-3000:]
+    assert metrics.read_text() == before  # not one row lost
+    over = run_quickstart(tmp_path, "run.start_over=true")
+    assert over.returncode == 0, over.stderr[-3000:]
+    kept = list(metrics.parent.glob("metrics.jsonl.before-*"))
+    assert len(kept) == 1 and kept[0].read_text() == before
+    assert [x["step"] for x in rows(metrics.parent)] == [1, 2, 3]
+
+
+def _history_cfg(tmp_path: Path, *overrides: str):
+    from rltrain.config import load_config  # noqa: PLC0415
+
+    return load_config(str(REPO_CONFIGS / "quickstart.yaml"), [f"run.dir={tmp_path}", *overrides])
+
+
+REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _write_rows(run_dir: Path, steps: range) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in steps))
+
+
+@pytest.mark.parametrize(
+    "overrides,why",
+    [((), "no verified checkpoint of a recorded step"), (("checkpoint.resume=none",), "checkpoint.resume=none")],
+)
+def test_history_refuses_a_start_at_step_one_over_metrics_rows(tmp_path, overrides, why):
+    from rltrain.history import HistoryError, begin  # noqa: PLC0415
+
+    cfg = _history_cfg(tmp_path, *overrides)
+    _write_rows(cfg.run_dir, range(1, 15))
+    with pytest.raises(HistoryError, match=why) as e:
+        begin(cfg, cfg.run_dir / "checkpoints")
+    assert "records steps up to 14" in str(e.value) and "run.start_over=true" in str(e.value)
+    assert len((cfg.run_dir / "metrics.jsonl").read_text().splitlines()) == 14
+
+
+def test_history_refuses_checkpoints_it_cannot_use_even_without_metrics(tmp_path):
+    from rltrain.history import HistoryError, begin  # noqa: PLC0415
+
+    cfg = _history_cfg(tmp_path)
+    (cfg.run_dir / "checkpoints" / "step_000004").mkdir(parents=True)  # no manifest: incomplete
+    with pytest.raises(HistoryError, match="1 checkpoint.s. but none this job can use"):
+        begin(cfg, cfg.run_dir / "checkpoints")
+    # Starting over keeps them, renamed beside.
+    assert begin(_history_cfg(tmp_path, "run.start_over=true"), cfg.run_dir / "checkpoints") is None
+    assert [p.name.split(".")[0] for p in cfg.run_dir.glob("checkpoints.before-*")] == ["checkpoints"]
+
+
+def test_a_resumed_run_moves_the_rows_after_its_checkpoint_aside_instead_of_deleting_them(tmp_path, world1):
+    from rltrain.metrics import MetricsWriter  # noqa: PLC0415
+
+    cfg = _history_cfg(tmp_path, "metrics.progress_bar=false")
+    _write_rows(cfg.run_dir, range(1, 8))
+    MetricsWriter(cfg, world1, start_step=4).close()
+    assert [x["step"] for x in rows(cfg.run_dir)] == [1, 2, 3, 4]
+    dropped = (cfg.run_dir / "metrics.dropped.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in dropped] == [5, 6, 7]

@@ -206,8 +206,14 @@ def server_environment(cfg: EngineConfig, layout: EngineLayout | None = None) ->
     return env
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """preexec_fn: SIGKILL this child when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+def _engine_preexec(parent_pid: int) -> None:
+    """preexec_fn: the job's stop signals (runtime/stop.py) are for the ranks, which stop the
+    engine themselves: a scheduler signals every process of the job, and an engine gone before
+    its rank's checkpoint would fail that step. SIGTERM and SIGUSR1 stay ignored across exec
+    (SGLang's server still takes SIGTERM: it installs its own handler). And SIGKILL this child
+    when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
     except OSError:
@@ -239,7 +245,7 @@ class EngineProcess:
                 stdin=subprocess.DEVNULL,
                 env={k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None},
                 start_new_session=True,
-                preexec_fn=lambda pid=os.getpid(): _die_with_parent(pid),  # noqa: B008 - this process's pid, now
+                preexec_fn=lambda pid=os.getpid(): _engine_preexec(pid),  # noqa: B008 - this process's pid, now
             )
         log.info("engine started: pid %d, %s, log %s", proc.pid, url, log_path)
         return cls(proc, url, log_path)
@@ -262,10 +268,11 @@ class EngineProcess:
         )
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the server's whole process group, SIGKILL what is left after `grace_s`."""
+        """SIGINT the server's whole process group (SIGTERM it ignores: `_engine_preexec`),
+        SIGKILL what is left after `grace_s`."""
         if self.proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 5.0)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:

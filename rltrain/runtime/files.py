@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import xxhash
@@ -83,3 +84,24 @@ def file_digest(path: Path, bits: int = 64) -> str:
         with m:
             h.update(m)
     return h.hexdigest()
+
+
+def process_tempdir(prefix: str) -> Path:
+    """A new temporary directory named for this process (`<prefix><pid>-*`), after removing those
+    of processes that are gone (killed before they could remove their own)."""
+    tmp = Path(tempfile.gettempdir())
+    for old in tmp.glob(f"{prefix}*"):
+        pid = old.name.removeprefix(prefix).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)) and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

@@ -1,6 +1,7 @@
 """Test-only fault injection for real torchrun runs (tests/test_faults.py), loaded by putting
-this directory on PYTHONPATH. RLTRAIN_TEST_FAULT="<rank>:<phase>:<step>:<kill|raise>" makes that
-rank SIGKILL itself, or raise, when the loop enters that phase of that step. It fires in the
+this directory on PYTHONPATH. RLTRAIN_TEST_FAULT="<rank>:<phase>:<step>:<kill|raise|term>" makes
+that rank SIGKILL itself, raise, or send itself SIGTERM (a stop request) and go on, when the loop
+enters that phase of that step. It fires in the
 first attempt only (TORCHELASTIC_RESTART_COUNT=0), so a job restarted by torchrun runs clean.
 Nothing of this is in the package."""
 
@@ -22,6 +23,10 @@ if _FAULT and os.environ.get("RANK") is not None and os.environ.get("TORCHELASTI
             if (name, self.step, self.rank) == (_where, int(_step), int(_rank)):
                 if _action == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if _action == "term":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    yield
+                    return
                 raise RuntimeError(f"fault injected by the test in phase {name} of step {self.step}")
             yield
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import queue
-import tempfile
+import shutil
 import threading
 import time
 from concurrent.futures import Future
@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
+from rltrain.runtime.files import process_tempdir
 from rltrain.runtime.ledger import measure_cuda_context
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
@@ -42,6 +43,7 @@ from rltrain.weights.names import EXPERT, checkpoint_index, num_experts, write
 from rltrain.weights.versions import read_weights
 
 log = logging.getLogger("rltrain.engine.native")
+BACKUP_PREFIX = "rltrain-native-backup-"  # + pid: a dead process's directory is removed
 
 
 class EngineStateError(RuntimeError):
@@ -111,6 +113,7 @@ class NativeEngine:
         # (NaN) after resume until updates rewrite them.
         self.weights_backup = weights_backup
         self._backup_dir = Path(backup_dir) if backup_dir else None
+        self._own_backup_dir = False  # made here (a temporary one): removed at shutdown
         # name -> (shape, dtype) of every parameter; names that share storage (tied embeddings)
         # are grouped so a checkpoint may carry either name.
         self._param_meta = {
@@ -261,6 +264,8 @@ class NativeEngine:
         self._running.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
+        if self._own_backup_dir and self._backup_dir is not None:
+            shutil.rmtree(self._backup_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ generation
 
@@ -419,7 +424,7 @@ class NativeEngine:
             self._weights_backup = self._pinned
         else:
             if self._backup_dir is None:
-                self._backup_dir = Path(tempfile.mkdtemp(prefix="rltrain-native-backup-"))
+                self._backup_dir, self._own_backup_dir = process_tempdir(BACKUP_PREFIX), True
             path = self._backup_dir / "weights_backup.safetensors"
             save_file({n: t.contiguous() for n, t in state.items()}, str(path))
             self._weights_backup = path

@@ -513,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
         (args.host, args.port), make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key))
     )
     httpd.daemon_threads = True
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # Started by rltrain's launcher SIGTERM is ignored (the job's stop signal is for its
+        # ranks, which stop this server with SIGINT): kept so.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
     log.info(
         "serving %s on http://%s:%d (%s, %s) after %.1fs",
         args.model_path,
