@@ -2,7 +2,7 @@
 
 Commands:
   train        (default) run the job described by the config
-  show-config  print the resolved config (YAML) and exit
+  show-config  print the resolved config (YAML), or with --run-dir its run directory, and exit
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from rltrain.config import Config, ConfigError, dump_config, load_config
 from rltrain.runtime.env import DistEnv
 from rltrain.runtime.files import atomic_write_text
+from rltrain.runtime.stop import StopRequest
 
 COMMANDS = ("train", "show-config")
 log = logging.getLogger("rltrain")
@@ -48,6 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     ap.add_argument("command", nargs="?", default="train", help=f"one of: {', '.join(COMMANDS)} (default: train)")
     ap.add_argument("--config", "-c", help="YAML config file (defaults are used for keys it leaves out)")
+    ap.add_argument("--run-dir", action="store_true", help="show-config: print only the resolved run directory")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.seed=1 world.backend=gloo")
     args = ap.parse_intermixed_args(argv)
     # `python -m rltrain key=value` (no command): the first positional is an override.
@@ -60,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop = StopRequest().install()  # first: a stop signal from here on ends the run after a checkpoint
     args = parse_args(sys.argv[1:] if argv is None else argv)
     env = DistEnv.from_environ()
     setup_logging(env.rank)
@@ -69,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rltrain: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "show-config":
-        sys.stdout.write(dump_config(cfg))
+        sys.stdout.write(f"{cfg.run_dir}\n" if args.run_dir else dump_config(cfg))
         return 0
-    return train(cfg, env)
+    return train(cfg, env, stop)
 
 
 def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
@@ -82,16 +85,32 @@ def write_resolved_config(cfg: Config, run_dir: Path) -> Path:
     return target
 
 
-def train(cfg: Config, env: DistEnv) -> int:
+def _report_cpus(env: DistEnv) -> None:
+    """The CPUs this node's ranks may run on (a scheduler that pins CPUs gives a job what it asked
+    for, one core if it asked for nothing)."""
+    if not env.is_node_leader:
+        return
+    cpus = len(os.sched_getaffinity(0))
+    if env.rank == 0:
+        log.info("node %d: %d rank(s) on %d CPU(s)", env.node_rank, env.local_world_size, cpus)
+    if cpus < env.local_world_size:
+        log.warning(
+            "node %d: %d rank(s) share %d CPU(s): ask the scheduler for more (sbatch --exclusive, or --cpus-per-task)",
+            env.node_rank,
+            env.local_world_size,
+            cpus,
+        )
+
+
+def train(cfg: Config, env: DistEnv, stop: StopRequest | None = None) -> int:
     from rltrain.history import HistoryError  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
-    from rltrain.runtime.stop import StopRequest  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
 
     # NCCL's cuMem allocations and SGLang's memory saver do not mix, and both ends of an NCCL
     # weight group must agree: off unless the user says otherwise (the engine inherits it).
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-    stop = StopRequest().install()  # a stop signal from here on ends the run after a checkpoint
+    _report_cpus(env)
     if env.rank == 0:
         path = write_resolved_config(cfg, cfg.run_dir)
         log.info("resolved config written to %s", path)
@@ -105,7 +124,7 @@ def train(cfg: Config, env: DistEnv) -> int:
     world = World.from_config(cfg.world, env)
     ok = False
     try:
-        last = run(cfg, world, stop)
+        last = run(cfg, world, stop if stop is not None else StopRequest().install())
         ok = True
     except ConfigError as e:  # what only the machine shows (the engine layout, its device)
         print(f"rltrain: rank {env.rank}: config error: {e}", file=sys.stderr)

@@ -85,8 +85,12 @@ def slurm(test):
     return pytest.mark.slurm(skip(test))
 
 
-def _submit(tmp_path: Path, run_dir: Path, *overrides: str) -> str:
-    env = {**_env(), "RLTRAIN_NPROC_PER_NODE": "2", "RLTRAIN_RUN_DIR": str(run_dir)}
+def _submit(
+    tmp_path: Path, run_dir: Path, *overrides: str, sbatch: tuple[str, ...] = (), nproc: str | None = "2"
+) -> str:
+    env = {**_env(), "RLTRAIN_RUN_DIR": str(run_dir)}
+    if nproc is not None:
+        env["RLTRAIN_NPROC_PER_NODE"] = nproc
     r = subprocess.run(
         [
             "sbatch",
@@ -94,10 +98,12 @@ def _submit(tmp_path: Path, run_dir: Path, *overrides: str) -> str:
             f"--chdir={REPO}",
             f"--output={tmp_path}/slurm-%j.out",
             "--job-name=rltrain-test",
+            *sbatch,
             str(REPO / "launch" / "slurm" / "rltrain.sbatch"),
             "configs/quickstart.yaml",
             f"model.path={tmp_path / 'base_model'}",
-            *QUICK,
+            "data.prompts_per_step=8",
+            "metrics.plot=false",
             *overrides,
         ],
         capture_output=True,
@@ -109,55 +115,165 @@ def _submit(tmp_path: Path, run_dir: Path, *overrides: str) -> str:
     return r.stdout.strip().split(";")[0]
 
 
-def _state(job: str) -> str:
+def _log(run_dir: Path, job: str) -> str:
+    """The job's log in its run directory (every attempt appended), or Slurm's file before it."""
+    path = run_dir / f"slurm-{job}.log"
+    return path.read_text() if path.is_file() else "(no job log yet)"
+
+
+def _scontrol(job: str) -> dict[str, str]:
     r = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=10)
-    for field in r.stdout.split():
-        if field.startswith("JobState="):
-            return field.removeprefix("JobState=")
-    return "GONE"
+    return dict(f.split("=", 1) for f in r.stdout.split() if "=" in f)
+
+
+def _state(job: str) -> str:
+    return _scontrol(job).get("JobState", "GONE")
 
 
 def _wait(job: str, until: float, done=lambda: False) -> str:
     while time.time() < until:
         state = _state(job)
-        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") or done():
+        if state not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED") or done():
             return state
         time.sleep(1)
     subprocess.run(["scancel", job], timeout=10)
     raise AssertionError(f"Slurm job {job} still {_state(job)} at the deadline")
 
 
+def _rows_at_least(run_dir: Path, n: int):
+    metrics = run_dir / "quickstart" / "metrics.jsonl"
+    return lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= n
+
+
+def _no_process_left(tmp_path: Path) -> None:
+    """No rank, agent or engine of a job is left (each has the test's path in its command line)."""
+    for _ in range(30):
+        left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+        if not left:
+            return
+        time.sleep(1)
+    raise AssertionError(f"processes of the job still running: {left}")
+
+
 @slurm
-def test_sbatch_runs_the_quickstart_and_writes_metrics_and_a_checkpoint(tmp_path):
+def test_sbatch_runs_the_quickstart_on_a_whole_node_with_every_cpu_and_logs_in_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     job = _submit(tmp_path, run_dir, "loop.steps=4", "checkpoint.interval=2")
     state = _wait(job, time.time() + 300)
-    log = (tmp_path / f"slurm-{job}.out").read_text()
+    log = _log(run_dir, job)
     assert state == "COMPLETED", log[-4000:]
-    assert f"rltrain: job {job}, 1 node(s) x 2 rank(s)" in log
+    cpus = len(os.sched_getaffinity(0))  # the node's: the test cluster is this machine
+    assert f"job {job} attempt 1: 1 node(s) x 2 rank(s), {cpus} CPU(s) per node" in log, log[-4000:]
+    # What the ranks may run on, as Slurm pinned them: all of the node's CPUs, not one.
+    assert f"node 0: 2 rank(s) on {cpus} CPU(s)" in log, log[-4000:]
+    assert "\r" not in log and "step 4/4: reward" in log  # a line per step, no progress-bar frames
+    assert (
+        tmp_path / f"slurm-{job}.out"
+    ).read_text().strip() == f"rltrain: job {job} logs to {run_dir}/slurm-{job}.log"
     assert _steps(run_dir / "quickstart") == [1, 2, 3, 4]
     assert (run_dir / "quickstart" / "checkpoints" / "step_000004").is_dir()
 
 
 @slurm
+def test_ranks_per_node_are_the_gpus_asked_for(tmp_path):
+    run_dir = tmp_path / "run"
+    job = _submit(tmp_path, run_dir, "loop.steps=2", sbatch=("--gpus-per-node=2",), nproc=None)
+    state = _wait(job, time.time() + 300)
+    log = _log(run_dir, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "1 node(s) x 2 rank(s)" in log, log[-4000:]
+    rows = [json.loads(x) for x in (run_dir / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert set(rows[-1]["memory"]) == {"rank0", "rank1"}
+
+
+@slurm
+@pytest.mark.timeout(900)
+def test_a_time_limit_stops_the_job_after_a_checkpoint_and_the_requeued_job_resumes(tmp_path):
+    """--time=2 with the warning 60 s before: every rank stops after a verified checkpoint (no
+    checkpoint interval), the script requeues the job, and the job's second attempt (given more
+    time while it waits) resumes from that checkpoint: every step recorded once."""
+    run_dir = tmp_path / "run"
+    steps = 250
+    job = _submit(tmp_path, run_dir, f"loop.steps={steps}", sbatch=("--time=2", "--signal=USR1@60"))
+    requeued = lambda: "requeued; it resumes" in _log(run_dir, job)  # noqa: E731
+    _wait(job, time.time() + 240, requeued)
+    assert requeued(), _log(run_dir, job)[-4000:]
+    subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=15"], check=True, timeout=10)
+    state = _wait(job, time.time() + 600)
+    log = _log(run_dir, job)
+    assert state == "COMPLETED", log[-4000:]
+    marker = log.split("stopped on request: ", 1)[1].splitlines()[0]
+    stopped = json.loads(marker)
+    assert stopped["reason"] == "SIGUSR1" and stopped["job"] == job and 0 < stopped["step"] < steps, marker
+    assert f"job {job} attempt 2:" in log and f"step {stopped['step']}, weight version {stopped['step']}" in log
+    assert _steps(run_dir / "quickstart") == list(range(1, steps + 1))  # no step twice, none missing
+    assert not (run_dir / "quickstart" / "stopped.json").exists()
+
+
+@slurm
+@pytest.mark.timeout(900)
+def test_scancel_signal_term_stops_after_a_checkpoint_and_the_job_requeues_and_completes(tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 120
+    job = _submit(tmp_path, run_dir, f"loop.steps={steps}")
+    assert _wait(job, time.time() + 300, _rows_at_least(run_dir, 5)) == "RUNNING", _log(run_dir, job)[-4000:]
+    subprocess.run(["scancel", "--signal=TERM", job], check=True, timeout=10)
+    state = _wait(job, time.time() + 600, lambda: False)
+    log = _log(run_dir, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert '"reason": "SIGTERM"' in log and f"job {job} attempt 2:" in log, log[-4000:]
+    assert _steps(run_dir / "quickstart") == list(range(1, steps + 1))
+
+
+@slurm
+@pytest.mark.timeout(900)
+def test_a_restart_in_a_run_directory_without_checkpoints_is_refused_and_the_history_stays(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _submit(tmp_path, run_dir, "loop.steps=3")  # no checkpoint interval: nothing to resume from
+    assert _wait(first, time.time() + 300) == "COMPLETED", _log(run_dir, first)[-4000:]
+    metrics = run_dir / "quickstart" / "metrics.jsonl"
+    before = metrics.read_text()
+    again = _submit(tmp_path, run_dir, "loop.steps=6")
+    state = _wait(again, time.time() + 300)
+    log = _log(run_dir, again)
+    assert state == "FAILED", log[-4000:]
+    assert "refusing to start" in log and "run.start_over=true" in log, log[-4000:]
+    assert metrics.read_text() == before
+
+
+@slurm
+def test_a_config_error_or_a_missing_environment_fails_the_job_once_before_srun(tmp_path):
+    run_dir = tmp_path / "run"
+    job = _submit(tmp_path, run_dir, "loop.stesp=3")
+    assert _wait(job, time.time() + 120) == "FAILED"
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert out.count("unknown config key loop.'stesp'; did you mean 'steps'?") == 1, out
+    assert not (run_dir / f"slurm-{job}.log").exists()  # nothing started
+    env = {**_env(), "PATH": "/usr/bin:/bin", "RLTRAIN_RUN_DIR": str(run_dir)}
+    r = subprocess.run(
+        ["sbatch", "--parsable", f"--chdir={REPO}", f"--output={tmp_path}/slurm-%j.out",
+         str(REPO / "launch" / "slurm" / "rltrain.sbatch"), "configs/quickstart.yaml"],
+        capture_output=True, text=True, env=env, timeout=30,
+    )  # fmt: skip
+    job = r.stdout.strip().split(";")[0]
+    assert _wait(job, time.time() + 120) == "FAILED"
+    assert "activate rltrain's environment" in (tmp_path / f"slurm-{job}.out").read_text()
+
+
+@slurm
+@pytest.mark.timeout(900)
 def test_scancel_mid_run_then_resubmission_resumes_from_the_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     ckpts = run_dir / "quickstart" / "checkpoints"
     args = ("loop.steps=60", "checkpoint.interval=3")
     job = _submit(tmp_path, run_dir, *args)
     has_ckpt = lambda: ckpts.is_dir() and any((p / "manifest.json").is_file() for p in ckpts.glob("step_*"))  # noqa: E731
-    assert _wait(job, time.time() + 300, has_ckpt) == "RUNNING", (tmp_path / f"slurm-{job}.out").read_text()[-4000:]
+    assert _wait(job, time.time() + 300, has_ckpt) == "RUNNING", _log(run_dir, job)[-4000:]
     subprocess.run(["scancel", job], check=True, timeout=10)
-    _wait(job, time.time() + 120)
-    # A clean exit: no rank, agent or engine of the job is left (each has the run's path in its command line).
-    for _ in range(30):
-        left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-        if not left:
-            break
-        time.sleep(1)
-    assert not left, f"processes of the cancelled job still running: {left}"
-    assert _steps(run_dir / "quickstart")[-1] < 60, "the first job was not stopped mid-run"
+    assert _wait(job, time.time() + 120) == "CANCELLED"  # a cancelled job is not requeued
+    _no_process_left(tmp_path)
     recorded = _steps(run_dir / "quickstart")[-1]
+    assert recorded < 60, "the first job was not stopped mid-run"
     # The newest checkpoint of a recorded step (a step saved but not yet recorded runs again).
     saved = max(
         s
@@ -167,7 +283,7 @@ def test_scancel_mid_run_then_resubmission_resumes_from_the_checkpoint(tmp_path)
 
     again = _submit(tmp_path, run_dir, *args)
     state = _wait(again, time.time() + 300)
-    log = (tmp_path / f"slurm-{again}.out").read_text()
+    log = _log(run_dir, again)
     assert state == "COMPLETED", log[-4000:]
     assert "resumed from" in log and f"step {saved}" in log, log[-4000:]
     assert _steps(run_dir / "quickstart") == list(range(1, 61))  # no step twice, none missing
