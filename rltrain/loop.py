@@ -74,6 +74,8 @@ def run(cfg: Config, world: World, stop: StopRequest | None = None) -> dict[str,
     parts.sync.probe_engines()  # of the weights the setup sent, if it did
     try:
         end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
+        if parts.start_step >= end:
+            log.info("nothing to run: step %d of %d is done (run.start_over=true runs again)", parts.start_step, end)
         for step in range(parts.start_step, end):
             clock.start_step(step + 1)
             if reason := stop.agreed(world, "before the rollout"):

@@ -337,15 +337,15 @@ def test_sigterm_after_a_save_point_stops_at_the_step_boundary_with_that_step_sa
 
 
 def test_a_restart_without_a_checkpoint_is_refused_and_keeps_the_history(tmp_path):
-    r = run_quickstart(tmp_path)  # checkpoint.interval=0: no checkpoint
+    r = run_quickstart(tmp_path, "checkpoint.interval=0")  # no checkpoint
     assert r.returncode == 0, r.stderr[-3000:]
     metrics = tmp_path / "quickstart" / "metrics.jsonl"
     before = metrics.read_text()
-    again = run_quickstart(tmp_path, "loop.steps=5")
+    again = run_quickstart(tmp_path, "loop.steps=5", "checkpoint.interval=0")
     assert again.returncode != 0
     assert "would start again at step 1" in again.stderr and "run.start_over=true" in again.stderr, again.stderr[-3000:]
     assert metrics.read_text() == before  # not one row lost
-    over = run_quickstart(tmp_path, "run.start_over=true")
+    over = run_quickstart(tmp_path, "run.start_over=true", "checkpoint.interval=0")
     assert over.returncode == 0, over.stderr[-3000:]
     kept = list(metrics.parent.glob("metrics.jsonl.before-*"))
     assert len(kept) == 1 and kept[0].read_text() == before

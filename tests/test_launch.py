@@ -194,7 +194,9 @@ def test_a_time_limit_stops_the_job_after_a_checkpoint_and_the_requeued_job_resu
     time while it waits) resumes from that checkpoint: every step recorded once."""
     run_dir = tmp_path / "run"
     steps = 250
-    job = _submit(tmp_path, run_dir, f"loop.steps={steps}", sbatch=("--time=2", "--signal=USR1@60"))
+    job = _submit(
+        tmp_path, run_dir, f"loop.steps={steps}", "checkpoint.interval=0", sbatch=("--time=2", "--signal=USR1@60")
+    )
     requeued = lambda: "requeued; it resumes" in _log(run_dir, job)  # noqa: E731
     _wait(job, time.time() + 240, requeued)
     assert requeued(), _log(run_dir, job)[-4000:]
@@ -229,11 +231,11 @@ def test_scancel_signal_term_stops_after_a_checkpoint_and_the_job_requeues_and_c
 @pytest.mark.timeout(900)
 def test_a_restart_in_a_run_directory_without_checkpoints_is_refused_and_the_history_stays(tmp_path):
     run_dir = tmp_path / "run"
-    first = _submit(tmp_path, run_dir, "loop.steps=3")  # no checkpoint interval: nothing to resume from
+    first = _submit(tmp_path, run_dir, "loop.steps=3", "checkpoint.interval=0")  # nothing to resume from
     assert _wait(first, time.time() + 300) == "COMPLETED", _log(run_dir, first)[-4000:]
     metrics = run_dir / "quickstart" / "metrics.jsonl"
     before = metrics.read_text()
-    again = _submit(tmp_path, run_dir, "loop.steps=6")
+    again = _submit(tmp_path, run_dir, "loop.steps=6", "checkpoint.interval=0")
     state = _wait(again, time.time() + 300)
     log = _log(run_dir, again)
     assert state == "FAILED", log[-4000:]

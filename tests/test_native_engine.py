@@ -251,3 +251,27 @@ def test_release_memory_pauses_with_abort_and_frees_every_region(discarding, mod
         assert greedy(discarding.client)
     finally:
         world.close()
+
+
+def test_the_backup_directory_is_removed_at_stop_and_a_dead_engines_is_removed_at_the_next_start(big_model, tmp_path):
+    import tempfile  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from conftest import start_engine  # noqa: PLC0415
+    from rltrain.engine.native.engine import BACKUP_PREFIX  # noqa: PLC0415
+
+    tmp = Path(tempfile.gettempdir())
+    stale = tmp / f"{BACKUP_PREFIX}999999999-left"  # a pid no process has: its engine was killed
+    stale.mkdir()
+    (stale / "weights_backup.safetensors").write_bytes(b"x" * 1000)
+    srv = start_engine("native", big_model, tmp_path / "logs", weights_backup=True)
+    try:
+        srv.client.release(["weights"])  # the CPU backup goes to a file
+        mine = list(tmp.glob(f"{BACKUP_PREFIX}{srv.process.proc.pid}-*"))
+        assert len(mine) == 1 and (mine[0] / "weights_backup.safetensors").is_file()
+        assert not stale.exists()
+        srv.client.resume(["weights"])
+    finally:
+        srv.client.close()
+        srv.process.stop()
+    assert not mine[0].exists()
