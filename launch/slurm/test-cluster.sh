@@ -22,8 +22,9 @@ FORCE=0
 case "${1:-}" in
     --stop)
         for d in slurmd slurmctld munged; do
-            if [ -s "$STATE/$d.pid" ] && kill "$(cat "$STATE/$d.pid")" 2>/dev/null; then
-                echo "test-cluster: stopped $d ($(cat "$STATE/$d.pid"))"
+            pid=$(cat "$STATE/$d.pid" 2>/dev/null || true)
+            if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then
+                echo "test-cluster: stopped $d ($pid)"
             fi
             rm -f "$STATE/$d.pid"
         done
