@@ -669,3 +669,37 @@ def test_every_transport_updates_both_engines(server, model_a, model_b, tmp_path
     )
     assert outs == [hf_greedy(model_b, PROMPTS, 6), hf_greedy(model_a, PROMPTS, 6)]
     assert server.client.weight_version() == "101"
+
+
+@pytest.mark.parametrize("status,has", [(400, True), (500, True), (404, False), (405, False)])
+def test_weights_checker_capability_is_the_endpoint_not_one_answer(status, has):
+    """A colocated SGLang is probed while its weights are released: its /weights_checker answers
+    an error (it cannot hash released memory) but exists, and is used after each sync. Only a
+    missing endpoint means the engine has none. (A real HTTP server answering as such an engine.)"""
+    import threading  # noqa: PLC0415
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: PLC0415
+
+    from rltrain.engine.client import EngineClient  # noqa: PLC0415
+    from rltrain.sync.transport import _has_weights_checker  # noqa: PLC0415
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b'{"error": "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"}'
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}", request_timeout_s=10, retries=0)
+    try:
+        assert _has_weights_checker(client) is has
+    finally:
+        client.close()
+        httpd.shutdown()

@@ -76,9 +76,14 @@ def _probe_one(client: EngineClient) -> EngineCaps:
 
 
 def _has_weights_checker(client: EngineClient) -> bool:
+    """Whether the engine serves /weights_checker. An engine whose weights are released at start-up
+    (colocated SGLang on a GPU) answers it with an error: it has it, and its digests are read after
+    each sync, when its weights are back. Only a missing endpoint (404/405) or no answer means no."""
     try:
         return bool(client.weights_checker())
-    except (EngineError, ValueError, TypeError):
+    except EngineError as e:
+        return e.status is not None and e.status not in (404, 405)
+    except (ValueError, TypeError):
         return False
 
 
