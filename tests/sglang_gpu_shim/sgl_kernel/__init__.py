@@ -2,7 +2,7 @@
 64 MiB carry limit): the ops SGLang's CUDA path calls for a dense Qwen2/Qwen3 model, in torch,
 and for every other name a placeholder that raises when called, naming the op. Submodules
 (`sgl_kernel.kvcacheio`, ...) are made on import the same way. Never on the package's path:
-used by tests/test_gpu.py's SGLang tests with PYTHONPATH=tests/sglang_gpu_shim.
+used on the lent GPU with PYTHONPATH=tests/sglang_gpu_shim (README.md beside it).
 """
 
 from __future__ import annotations
