@@ -34,12 +34,15 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False)
     return (y * w).to(x.dtype)
 
 
-def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    y = _rms(input, weight, eps)
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return y
     out.copy_(y)
     return out
+
+
+def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
+    return _into(_rms(input, weight, eps), out)
 
 
 def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
@@ -48,11 +51,7 @@ def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
 
 
 def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    y = _rms(input, weight, eps, gemma=True)
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return _into(_rms(input, weight, eps, gemma=True), out)
 
 
 def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
@@ -62,11 +61,7 @@ def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
 
 def _gated(act, input, out):
     d = input.shape[-1] // 2
-    y = act(input[..., :d]) * input[..., d:]
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return _into(act(input[..., :d]) * input[..., d:], out)
 
 
 def silu_and_mul(input, out=None, enable_pdl=None):
