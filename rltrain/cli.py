@@ -102,7 +102,7 @@ def _report_cpus(env: DistEnv) -> None:
         )
 
 
-def train(cfg: Config, env: DistEnv, stop: StopRequest | None = None) -> int:
+def train(cfg: Config, env: DistEnv, stop: StopRequest) -> int:
     from rltrain.history import HistoryError  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
@@ -124,7 +124,7 @@ def train(cfg: Config, env: DistEnv, stop: StopRequest | None = None) -> int:
     world = World.from_config(cfg.world, env)
     ok = False
     try:
-        last = run(cfg, world, stop if stop is not None else StopRequest().install())
+        last = run(cfg, world, stop)
         ok = True
     except ConfigError as e:  # what only the machine shows (the engine layout, its device)
         print(f"rltrain: rank {env.rank}: config error: {e}", file=sys.stderr)

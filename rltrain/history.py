@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rltrain.checkpoint import candidates, find_resumable
 from rltrain.config import Config
-from rltrain.metrics import last_recorded_step
+from rltrain.metrics import DROPPED, last_recorded_step
 
 log = logging.getLogger("rltrain.history")
 
@@ -87,7 +87,7 @@ def begin(cfg: Config, checkpoint_root: Path) -> Path | None:
 
 def _move_aside(history: History, checkpoint_root: Path) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    for path in (history.metrics, history.metrics.with_name("metrics.dropped.jsonl"), checkpoint_root):
+    for path in (history.metrics, history.metrics.with_name(DROPPED), checkpoint_root):
         if path.exists():
             old = path.with_name(f"{path.name}.before-{stamp}")
             path.rename(old)

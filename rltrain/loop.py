@@ -45,8 +45,7 @@ log = logging.getLogger("rltrain.loop")
 Phase = Callable[[str], AbstractContextManager[None]]
 
 
-def run(cfg: Config, world: World, stop: StopRequest | None = None) -> dict[str, float]:
-    stop = stop if stop is not None else StopRequest()
+def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     parts: RunParts = setup_run(cfg, world)
     engine, trainer, cycle, sampler = parts.engine, parts.trainer, parts.cycle, parts.sampler
     clock = PhaseClock(

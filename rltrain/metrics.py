@@ -24,6 +24,7 @@ from rltrain.runtime.files import atomic_write_text
 from rltrain.runtime.ledger import MemoryLedger
 
 log = logging.getLogger("rltrain.loop")
+DROPPED = "metrics.dropped.jsonl"  # rows of steps a resumed run runs again, moved out of metrics.jsonl
 
 
 class PhaseClock:
@@ -112,7 +113,8 @@ class MetricsWriter:
         dropped = [line for step, line in rows if step > start_step]
         if not dropped:
             return
-        with open(self.path.with_name("metrics.dropped.jsonl"), "a") as f:
+        aside = self.path.with_name(DROPPED)
+        with open(aside, "a") as f:
             f.write("".join(line + "\n" for line in dropped))
             f.flush()
             os.fsync(f.fileno())
@@ -121,7 +123,7 @@ class MetricsWriter:
             "resuming after step %d: %d metrics row(s) of later steps, which run again, moved to %s",
             start_step,
             len(dropped),
-            self.path.with_name("metrics.dropped.jsonl"),
+            aside,
         )
 
     def step(

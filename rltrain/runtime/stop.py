@@ -37,7 +37,6 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: str | None = None
-        self.at: float | None = None
         self._logged = False
 
     def install(self) -> StopRequest:
@@ -49,12 +48,7 @@ class StopRequest:
 
     def _handle(self, signum: int, _frame: Any) -> None:
         if self.signal is None:  # the first one counts; torchrun's agent may forward another
-            self.signal, self.at = signal.Signals(signum).name, time.monotonic()
-
-    def request(self, why: str) -> None:
-        """Ask for a stop from code (tests, a limit of the run's own)."""
-        if self.signal is None:
-            self.signal, self.at = why, time.monotonic()
+            self.signal = signal.Signals(signum).name
 
     def agreed(self, world: Any, where: str) -> str | None:
         """Collective: what asked any rank to stop (the same answer on every rank), or None."""
