@@ -132,12 +132,14 @@ class MetricsWriter:
         thr = self.cfg.reward.pass_threshold
         flat = rewards.reshape(-1) if rewards is not None else torch.zeros(0)
         lengths = [len(s.completion.output_ids) for g in rollout.groups for s in g]
+        prompts = [len(s.prompt.input_ids) for g in rollout.groups for s in g]
         local = {
             "n": float(flat.numel()),
             "reward_sum": float(flat.sum()),
             "reward_sq": float((flat**2).sum()),
             "passed": float((flat >= thr).sum()),
             "length_sum": float(sum(lengths)),
+            "prompt_length_sum": float(sum(prompts)),
             **{k: v for k, v in rollout.stats.items()},
             "logp_diff_sum": adv_stats.get("logp_diff_engine_trainer", 0.0) * flat.numel(),
             "times": clock.times,
@@ -156,6 +158,7 @@ class MetricsWriter:
             "reward_std": max(tot("reward_sq") / n - mean**2, 0.0) ** 0.5,
             "pass_rate": tot("passed") / n,
             "response_length": tot("length_sum") / n,
+            "prompt_length": tot("prompt_length_sum") / n,
             "samples": tot("samples"),
             "samples_trained": tot("n"),
             "generation_failed": tot("generation_failed"),

@@ -34,6 +34,23 @@ HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
 SKIP_SGLANG = os.environ.get("RLTRAIN_SKIP_SGLANG") == "1"
 
 
+def sglang_gpu_args() -> list[str]:
+    """SGLang's flags for the GPU tests: none with its own kernels installed; with the test-only
+    stand-in for sglang-kernel (tests/sglang_gpu_shim on PYTHONPATH), what the stand-in needs:
+    Triton attention, the PyTorch sampler, no CUDA graphs, no radix cache (its README says why)."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or spec.origin is None or HERE / "sglang_gpu_shim" not in Path(spec.origin).parents:
+        return []
+    return [
+        "--attention-backend",
+        "triton",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-cuda-graph",
+        "--disable-radix-cache",
+    ]
+
+
 @pytest.fixture(scope="session")
 def model_a(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("model_a"), seed=1)

@@ -3,13 +3,17 @@
     python -m rltrain.bench.e2e                        # Qwen3-1.7B shape, 4 steps (the first warms up)
     python -m rltrain.bench.e2e --shape 0.6b --steps 3 --max-new-tokens 256
     python -m rltrain.bench.e2e --shape 0.6b --nproc 2    # the trainer sharded over two GPUs
+    python -m rltrain.bench.e2e --shape 0.6b --engine sglang native   # both engines, same prompts
 
 A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
 task's tokenizer. The real loop runs under torchrun on one rank (or --nproc, one per GPU, FSDP2
-over all of them, the prompts split between the ranks): the embedded engine on the GPU,
-the torch-native trainer (bf16), weight sync by `tensor` (CUDA IPC), colocated. Then, in this
+over all of them, the prompts split between the ranks): the engine on the GPU (the embedded
+one, SGLang, or each of them in turn on the same model, prompts and seed: `--engine`), the
+torch-native trainer (bf16), weight sync by `tensor` (CUDA IPC), colocated. Then, in this
 process (so that its own CUDA context is not on the GPU during the loop), the limits: the bf16
-matmul rate and the pinned host<->device copy rates.
+matmul rate, the pinned host<->device copy rates, the decode memory-bandwidth limit of the
+rollout (weights + KV bytes per decode step over the device's measured copy bandwidth,
+`rltrain.bench.limits`) and the raw CUDA-IPC floor of the model's bytes (`rltrain.bench.sync`).
 
 Reported, averaged over the steps after the first: rollout and train tokens/s with MFU (6 x
 parameters x tokens per train step, 2 x for the log-prob passes), each phase switch as a share
@@ -22,11 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,12 +73,13 @@ def _parameters(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
+def run_loop(root: Path, model: Path, a: argparse.Namespace, engine: str = "native") -> Path:
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
     overrides = [
         f"run.dir={root}",
-        "run.name=e2e",
+        f"run.name=e2e-{engine}",
+        f"engine.backend={engine}",
         f"model.path={model}",
         "model.build=none",
         "world.backend=nccl",
@@ -91,6 +98,9 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
         "metrics.progress_bar=false",
         "metrics.plot=true",
     ]
+    if engine == "sglang":
+        args = ",".join(shlex.split(a.sglang_args))
+        overrides += [f"engine.mem_fraction_static={a.mem_fraction}", f"engine.extra_args=[{args}]"]
     cmd = [
         sys.executable,
         "-m",
@@ -103,7 +113,7 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
         str(config),
         *overrides,
     ]
-    log = root / "loop.log"
+    log = root / f"loop-{engine}.log"
     with open(log, "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     if r.returncode != 0:
@@ -111,19 +121,81 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace) -> Path:
             f"the loop failed (exit {r.returncode}); last lines of {log}:\n"
             + "\n".join(log.read_text().splitlines()[-40:])
         )
-    return root / "e2e"
+    return root / f"e2e-{engine}"
 
 
-def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a: argparse.Namespace) -> list[str]:
+def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steady = rows[1:] if len(rows) > 1 else rows
-    mean = lambda f: sum(f(r) for r in steady) / len(steady)  # noqa: E731
+    return rows, (rows[1:] if len(rows) > 1 else rows)
+
+
+def _mean(steady: list[dict], f: Any) -> float:
+    return sum(f(r) for r in steady) / len(steady)
+
+
+def _engine_gib(parts: dict[str, float]) -> float:
+    """What the engine holds on the device in a ledger entry: its own report (the embedded
+    engine) or every other process on the GPU (SGLang)."""
+    return sum(parts.get(k, 0.0) for k in (*ENGINE_DEVICE, "engine_context", "other_processes"))
+
+
+def compare(runs: dict[str, Path], params: int, limit: Any, ipc_floor_s: float, a: argparse.Namespace) -> list[str]:
+    """The engines side by side on the same model, prompts and seed (steps after the first)."""
+    cols: dict[str, dict[str, str]] = {}
+    for engine, run_dir in runs.items():
+        rows, steady = _rows(run_dir)
+        m = lambda f, s=steady: _mean(s, f)  # noqa: E731
+        step_s = m(lambda r: r["time"]["step"])
+        rollout_s = m(lambda r: r["time"]["rollout"])
+        tps = m(lambda r: r["response_length"] * r["samples_trained"]) / rollout_s
+        switches = sum(m(lambda r, p=p: r["time"].get(p, 0.0)) for p in SWITCHES)
+        resume = m(lambda r: r["time"].get("engine_resume_weights", 0.0) + r["time"].get("engine_resume_kv", 0.0))
+        sync_s = m(lambda r: r["time"].get("sync", 0.0))
+        mem = [r["memory"]["rank0"] for r in steady]
+        freed = sum(x["rollout"]["device_used"] - x["engine_release"]["device_used"] for x in mem) / len(mem)
+        held = sum(_engine_gib(x["rollout"]) for x in mem) / len(mem)
+        training = max(_engine_gib(x["train"]) for x in mem)
+        cols[engine] = {
+            "step": f"{step_s:.2f} s",
+            "rollout": f"{rollout_s:.2f} s",
+            "response tokens/s": f"{tps:,.0f}",
+            "of the decode limit": f"{tps / limit.tokens_per_s:.1%}",
+            "engine GPU while generating": f"{held:.2f} GiB",
+            "engine_release": f"{m(lambda r: r['time'].get('engine_release', 0.0)):.3f} s",
+            "device memory freed by release": f"{freed:.2f} GiB",
+            "engine GPU while training": f"{training:.2f} GiB",
+            "engine resume (weights + KV)": f"{resume:.3f} s",
+            "sync": f"{sync_s:.3f} s",
+            "sync / raw CUDA-IPC floor": f"{sync_s / ipc_floor_s:.1f}x",
+            "all phase switches": f"{switches:.3f} s",
+            "phase switches, share of step": f"{switches / step_s:.1%}",
+            "probe log-prob difference": f"{m(lambda r: r.get('sync_probe_diff', float('nan'))):.4f}",
+            "failed generations (all steps)": f"{sum(r['generation_failed'] for r in rows):.0f}",
+        }
+    names = list(cols)
+    lines = [
+        f"# engines side by side, same model ({params / 1e9:.2f} B), prompts and seed; steps 2..{a.steps} averaged",
+        f"# {limit.describe()}",
+        f"# raw CUDA-IPC floor of the model's {params * 2 / 1e9:.2f} GB (2 processes, 512 MiB buckets, fresh "
+        f"buffers): {ipc_floor_s:.3f} s",
+        f"{'':>32s} " + " ".join(f"{n:>14s}" for n in names),
+    ]
+    for key in cols[names[0]]:
+        lines.append(f"{key:>32s} " + " ".join(f"{cols[n][key]:>14s}" for n in names))
+    return lines
+
+
+def report(
+    run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a: argparse.Namespace, engine: str = "native"
+) -> list[str]:
+    rows, steady = _rows(run_dir)
+    mean = lambda f: _mean(steady, f)  # noqa: E731
     step_s = mean(lambda r: r["time"]["step"])
     lines = [
         f"# rltrain.bench.e2e  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
         f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'} x {a.nproc}",
-        f"# {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} prompts x "
-        f"{a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
+        f"# engine {engine}; {a.shape} shape ({params / 1e9:.2f} B parameters, random weights), bf16, {a.prompts} "
+        f"prompts x {a.n} samples x {a.max_new_tokens} new tokens, micro-batch {a.micro}, sync {a.transport}; "
         f"steps 2..{len(rows)} averaged",
         f"# limits (same run): bf16 matmul {tflops:.0f} TFLOP/s; pinned copy h->d {h2d:.1f} GB/s, d->h {d2h:.1f} GB/s",
         f"# goals: {GOALS}",
@@ -167,14 +239,16 @@ def report(run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a:
         )
     mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
-    engine = max(sum(m["train"].get(k, 0.0) for k in ENGINE_DEVICE) for m in mem)
+    # The engine's own report (embedded) or every other process on the GPU (SGLang: its context too).
+    engine_held = max(sum(m["train"].get(k, 0.0) for k in (*ENGINE_DEVICE, "other_processes")) for m in mem)
     ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
     ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
     lines += [
         f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
         f"{'meets' if held <= 1 else 'misses'} <= 1 GiB (most of any rank)",
-        f"{'engine GPU while training':>28s} {engine:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB), "
-        f"{'meets' if engine <= 1 else 'misses'} <= 1 GiB",
+        f"{'engine GPU while training':>28s} {engine_held:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB; "
+        "SGLang: every other process on the GPU, contexts included), "
+        f"{'meets' if engine_held <= 1 else 'misses'} <= 1 GiB",
         "",
     ]
     from rltrain.runtime.ledger import format_ledger
@@ -193,6 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
     ap.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU")
+    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
+    ap.add_argument("--sglang-args", default="", help="extra SGLang server flags, one string")
+    ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static")
+    ap.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run no loop: report the runs kept in --keep (e2e-<engine>/metrics.jsonl, model/config.json), "
+        "with the limits measured now",
+    )
     ap.add_argument("--keep", default="", help="keep the run directory here (metrics, ledger plots, logs)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     model = root / "model"
     import torch.multiprocessing as mp
 
-    if not (model / "config.json").is_file():
+    if a.report_only and not a.keep:
+        raise SystemExit("--report-only reports the runs of --keep DIR")
+    if not a.report_only and not (model / "config.json").is_file():
         p = mp.get_context("spawn").Process(target=_build, args=(str(model), a.shape))
         p.start()
         p.join()
@@ -210,16 +295,27 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"building the model failed (exit {p.exitcode})")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         os.environ.pop(k, None)
-    run_dir = run_loop(root, model, a)
+    if a.report_only:
+        runs = {engine: root / f"e2e-{engine}" for engine in a.engine}
+    else:
+        runs = {engine: run_loop(root, model, a, engine) for engine in a.engine}
+    from rltrain.bench.limits import decode_limit, device_read_gbps
+    from rltrain.bench.release import pinned_copy_gbps
+    from rltrain.bench.sync import raw_ipc_seconds
     from rltrain.bench.trainers import matmul_tflops
 
+    device = torch.device("cuda", 0)
     params = _parameters(model)
-    tflops = matmul_tflops(torch.device("cuda", 0))
-    from rltrain.bench.release import pinned_copy_gbps
-
-    d2h, h2d = pinned_copy_gbps(2 << 30, torch.device("cuda", 0))
-    print("\n".join(report(run_dir, params, tflops, h2d, d2h, a)))
-    print(f"\nrun directory: {run_dir}")
+    tflops = matmul_tflops(device)
+    d2h, h2d = pinned_copy_gbps(2 << 30, device)
+    _, steady = _rows(next(iter(runs.values())))
+    context = _mean(steady, lambda r: r.get("prompt_length", 0.0) + r["response_length"] / 2)
+    limit = decode_limit(model, a.prompts * a.n, context, device_read_gbps(device))
+    ipc_floor_s, _ = raw_ipc_seconds(params * 2)
+    for engine, run_dir in runs.items():
+        print("\n".join(report(run_dir, params, tflops, h2d, d2h, a, engine)))
+        print(f"\nrun directory: {run_dir}\n")
+    print("\n".join(compare(runs, params, limit, ipc_floor_s, a)))
     return 0
 
 

@@ -2,13 +2,16 @@
 
     python -m rltrain.bench.engine                         # CPU: embedded engine, SGLang (if installed), HF
     python -m rltrain.bench.engine --device cuda --hidden 2048 --layers 8 --prompts 256
+    python -m rltrain.bench.engine --device cuda --engine sglang native --sglang-args "--attention-backend triton"
 
 A Qwen2-shaped model with random weights is built locally (no downloads). Every engine gets
 the same prompts and sampling settings (temperature 1, fixed output length); the baseline is
 transformers' own batched `generate` on the same model and device in the same run (the
-baseline each engine is compared with). Then the
-embedded engine's release/resume latency and the memory each frees (RSS on CPU, device memory
-on CUDA).
+baseline each engine is compared with). On CUDA the decode memory-bandwidth limit of the
+workload is computed from the model and the device's copy bandwidth measured in the same run
+(`rltrain.bench.limits`). Then each engine's release/resume latency, as the loop does it (every
+region, after a pause), and the memory it frees (RSS on CPU; on CUDA the device's, read through
+NVML as the loop's ledger reads it).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -26,7 +30,7 @@ import torch
 
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
-from rltrain.engine.launcher import EngineProcess, server_command
+from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
 from rltrain.generation import SamplingParams
 from rltrain.runtime.net import free_port
 
@@ -103,7 +107,7 @@ def _sync(device: str) -> None:
 
 
 def _start(
-    kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int
+    kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int, a: argparse.Namespace
 ) -> tuple[EngineProcess, EngineClient]:
     cfg = EngineConfig(
         backend=kind,
@@ -115,6 +119,9 @@ def _start(
         max_inflight=8,
     )
     env = {}
+    if kind == "sglang" and device != "cpu":
+        cfg.mem_fraction_static = a.mem_fraction
+        cfg.extra_args = shlex.split(a.sglang_args)
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
         cfg.extra_args = ["--max-total-tokens", "65536"]
@@ -135,11 +142,36 @@ def _start(
 
 
 def _process_memory(pid: int, device: str) -> float:
+    """MiB: the whole device's memory in use (NVML) on CUDA, the engine's RSS on CPU."""
     if device.startswith("cuda"):
-        free, total = torch.cuda.mem_get_info()
-        return (total - free) / 2**20
+        from rltrain.runtime.ledger import device_used
+
+        return device_used(torch.device(device)) / 2**20
     p = psutil.Process(pid)
     return sum(c.memory_info().rss for c in [p, *p.children(recursive=True)]) / 2**20
+
+
+def release_cycle(kind: str, proc: EngineProcess, client: EngineClient, device: str) -> tuple[float, ...]:
+    """The loop's release and resume of every region (SGLang: after a pause; resumed weights
+    first, then KV cache and CUDA graphs): seconds each, and the memory before, released, resumed."""
+    before = _process_memory(proc.proc.pid, device)
+    t0 = time.perf_counter()
+    if kind == "sglang":
+        client.pause("abort")
+        client.release(NodeEngine.REGIONS)
+    else:
+        client.release(["weights", "kv_cache"])
+    t_rel = time.perf_counter() - t0
+    after = _process_memory(proc.proc.pid, device)
+    t0 = time.perf_counter()
+    if kind == "sglang":
+        client.resume(["weights"])
+        client.resume(["kv_cache", "cuda_graph"])
+        client.continue_generation()
+    else:
+        client.resume(["weights", "kv_cache"])
+    t_res = time.perf_counter() - t0
+    return t_rel, t_res, before, after, _process_memory(proc.proc.pid, device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--engines", nargs="*", default=["native", "sglang"])
+    ap.add_argument(
+        "--engine", "--engines", dest="engines", nargs="+", default=["native", "sglang"], choices=["native", "sglang"]
+    )
+    ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
+    ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static on CUDA")
     a = ap.parse_args(argv)
     dtype_name = "bfloat16" if a.device.startswith("cuda") else "float32"
     dtype = getattr(torch, dtype_name)
@@ -187,32 +223,35 @@ def main(argv: list[str] | None = None) -> int:
                 if importlib.util.find_spec("sglang") is None:
                     rows.append(("sglang: not installed", float("nan"), 0))
                     continue
-            proc, client = _start(kind, model, a.device, dtype_name, Path(tmp), a.prompts)
+            proc, client = _start(kind, model, a.device, dtype_name, Path(tmp), a.prompts, a)
             try:
                 tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
                 rows.append((f"{kind} engine over HTTP", tps, failed))
-                if kind == "native":
-                    before = _process_memory(proc.proc.pid, a.device)
-                    t0 = time.perf_counter()
-                    client.release(["weights", "kv_cache"])
-                    t_rel = time.perf_counter() - t0
-                    after = _process_memory(proc.proc.pid, a.device)
-                    t0 = time.perf_counter()
-                    client.resume(["weights", "kv_cache"])
-                    t_res = time.perf_counter() - t0
-                    resumed = _process_memory(proc.proc.pid, a.device)
-                    release_rows.append((t_rel, t_res, before, after, resumed))
+                if a.device != "cpu" or kind == "native":  # SGLang releases memory on CUDA only
+                    release_rows.append((kind, *release_cycle(kind, proc, client, a.device)))
+                    engine_rollout(client, prompts[:4], 4, 1)  # and generates after it
             finally:
                 client.close()
                 proc.stop()
-    print(f"\n{'rollout':44s} {'tokens/s':>10s} {'vs HF':>9s} {'failed':>7s}")
-    limit = rows[0][1]
+        limit = None
+        if a.device.startswith("cuda"):
+            from rltrain.bench.limits import decode_limit, device_read_gbps
+
+            mean_prompt = sum(map(len, prompts)) / len(prompts)
+            limit = decode_limit(
+                model, a.prompts, mean_prompt + a.new_tokens / 2, device_read_gbps(torch.device(a.device))
+            )
+    print(f"\n{'rollout':44s} {'tokens/s':>10s} {'vs HF':>9s} {'of limit':>9s} {'failed':>7s}")
+    base = rows[0][1]
     for name, tps, failed in rows:
-        print(f"{name:44s} {tps:10.0f} {tps / limit:9.2f} {failed:7d}")
-    mem = "device MiB used" if a.device.startswith("cuda") else "engine RSS MiB"
-    for t_rel, t_res, before, after, resumed in release_rows:
+        share = f"{tps / limit.tokens_per_s:9.1%}" if limit is not None else f"{'':9s}"
+        print(f"{name:44s} {tps:10.0f} {tps / base:9.2f} {share} {failed:7d}")
+    if limit is not None:
+        print(f"{'decode limit (same run)':44s} {limit.tokens_per_s:10.0f}   {limit.describe()}")
+    mem = "device MiB used (NVML, whole GPU)" if a.device.startswith("cuda") else "engine RSS MiB"
+    for kind, t_rel, t_res, before, after, resumed in release_rows:
         print(
-            f"\nnative release(weights, kv_cache): {t_rel * 1e3:.0f} ms, resume: {t_res * 1e3:.0f} ms; "
+            f"\n{kind} release (every region): {t_rel * 1e3:.0f} ms, resume: {t_res * 1e3:.0f} ms; "
             f"{mem}: {before:.0f} before, {after:.0f} released ({before - after:.0f} freed), {resumed:.0f} resumed"
         )
     return 0

@@ -11,10 +11,16 @@ Every figure is measured, none is assumed:
     nccl               what building the NCCL communicators took, measured by the world at its
                        rebuild (device memory outside the allocator, before vs. after); 0 when down
     cuda_context       this process's CUDA context, measured when the process first touched the GPU
-    device_baseline    what the device had in use before that (the driver's own reservation, and
-                       any other process that was there)
+    device_baseline    what the device had in use before that and no process held (the driver's
+                       own reservation; with any other process that was there where NVML cannot
+                       tell processes apart)
     engine_*           the engine's own report (weights, KV cache, other, its context), on the rank
                        whose GPU the engine uses
+    other_processes    every other process's device memory on this GPU, read per process through
+                       NVML (an engine without its own report, as SGLang: its scheduler's
+                       context, weights, KV cache and allocator cache, its other processes'
+                       contexts); the engine that reports itself is not counted twice. Absent
+                       where NVML cannot tell processes apart (another PID namespace)
     unexplained        device_used minus all of the above: shown, never hidden
     rss, host_pinned   this process's resident memory and its page-locked host allocations
     trainer_host       the trainer's tensors in host memory (offloaded weights and optimizer state)
@@ -51,6 +57,7 @@ DEVICE_PARTS = (
     "engine_kv_cache",
     "engine_other",
     "engine_context",
+    "other_processes",
     "device_baseline",
 )
 
@@ -91,6 +98,23 @@ def _nvml_used(index: int) -> int | None:
     return int(pynvml.nvmlDeviceGetMemoryInfo(_NVML[index]).used)
 
 
+def process_device_bytes(device: torch.device) -> dict[int, int] | None:
+    """Device memory per process on `device` (pid -> bytes), through NVML; None where NVML cannot
+    read it or its pids are not this namespace's (this process, holding a context, not among them)."""
+    if device.type != "cuda" or _nvml_used(device.index or 0) is None:
+        return None
+    import pynvml  # noqa: PLC0415 - NVML comes with CUDA builds of torch only
+
+    try:
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(_NVML[device.index or 0])
+    except pynvml.NVMLError:
+        return None
+    used = {int(p.pid): int(p.usedGpuMemory or 0) for p in procs}
+    if torch.cuda.is_initialized() and os.getpid() not in used:
+        return None
+    return used
+
+
 def measure_cuda_context(device: torch.device) -> tuple[int | None, int | None]:
     """Create this process's CUDA context on `device`: (what the context took, what the device
     had in use before it), both read through NVML before and after. Call it before the process
@@ -99,6 +123,7 @@ def measure_cuda_context(device: torch.device) -> tuple[int | None, int | None]:
     if device.type != "cuda" or torch.cuda.is_initialized():
         return None, None
     before = _nvml_used(device.index or 0)
+    others = process_device_bytes(device)
     torch.cuda.set_device(device)
     torch.cuda.init()
     torch.zeros(1, device=device)  # the context is created lazily, by the first real use
@@ -106,7 +131,12 @@ def measure_cuda_context(device: torch.device) -> tuple[int | None, int | None]:
     after = _nvml_used(device.index or 0)
     if before is None or after is None:
         return None, None
-    return max(after - before - torch.cuda.memory_reserved(device), 0), before
+    context = max(after - before - torch.cuda.memory_reserved(device), 0)
+    # Other processes already on the device are counted as they are then (`other_processes`)
+    # where NVML tells processes apart: the baseline is what no process held.
+    if others is not None and process_device_bytes(device) is not None:
+        before -= sum(others.values())
+    return context, before
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> dict[str, int]:
@@ -174,6 +204,13 @@ class MemoryLedger:
             parts["engine_kv_cache"] = engine.get("kv_cache_bytes", 0)
             parts["engine_other"] = engine.get("other_bytes", 0)
             parts["engine_context"] = engine.get("context_bytes") or 0
+        if cuda:
+            per_process = process_device_bytes(self.device)
+            if per_process is not None:
+                mine = {os.getpid()}
+                if "weight_bytes" in engine:  # the engine's own report has its process already
+                    mine.add(engine.get("pid", -1))
+                parts["other_processes"] = sum(b for pid, b in per_process.items() if pid not in mine)
         out = {k: v / GIB for k, v in parts.items()}
         if cuda:
             used = device_used(self.device)

@@ -11,9 +11,10 @@ from rltrain.runtime import internals
 
 def free_cuda_caches() -> None:
     """Return the caching allocator's free blocks to the driver, cuBLAS workspaces (allocated
-    through the caching allocator) included."""
+    through the caching allocator) and blocks parked after CUDA IPC included."""
     if torch.cuda.is_available():
         internals.get("torch._C._cuda_clearCublasWorkspaces")()
+        torch.cuda.ipc_collect()  # blocks shared by IPC that every consumer has let go of
     torch.cuda.empty_cache()
 
 

@@ -257,8 +257,10 @@ class World:
 
     def communicator_bytes(self) -> int:
         """Device bytes the current generation's NCCL communicators hold (measured at its build;
-        0 while the world is down, and off GPU)."""
-        return self.nccl_bytes if self.is_up else 0
+        0 once the world is down, and off GPU). A teardown still running in the background has
+        not given them back yet: they count until it ends."""
+        tearing_down = self._destroyer is not None and self._destroyer.is_alive()
+        return self.nccl_bytes if self.is_up or tearing_down else 0
 
     def store_prefix(self, generation: int | None = None) -> str:
         g = self.generation if generation is None else generation

@@ -108,6 +108,7 @@ class TensorTransport:
                     client.end_weight_update()  # the embedded engine unmaps the reused buffers here
             finally:
                 self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
+                _collect_shared(ctx.device)
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent
@@ -212,6 +213,7 @@ class TensorTransport:
                         client.end_weight_update()
                     except EngineError as e:
                         failure = failure or e
+            _collect_shared(ctx.device)
         if failure is not None:
             raise RuntimeError(f"{ctx.engine_name}: {failure}") from failure
         return sent
@@ -221,6 +223,16 @@ class TensorTransport:
 
     def close(self) -> None:
         pass
+
+
+def _collect_shared(device: torch.device) -> None:
+    """Free the buckets the engines have let go of. A CUDA block shared by IPC and dropped while
+    a consumer still had it open is parked in torch's IPC limbo, still allocated; torch looks at
+    the limbo again only when another shared block is dropped, when an allocation fails, or when
+    asked (`ipc_collect`). So the session's last bucket stayed allocated in the trainer through
+    the next phases (tests/test_sglang_gpu.py on the H200, SGLang: one 101 MiB bucket)."""
+    if device.type == "cuda":
+        torch.cuda.ipc_collect()
 
 
 def _record(t: torch.Tensor) -> torch.cuda.Event | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import queue
 import shutil
 import threading
@@ -479,6 +480,7 @@ class NativeEngine:
         weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())  # tied ones once
         rep: dict[str, Any] = {
             "released": sorted(self.released),
+            "pid": os.getpid(),
             "device": str(self.device),
             "weight_bytes": weights,
             "rss_bytes": psutil.Process().memory_info().rss,
