@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.weights.names import EXPERT
+from rltrain.weights.names import classify
 
 log = logging.getLogger("rltrain.sync")
 
@@ -118,11 +118,11 @@ def build_plan(
     reason = _routing_refused(weights, topology)
     targets: dict[str, tuple[int, ...]] = {}
     for w in weights:
-        m = EXPERT.search(w.name)
-        if reason is None and m:
-            targets[w.name] = (int(m.group(1)) // (topology.num_experts // ep),)
+        kind = classify(w.name)
+        if reason is None and kind.expert is not None:
+            targets[w.name] = (kind.expert // (topology.num_experts // ep),)
         else:
-            targets[w.name] = everyone
+            targets[w.name] = everyone  # dense and shared-expert weights: every rank computes them
     if reason is not None and ep > 1:
         log.warning("sync: expert routing off, every EP rank receives every weight: %s", reason)
     return SyncPlan(
@@ -145,7 +145,11 @@ def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | N
         return "the model has no routed experts"
     if topo.num_experts % topo.ep_size:
         return f"{topo.num_experts} experts do not divide over ep_size {topo.ep_size}"
-    indices = [int(m.group(1)) for w in weights if (m := EXPERT.search(w.name))]
+    kinds = {w.name: classify(w.name) for w in weights}  # an unknown expert name raises, naming it
+    fused = sorted(n for n, k in kinds.items() if k.kind == "fused_experts")
+    if fused:
+        return f"expert weights stored fused ({fused[0]}, ...): they cannot be routed by name"
+    indices = [k.expert for k in kinds.values() if k.expert is not None]
     if not indices:
         return "no weight is named per expert ('...experts.<e>...'): fused expert tensors cannot be routed"
     if max(indices) >= topo.num_experts:

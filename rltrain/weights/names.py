@@ -15,13 +15,16 @@ turns a module tensor into its checkpoint tensors; we use it in both directions:
 Models without conversions (Llama, Qwen2/3 dense) map names one to one at no cost.
 
 Experts: a routed expert's weights carry its index in the checkpoint name (`EXPERT`), which is
-how the sync plan routes them and how an engine rank knows what it owns; `num_experts` reads the
-count from an HF config under any of its spellings.
+how the sync plan routes them and how an engine rank knows what it owns. `classify` sorts every
+checkpoint name into routed expert / shared expert / fused experts / dense, and refuses a name
+that mentions experts in no known form. `num_experts` reads the count from an HF config under any
+of its spellings.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,44 @@ except internals.InternalMissing:  # transformers < 5: checkpoints and modules s
     revert_weight_conversion = None
 
 EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+SHARED_EXPERT = re.compile(r"(?:^|\.)shared_experts?(?:\.|_gate\.)")  # DeepSeek's, Qwen2-MoE's (and its gate)
+FUSED_EXPERTS = re.compile(r"(?:^|\.)experts\.(?!\d)")  # one tensor for all experts (gpt-oss-style checkpoints)
+
+
+class UnknownWeightName(ValueError):
+    """A checkpoint name that mentions experts in no form the sync knows."""
+
+
+@dataclass(frozen=True)
+class WeightKind:
+    """What one checkpoint weight is to expert routing.
+
+    expert          a routed expert's weight (`expert` its index): only the ranks that own it need it
+    shared          a shared expert's weight (DeepSeek, Qwen2-MoE): every rank computes it
+    fused_experts   all experts in one tensor: cannot be routed by name (the plan then refuses routing)
+    dense           anything else (attention, norms, embeddings, routers, dense MLPs): every rank
+    """
+
+    kind: str
+    expert: int | None = None
+
+
+def classify(name: str) -> WeightKind:
+    """The routing class of checkpoint weight `name`. A name that speaks of experts in no form
+    above is an error naming it: it is never guessed to be dense, never dropped."""
+    if m := EXPERT.search(name):
+        return WeightKind("expert", int(m.group(1)))
+    if SHARED_EXPERT.search(name):
+        return WeightKind("shared")
+    if FUSED_EXPERTS.search(name):
+        return WeightKind("fused_experts")
+    if "expert" in name.lower():
+        raise UnknownWeightName(
+            f"weight {name!r} mentions experts but is neither a routed expert ('...experts.<e>...'), a "
+            "shared expert ('...shared_expert(s)...') nor a fused expert tensor ('...experts.<name>'): "
+            "the sync cannot tell which engine ranks need it"
+        )
+    return WeightKind("dense")
 
 
 def num_experts(hf_config: Any) -> int:

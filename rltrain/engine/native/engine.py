@@ -40,7 +40,7 @@ from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
 from rltrain.weights.bucket import BucketViews
 from rltrain.weights.checksum import combine, entry
-from rltrain.weights.names import EXPERT, checkpoint_index, num_experts, write
+from rltrain.weights.names import checkpoint_index, classify, num_experts, write
 from rltrain.weights.versions import read_weights
 
 log = logging.getLogger("rltrain.engine.native")
@@ -669,8 +669,8 @@ class NativeEngine:
         """Whether this engine holds `name` under expert parallelism (always, without it)."""
         if self.ep_size <= 1:
             return True
-        m = EXPERT.search(name)
-        return m is None or int(m.group(1)) // self._experts_per_rank == self.ep_rank
+        expert = classify(name).expert
+        return expert is None or expert // self._experts_per_rank == self.ep_rank
 
     @torch.no_grad()
     def weights_checksum(self) -> dict[str, Any]:

@@ -1,0 +1,166 @@
+"""Expert routing's classification of every weight, on the checkpoint names of real architectures.
+
+Each model is a tiny transformers model of that architecture; its checkpoint names are what the
+trainer sends (`checkpoint_specs`: transformers' own conversion back from its fused layout).
+Every name is classified routed expert / shared expert / fused / dense; a shared expert goes to
+every engine rank; an expert name the sync does not know is an error that names it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformers
+
+from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
+from rltrain.weights.names import UnknownWeightName, checkpoint_specs, classify
+
+SMALL = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+
+
+def _qwen3_moe():
+    return (
+        transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **SMALL,
+                intermediate_size=32,
+                moe_intermediate_size=8,
+                num_hidden_layers=2,
+                head_dim=8,
+                num_experts=4,
+                num_experts_per_tok=2,
+                mlp_only_layers=[],
+                tie_word_embeddings=False,
+            )
+        ),
+        4,
+        0,
+    )
+
+
+def _mixtral():
+    return (
+        transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(
+                **SMALL,
+                intermediate_size=8,
+                num_hidden_layers=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                tie_word_embeddings=False,
+            )
+        ),
+        4,
+        0,
+    )
+
+
+def _deepseek_v3():
+    """Shared experts and a dense first layer (first_k_dense_replace), MLA attention."""
+    cfg = transformers.DeepseekV3Config(
+        **SMALL,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=3,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+        tie_word_embeddings=False,
+    )
+    return transformers.DeepseekV3ForCausalLM(cfg), 4, 1
+
+
+def _qwen2_moe():
+    """A shared expert and its gate."""
+    cfg = transformers.Qwen2MoeConfig(
+        **SMALL,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=8,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+    )
+    return transformers.Qwen2MoeForCausalLM(cfg), 4, 0
+
+
+ARCHS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "deepseek_v3": _deepseek_v3, "qwen2_moe": _qwen2_moe}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_checkpoint_name_of_a_moe_architecture_is_classified(arch):
+    torch.manual_seed(0)
+    model, experts, dense_layers = ARCHS[arch]()
+    names = [ck for ck, _, _, _ in checkpoint_specs(model)]
+    kinds = {n: classify(n) for n in names}
+    routed = {n: k.expert for n, k in kinds.items() if k.kind == "expert"}
+    shared = [n for n, k in kinds.items() if k.kind == "shared"]
+    layers = model.config.num_hidden_layers
+    # Every routed expert of every MoE layer, three matrices each, indices 0..E-1.
+    assert len(routed) == (layers - dense_layers) * experts * 3, sorted(routed)[:6]
+    assert set(routed.values()) == set(range(experts))
+    # The dense first layers (DeepSeek's first_k_dense_replace) have no expert weight at all.
+    for layer in range(dense_layers):
+        assert not any(re.search(rf"\.layers\.{layer}\.", n) for n in {*routed, *shared}), layer
+    has_shared = arch in ("deepseek_v3", "qwen2_moe")
+    assert bool(shared) == has_shared, shared
+    assert not any(k.kind == "fused_experts" for k in kinds.values())
+    # Everything else (attention, norms, routers, embeddings) is dense.
+    dense = [n for n, k in kinds.items() if k.kind == "dense"]
+    assert any(n.endswith("embed_tokens.weight") for n in dense)
+    assert any(".mlp.gate." in n or "block_sparse_moe.gate." in n for n in dense)  # the routers
+    # Tied embeddings: the head is the embedding, sent once.
+    assert ("lm_head.weight" in names) == (not model.config.tie_word_embeddings)
+
+    # Routed over two engine EP ranks: each expert to its owner, shared and dense to both.
+    specs = [WeightSpec(ck, tuple(shape), dtype) for ck, _, shape, dtype in checkpoint_specs(model)]
+    plan = build_plan(specs, EngineTopology((2,), experts), 1 << 20)
+    assert plan.routed, plan.fallback_reason
+    for n in names:
+        k = kinds[n]
+        assert plan.targets[n] == ((k.expert // (experts // 2),) if k.kind == "expert" else (0, 1)), n
+    for b in plan.buckets:  # a bucket goes to one set of ranks: never an expert beside another's
+        assert {plan.targets[n] for n in b.names} == {b.targets}
+
+
+def test_dense_models_tied_and_untied_are_all_dense():
+    for tied in (True, False):
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(**SMALL, intermediate_size=32, num_hidden_layers=1, tie_word_embeddings=tied)
+        )
+        names = [ck for ck, _, _, _ in checkpoint_specs(model)]
+        assert {classify(n).kind for n in names} == {"dense"}
+        assert ("lm_head.weight" in names) == (not tied)
+
+
+def test_an_expert_name_the_sync_does_not_know_is_an_error_naming_it():
+    for name in ("model.layers.0.mlp.expert_bias", "model.layers.0.mlp.Experts3.w1.weight"):
+        with pytest.raises(UnknownWeightName, match=re.escape(repr(name))):
+            classify(name)
+    specs = [
+        WeightSpec("model.embed_tokens.weight", (4, 2), torch.float32),
+        WeightSpec("model.layers.0.mlp.expert_bias", (4,), torch.float32),
+    ]
+    with pytest.raises(UnknownWeightName, match="expert_bias"):
+        build_plan(specs, EngineTopology((1,), 0), 1 << 20)  # at any EP size: never silently dense
+
+
+def test_fused_expert_tensors_are_not_routed_and_the_reason_names_one():
+    specs = [
+        WeightSpec("model.layers.0.mlp.experts.gate_up_proj", (4, 8, 2), torch.float32),
+        WeightSpec("model.layers.0.mlp.gate.weight", (4, 2), torch.float32),
+    ]
+    plan = build_plan(specs, EngineTopology((2,), 4), 1 << 20)
+    assert not plan.routed and "experts.gate_up_proj" in (plan.fallback_reason or "")
+    assert all(t == (0, 1) for t in plan.targets.values())
