@@ -276,3 +276,13 @@ def test_sglang_weights_checker_digests_follow_the_weights(server, model_a, mode
         f"engines of TP size 1 ({a[0]['checksum'][:16]}…)"
     ]
     assert disagreements(digests[:2]) and len(disagreements(digests[:2])) == 2  # two that differ: both named
+
+
+def test_engine_reports_its_parallel_layout_in_sglangs_field_names(server):
+    """The sync's router reads each engine's layout from the engine (never from how many
+    receivers there are): both engines answer /server_info with SGLang's fields."""
+    from rltrain.sync.plan import EngineParallelism
+
+    info = server.client.server_info()
+    assert {"tp_size", "ep_size", "dp_size", "enable_eplb", "ep_num_redundant_experts", "moe_a2a_backend"} <= set(info)
+    assert EngineParallelism.from_server_info(info) == EngineParallelism()  # one process, no EP

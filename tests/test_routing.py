@@ -164,3 +164,69 @@ def test_fused_expert_tensors_are_not_routed_and_the_reason_names_one():
     plan = build_plan(specs, EngineTopology((2,), 4), 1 << 20)
     assert not plan.routed and "experts.gate_up_proj" in (plan.fallback_reason or "")
     assert all(t == (0, 1) for t in plan.targets.values())
+
+
+# --------------------------------------------------------------------------- the engines' own layouts
+
+
+def _moe_specs(experts: int = 8) -> list[WeightSpec]:
+    dense = [WeightSpec("model.embed_tokens.weight", (16, 4), torch.float32)]
+    return dense + [
+        WeightSpec(f"model.layers.0.mlp.experts.{e}.{p}.weight", (4, 4), torch.float32)
+        for e in range(experts)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    ]
+
+
+SGLANG_INFO = {  # the fields of SGLang 0.5.23's /server_info the router reads (seen on CPU)
+    "tp_size": 2,
+    "ep_size": 2,
+    "dp_size": 1,
+    "enable_eplb": False,
+    "ep_num_redundant_experts": 0,
+    "moe_a2a_backend": "none",
+    "moe_runner_backend": "auto",
+    "enable_dp_attention": False,
+}
+
+
+@pytest.mark.parametrize(
+    "infos,reason",
+    [
+        ([{**SGLANG_INFO, "enable_eplb": True}], "EPLB"),
+        ([{**SGLANG_INFO, "ep_num_redundant_experts": 2}], "redundant experts"),
+        ([{**SGLANG_INFO, "moe_a2a_backend": "deepep"}], "deepep"),
+        ([SGLANG_INFO], "inside each engine"),
+        ([{"ep_size": 2, "ep_rank": 0}, {"ep_size": 4, "ep_rank": 1}], "layouts differ"),
+        ([{"ep_size": 2, "ep_rank": 1}, {"ep_size": 2, "ep_rank": 0}], "receiver 0 reports EP rank 1 of 2"),
+        ([{}, {}], "not EP ranks"),  # engines that say nothing of themselves are not taken as EP ranks
+    ],
+)
+def test_routing_follows_what_the_engines_report_and_says_why_not(infos, reason, caplog):
+    from rltrain.sync.plan import EngineParallelism
+
+    layouts = tuple(EngineParallelism.from_server_info(i) for i in infos)
+    caplog.set_level("INFO", logger="rltrain.sync")
+    plan = build_plan(_moe_specs(), EngineTopology((len(infos),), 8, layouts), 1 << 20)
+    assert not plan.routed and reason in (plan.fallback_reason or ""), plan.fallback_reason
+    assert all(t == tuple(range(len(infos))) for t in plan.targets.values())
+    said = [r for r in caplog.records if "expert routing off" in r.getMessage()]
+    assert len(said) == 1 and reason in said[0].getMessage()  # one line, naming the reason
+
+
+def test_receivers_that_report_themselves_as_the_ranks_of_one_ep_group_are_routed():
+    from rltrain.sync.plan import EngineParallelism
+
+    layouts = tuple(EngineParallelism.from_server_info({"ep_size": 2, "ep_rank": r}) for r in (0, 1))
+    plan = build_plan(_moe_specs(), EngineTopology((2,), 8, layouts), 1 << 20)
+    assert plan.routed and plan.targets["model.layers.0.mlp.experts.5.up_proj.weight"] == (1,)
+
+
+def test_a_moe_model_at_ep_1_says_routing_is_off_once(caplog):
+    caplog.set_level("INFO", logger="rltrain.sync")
+    plan = build_plan(_moe_specs(), EngineTopology((1,), 8), 1 << 20)
+    said = [r for r in caplog.records if "expert routing off" in r.getMessage()]
+    assert not plan.routed and len(said) == 1 and said[0].levelname == "INFO"
+    caplog.clear()
+    build_plan([WeightSpec("model.embed_tokens.weight", (4, 4), torch.float32)], EngineTopology((1,), 0), 1 << 20)
+    assert "expert routing" not in caplog.text  # a dense model has nothing to route: nothing said

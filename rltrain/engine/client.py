@@ -409,7 +409,14 @@ class EngineClient:
         return _json_or_text(self._request("GET", "/memory"))
 
     def server_info(self) -> dict:
-        data = _json_or_text(self._request("GET", "/get_server_info"))
+        """GET /server_info (SGLang's current name; it logs a deprecation warning for every
+        /get_server_info), or /get_server_info where the engine has only the older name."""
+        try:
+            data = _json_or_text(self._request("GET", "/server_info"))
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            data = _json_or_text(self._request("GET", "/get_server_info"))
         return data if isinstance(data, dict) else {}
 
     def model_info(self) -> dict:

@@ -8,9 +8,13 @@ Every transport consumes the same plan. It is built from the trainer's weight me
   them (the classic cause of an engine silently serving stale weights after sleep/wake);
 - routing: a MoE model's expert weights go only to the engine EP rank that owns them. Experts
   are dealt out in contiguous blocks (EP rank r owns experts [r*E/ep, (r+1)*E/ep)), as SGLang
-  and Megatron do. Routing needs homogeneous engines (the same EP size everywhere), E divisible
-  by ep, and per-expert names (`...experts.<e>....`); otherwise the plan falls back to sending
-  every weight to every target and says why (`fallback_reason`, logged);
+  and Megatron do. Every name is classified first (`weights.names.classify`: routed, shared,
+  fused, dense; an unknown expert name is an error). Routing needs the layout each engine
+  reports of itself (`EngineParallelism`: no EPLB, no redundant experts, a known dispatch; the same
+  layout everywhere; receivers that are the EP ranks of one group), E divisible by ep, and
+  per-expert names (`...experts.<e>....`). Otherwise the plan falls back to sending every weight
+  to every target and says why (`fallback_reason`, one log line for any MoE model at any EP
+  size);
 - buckets: first-fit-decreasing by size under `bucket_bytes`, per target set and dtype (a
   bucket is one contiguous buffer of one dtype for one set of receivers). A tensor larger than
   the limit gets a bucket of its own.
@@ -64,11 +68,49 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class EngineParallelism:
+    """One engine's parallel layout, as the engine itself reports it in /get_server_info
+    (SGLang's field names; the embedded engine reports the same ones).
+
+    `ep_rank` is set by an engine that is one EP rank of a group of engines (the embedded
+    engine's `--ep-rank`); SGLang's expert parallelism is inside one engine, over its TP ranks
+    (`ep_rank` None)."""
+
+    tp_size: int = 1
+    ep_size: int = 1
+    ep_rank: int | None = None
+    dp_size: int = 1
+    eplb: bool = False
+    redundant_experts: int = 0
+    a2a_backend: str = "none"
+
+    @classmethod
+    def from_server_info(cls, info: dict) -> EngineParallelism:
+        def number(key: str, default: int) -> int:
+            v = info.get(key)
+            return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+        rank = info.get("ep_rank")
+        return cls(
+            tp_size=number("tp_size", 1),
+            ep_size=number("ep_size", 1),
+            ep_rank=rank if isinstance(rank, int) else None,
+            dp_size=number("dp_size", 1),
+            eplb=bool(info.get("enable_eplb", False)),
+            redundant_experts=number("ep_num_redundant_experts", 0),
+            a2a_backend=str(info.get("moe_a2a_backend") or "none"),
+        )
+
+
+@dataclass(frozen=True)
 class EngineTopology:
-    """What the receivers look like: the EP size of each engine instance (one per node)."""
+    """What the receivers look like. `ep_sizes`: the EP size of each engine instance (one per
+    node; the receivers of one node are the EP ranks of a group of engines). `layouts`: what each
+    receiver reported of itself (empty: not asked, e.g. the benchmarks' planned figures)."""
 
     ep_sizes: tuple[int, ...] = (1,)
     num_experts: int = 0  # routed experts of the model (0: dense)
+    layouts: tuple[EngineParallelism, ...] = ()
 
     @property
     def ep_size(self) -> int:
@@ -123,8 +165,13 @@ def build_plan(
             targets[w.name] = (kind.expert // (topology.num_experts // ep),)
         else:
             targets[w.name] = everyone  # dense and shared-expert weights: every rank computes them
-    if reason is not None and ep > 1:
-        log.warning("sync: expert routing off, every EP rank receives every weight: %s", reason)
+    inside = max((la.ep_size for la in topology.layouts), default=1)
+    if reason is not None and (topology.num_experts > 0 or max(ep, inside) > 1):  # said once, at any EP size
+        log.log(
+            logging.WARNING if max(ep, inside) > 1 else logging.INFO,
+            "sync: expert routing off, every engine rank receives every expert weight: %s",
+            reason,
+        )
     return SyncPlan(
         weights,
         targets,
@@ -137,6 +184,9 @@ def build_plan(
 
 def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | None:
     """Why experts cannot be routed (None: they can)."""
+    layout_reason = _layout_refused(topo)
+    if layout_reason is not None:
+        return layout_reason
     if topo.ep_size <= 1:
         return "engines are not expert-parallel (ep_size 1)"
     if len(set(topo.ep_sizes)) > 1:
@@ -154,6 +204,40 @@ def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | N
         return "no weight is named per expert ('...experts.<e>...'): fused expert tensors cannot be routed"
     if max(indices) >= topo.num_experts:
         return f"expert index {max(indices)} in the weight names but the config has {topo.num_experts} experts"
+    return None
+
+
+def _layout_refused(topo: EngineTopology) -> str | None:
+    """What in the engines' own layouts the router cannot serve exactly (None: nothing)."""
+    layouts = topo.layouts
+    if not layouts:
+        return None
+    for i, la in enumerate(layouts):
+        if la.eplb:
+            return f"engine {i} runs EPLB: its experts move between ranks at run time"
+        if la.redundant_experts:
+            return f"engine {i} keeps {la.redundant_experts} redundant experts: some experts live on several ranks"
+        if la.a2a_backend != "none":
+            return f"engine {i} dispatches experts with {la.a2a_backend!r}: its expert placement is not known here"
+    if len({(la.tp_size, la.ep_size, la.dp_size) for la in layouts}) > 1:
+        return f"the engines' layouts differ: {[(la.tp_size, la.ep_size, la.dp_size) for la in layouts]} (tp, ep, dp)"
+    la = layouts[0]
+    if la.ep_rank is None and la.ep_size > 1:
+        return (
+            f"expert parallelism inside each engine (ep_size {la.ep_size} over its {la.tp_size} TP ranks): "
+            "per-TP-rank expert payloads are not built yet, so each TP rank is sent every expert and the "
+            "engine's loader keeps the ones it owns"
+        )
+    if len(layouts) > 1 or la.ep_rank is not None:
+        wrong = [
+            f"receiver {i} reports EP rank {la.ep_rank} of {la.ep_size}"
+            for i, la in enumerate(layouts)
+            if (la.ep_rank, la.ep_size) != (i, len(layouts))
+        ]
+        if wrong:
+            return f"the {len(layouts)} receivers are not EP ranks 0..{len(layouts) - 1} of one group: " + "; ".join(
+                wrong
+            )
     return None
 
 

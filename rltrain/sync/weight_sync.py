@@ -44,7 +44,7 @@ from rltrain.interfaces import Trainer, World
 from rltrain.sync import verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
-from rltrain.sync.plan import EngineTopology, SyncPlan, WeightSpec, build_plan
+from rltrain.sync.plan import EngineParallelism, EngineTopology, SyncPlan, WeightSpec, build_plan
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import EngineCaps, SyncContext, Transport, WeightStream, probe
 from rltrain.weights.checksum import WeightMismatchError, combine, entry
@@ -64,6 +64,19 @@ def make_transport(name: str, ctx: SyncContext) -> Transport:
     if name in ("disk", "delta"):
         return DiskTransport(ctx, delta=name == "delta")
     raise ValueError(f"sync.transport={name!r}: expected tensor, distributed, disk or delta")
+
+
+def engine_layouts(receivers: list[EngineClient]) -> tuple[EngineParallelism, ...]:
+    """Each receiver's layout as it reports it (asked of the engine, never derived from how many
+    receivers there are). An engine that cannot say is taken as EPLB-free TP 1, EP 1: routing off."""
+    out = []
+    for client in receivers:
+        try:
+            out.append(EngineParallelism.from_server_info(client.server_info()))
+        except (EngineError, ValueError, TypeError) as e:
+            log.warning("sync: %s did not report its layout (%s); experts go to every rank", client.url, e)
+            out.append(EngineParallelism())
+    return tuple(out)
 
 
 class WeightSync:
@@ -94,7 +107,7 @@ class WeightSync:
         engine_names, aliases = checkpoint_names(engine_model_path)
         model_cfg = AutoConfig.from_pretrained(engine_model_path)
         experts = num_experts(model_cfg)
-        topology = EngineTopology((len(self.receivers),), experts)
+        topology = EngineTopology((len(self.receivers),), experts, engine_layouts(self.receivers) if experts else ())
         self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
         self.caps = probe(self.receivers) if self.leader else EngineCaps()
         self.probe = verify.probe_tokens(model_cfg.vocab_size, cfg.sync.probe_tokens) if cfg.sync.probe_tokens else []

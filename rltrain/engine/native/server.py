@@ -101,6 +101,15 @@ class NativeServer:
                 "weight_buffer_slots": KEEP_MAPPED,
                 # A published disk version's files are checked against its manifest on load.
                 "weight_files": "verified",
+                # Its parallel layout, in SGLang's field names (the sync's router reads them). One
+                # process on one device; with --ep-size it is EP rank ep_rank of a group of engines.
+                "tp_size": 1,
+                "dp_size": 1,
+                "ep_size": self.engine.ep_size,
+                "ep_rank": self.engine.ep_rank if self.engine.ep_size > 1 else None,
+                "enable_eplb": False,
+                "ep_num_redundant_experts": 0,
+                "moe_a2a_backend": "none",
             }
         if path == "/memory":
             return 200, self.engine.memory_report()
