@@ -230,3 +230,16 @@ def test_a_moe_model_at_ep_1_says_routing_is_off_once(caplog):
     caplog.clear()
     build_plan([WeightSpec("model.embed_tokens.weight", (4, 4), torch.float32)], EngineTopology((1,), 0), 1 << 20)
     assert "expert routing" not in caplog.text  # a dense model has nothing to route: nothing said
+
+
+def test_an_experts_weights_travel_in_one_bucket():
+    """Buckets never split one expert across two requests, even when the limit would pack its
+    matrices apart (three 64-byte matrices per expert, a 100-byte limit)."""
+    specs = _moe_specs(4)
+    plan = build_plan(specs, EngineTopology((1,), 4), 100)
+    home: dict[str, int] = {}
+    for i, b in enumerate(plan.buckets):
+        for n in b.names:
+            if (k := classify(n)).expert is not None:
+                assert home.setdefault(f"{n.split('.experts.')[0]}.{k.expert}", i) == i, n
+    assert len(home) == 4 and sorted(n for b in plan.buckets for n in b.names) == sorted(s.name for s in specs)

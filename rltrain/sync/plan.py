@@ -16,8 +16,9 @@ Every transport consumes the same plan. It is built from the trainer's weight me
   to every target and says why (`fallback_reason`, one log line for any MoE model at any EP
   size);
 - buckets: first-fit-decreasing by size under `bucket_bytes`, per target set and dtype (a
-  bucket is one contiguous buffer of one dtype for one set of receivers). A tensor larger than
-  the limit gets a bucket of its own.
+  bucket is one contiguous buffer of one dtype for one set of receivers). The unit packed is a
+  weight, or all of one routed expert's weights of a dtype together (never split between two
+  requests). A unit larger than the limit gets a bucket of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.weights.names import classify
+from rltrain.weights.names import EXPERT, classify
 
 log = logging.getLogger("rltrain.sync")
 
@@ -263,21 +264,29 @@ def _check_coverage(names: list[str], engine_names: Iterable[str] | None, aliase
         )
 
 
+def _unit(name: str) -> str:
+    """What travels together: one routed expert's weights (its gate, up and down projections are
+    never split between two buckets, so never between two requests); any other weight alone."""
+    m = EXPERT.search(name)
+    return name[: m.end() - 1] if m else name
+
+
 def _first_fit_decreasing(weights: list[WeightSpec], targets: dict[str, tuple[int, ...]], limit: int) -> list[Bucket]:
-    groups: dict[tuple[tuple[int, ...], torch.dtype], list[WeightSpec]] = {}
+    groups: dict[tuple[tuple[int, ...], torch.dtype], dict[str, list[WeightSpec]]] = {}
     for w in weights:
-        groups.setdefault((targets[w.name], w.dtype), []).append(w)
+        groups.setdefault((targets[w.name], w.dtype), {}).setdefault(_unit(w.name), []).append(w)
     buckets: list[Bucket] = []
-    for (tgt, dtype), members in groups.items():
+    for (tgt, dtype), units in groups.items():
         mine: list[tuple[Bucket, int]] = []  # (bucket, bytes used)
-        for w in sorted(members, key=lambda w: (-w.nbytes, w.name)):
+        for _, members in sorted(units.items(), key=lambda u: (-sum(w.nbytes for w in u[1]), u[0])):
+            size = sum(w.nbytes for w in members)
             for i, (b, used) in enumerate(mine):
-                if used + w.nbytes <= limit:
-                    b.weights.append(w)
-                    mine[i] = (b, used + w.nbytes)
+                if used + size <= limit:
+                    b.weights.extend(members)
+                    mine[i] = (b, used + size)
                     break
             else:
-                b = Bucket(tgt, dtype, [w])
-                mine.append((b, w.nbytes))
+                b = Bucket(tgt, dtype, list(members))
+                mine.append((b, size))
         buckets.extend(b for b, _ in mine)
     return buckets
