@@ -243,3 +243,42 @@ def test_an_experts_weights_travel_in_one_bucket():
             if (k := classify(n)).expert is not None:
                 assert home.setdefault(f"{n.split('.experts.')[0]}.{k.expert}", i) == i, n
     assert len(home) == 4 and sorted(n for b in plan.buckets for n in b.names) == sorted(s.name for s in specs)
+
+
+# --------------------------------------------------------------------------- routing inside one engine
+
+
+@pytest.mark.parametrize("tp,ep,ranks", [(2, 2, (0, 1)), (4, 2, (0, 0, 1, 1)), (4, 4, (0, 1, 2, 3))])
+def test_experts_are_routed_inside_an_engine_to_each_tp_ranks_own_ep_rank(tp, ep, ranks):
+    """SGLang's EP inside one engine (TP rank k in EP rank k // (tp/ep)): each TP rank's payload
+    has every dense weight and only its EP rank's experts; every request has something for
+    every rank; an expert's matrices stay in one request."""
+    from rltrain.sync.plan import EngineParallelism
+
+    layout = EngineParallelism.from_server_info({**SGLANG_INFO, "tp_size": tp, "ep_size": ep})
+    specs = _moe_specs(8)
+    plan = build_plan(specs, EngineTopology((1,), 8, (layout,), per_rank_payloads=True), 200)
+    assert plan.routed and plan.engine_ep_ranks == ranks
+    dense = sum(w.nbytes for w in specs if classify(w.name).expert is None)
+    experts = sum(w.nbytes for w in specs) - dense
+    for k in range(tp):
+        got = [n for b in plan.buckets for n in b.names if plan.needed_by(k, n)]
+        owned = {classify(n).expert for n in got} - {None}
+        assert owned == set(range(ranks[k] * 8 // ep, (ranks[k] + 1) * 8 // ep)), (k, owned)
+        assert plan.rank_bytes(k) == dense + experts // ep
+        assert all(any(plan.needed_by(k, n) for n in b.names) for b in plan.buckets)
+    home: dict[int, int] = {}
+    for i, b in enumerate(plan.buckets):
+        for n in b.names:
+            if (e := classify(n).expert) is not None:
+                assert home.setdefault(e, i) == i, n
+
+
+def test_a_transport_without_per_rank_payloads_falls_back_inside_an_engine_and_says_so(caplog):
+    from rltrain.sync.plan import EngineParallelism
+
+    layout = EngineParallelism.from_server_info(SGLANG_INFO)
+    plan = build_plan(_moe_specs(8), EngineTopology((1,), 8, (layout,), per_rank_payloads=False), 1 << 20)
+    assert not plan.routed and plan.engine_ep_ranks is None and "only `tensor`" in (plan.fallback_reason or "")
+    assert all(plan.needed_by(1, w.name) for w in plan.weights)
+    assert "only `tensor`" in caplog.text

@@ -112,10 +112,22 @@ class EngineTopology:
     ep_sizes: tuple[int, ...] = (1,)
     num_experts: int = 0  # routed experts of the model (0: dense)
     layouts: tuple[EngineParallelism, ...] = ()
+    # The transport hands each TP rank of an engine its own payload (`tensor`: entry k of the
+    # request is TP rank k's), so experts can be routed inside an engine.
+    per_rank_payloads: bool = False
 
     @property
     def ep_size(self) -> int:
         return self.ep_sizes[0]
+
+    @property
+    def inside(self) -> EngineParallelism | None:
+        """The engines' layout when their expert parallelism is inside each engine (SGLang's
+        `--ep-size` over its TP ranks), the same in every engine; None otherwise."""
+        if not self.layouts or len({(la.tp_size, la.ep_size, la.dp_size) for la in self.layouts}) > 1:
+            return None
+        la = self.layouts[0]
+        return la if la.ep_rank is None and la.ep_size > 1 else None
 
 
 @dataclass
@@ -126,6 +138,21 @@ class SyncPlan:
     ep_size: int
     routed: bool
     fallback_reason: str | None = None
+    # Routing inside each engine: the EP rank of each of its TP ranks (None: not routed inside).
+    engine_ep_ranks: tuple[int, ...] | None = None
+    experts_per_rank: int = 0
+
+    def needed_by(self, tp_rank: int, name: str) -> bool:
+        """Whether TP rank `tp_rank` of an engine needs weight `name` (every weight, unless the
+        plan routes experts inside the engine: then its own experts, and every other weight)."""
+        if self.engine_ep_ranks is None:
+            return True
+        expert = classify(name).expert
+        return expert is None or expert // self.experts_per_rank == self.engine_ep_ranks[tp_rank]
+
+    def rank_bytes(self, tp_rank: int) -> int:
+        """Bytes the plan sends TP rank `tp_rank` of an engine per sync."""
+        return sum(w.nbytes for b in self.buckets for w in b.weights if self.needed_by(tp_rank, w.name))
 
     def bytes_to(self, target: int) -> int:
         return sum(b.nbytes for b in self.buckets if target in b.targets)
@@ -158,21 +185,30 @@ def build_plan(
     _check_coverage([w.name for w in weights], engine_names, aliases or {})
     ep = topology.ep_size
     everyone = tuple(range(ep))
+    inside = topology.inside
     reason = _routing_refused(weights, topology)
     targets: dict[str, tuple[int, ...]] = {}
     for w in weights:
         kind = classify(w.name)
-        if reason is None and kind.expert is not None:
+        if reason is None and inside is None and kind.expert is not None:
             targets[w.name] = (kind.expert // (topology.num_experts // ep),)
         else:
             targets[w.name] = everyone  # dense and shared-expert weights: every rank computes them
-    inside = max((la.ep_size for la in topology.layouts), default=1)
-    if reason is not None and (topology.num_experts > 0 or max(ep, inside) > 1):  # said once, at any EP size
+    engine_ep = max((la.ep_size for la in topology.layouts), default=1)
+    if reason is not None and (topology.num_experts > 0 or max(ep, engine_ep) > 1):  # said once, at any EP size
         log.log(
-            logging.WARNING if max(ep, inside) > 1 else logging.INFO,
+            logging.WARNING if max(ep, engine_ep) > 1 else logging.INFO,
             "sync: expert routing off, every engine rank receives every expert weight: %s",
             reason,
         )
+    if reason is None and inside is not None:
+        # SGLang's MoE groups: TP rank k is in EP rank (k // moe_tp) % ep, moe_tp = tp / ep.
+        per_rank = topology.num_experts // inside.ep_size
+        ranks = tuple((k // (inside.tp_size // inside.ep_size)) % inside.ep_size for k in range(inside.tp_size))
+        buckets = _first_fit_decreasing(weights, targets, bucket_bytes, rows=per_rank)
+        plan = SyncPlan(weights, targets, buckets, ep, True, None, ranks, per_rank)
+        _check_rank_coverage(plan, inside.tp_size)
+        return plan
     return SyncPlan(
         weights,
         targets,
@@ -183,19 +219,37 @@ def build_plan(
     )
 
 
+def _check_rank_coverage(plan: SyncPlan, tp_size: int) -> None:
+    """The proof, per engine TP rank, that every weight it needs arrives exactly once and
+    nothing else does, and that no request leaves a rank with nothing (every TP rank is sent an
+    entry of every request)."""
+    for k in range(tp_size):
+        got = [n for b in plan.buckets for n in b.names if plan.needed_by(k, n)]
+        need = {w.name for w in plan.weights if plan.needed_by(k, w.name)}
+        if len(got) != len(set(got)) or set(got) != need:
+            raise SyncPlanError(f"engine TP rank {k}: the plan's buckets do not deliver its weights exactly once")
+        empty = [i for i, b in enumerate(plan.buckets) if not any(plan.needed_by(k, n) for n in b.names)]
+        if empty:
+            raise SyncPlanError(f"engine TP rank {k} would get an empty payload in bucket(s) {empty[:5]}")
+
+
 def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | None:
     """Why experts cannot be routed (None: they can)."""
     layout_reason = _layout_refused(topo)
     if layout_reason is not None:
         return layout_reason
-    if topo.ep_size <= 1:
+    inside = topo.inside
+    ep = inside.ep_size if inside is not None else topo.ep_size
+    if ep <= 1:
         return "engines are not expert-parallel (ep_size 1)"
-    if len(set(topo.ep_sizes)) > 1:
+    if inside is None and len(set(topo.ep_sizes)) > 1:
         return f"engines differ in EP size {sorted(set(topo.ep_sizes))}: routing needs homogeneous engines"
+    if inside is not None and inside.tp_size % inside.ep_size:
+        return f"ep_size {inside.ep_size} does not divide the engine's {inside.tp_size} TP ranks"
     if topo.num_experts <= 0:
         return "the model has no routed experts"
-    if topo.num_experts % topo.ep_size:
-        return f"{topo.num_experts} experts do not divide over ep_size {topo.ep_size}"
+    if topo.num_experts % ep:
+        return f"{topo.num_experts} experts do not divide over ep_size {ep}"
     kinds = {w.name: classify(w.name) for w in weights}  # an unknown expert name raises, naming it
     fused = sorted(n for n, k in kinds.items() if k.kind == "fused_experts")
     if fused:
@@ -223,11 +277,11 @@ def _layout_refused(topo: EngineTopology) -> str | None:
     if len({(la.tp_size, la.ep_size, la.dp_size) for la in layouts}) > 1:
         return f"the engines' layouts differ: {[(la.tp_size, la.ep_size, la.dp_size) for la in layouts]} (tp, ep, dp)"
     la = layouts[0]
-    if la.ep_rank is None and la.ep_size > 1:
+    if la.ep_rank is None and la.ep_size > 1 and not topo.per_rank_payloads:
         return (
-            f"expert parallelism inside each engine (ep_size {la.ep_size} over its {la.tp_size} TP ranks): "
-            "per-TP-rank expert payloads are not built yet, so each TP rank is sent every expert and the "
-            "engine's loader keeps the ones it owns"
+            f"expert parallelism inside each engine (ep_size {la.ep_size} over its {la.tp_size} TP ranks), "
+            "and this transport sends one payload for all of an engine's TP ranks (only `tensor` sends "
+            "each its own): each TP rank is sent every expert and the engine's loader keeps its own"
         )
     if len(layouts) > 1 or la.ep_rank is not None:
         wrong = [
@@ -264,17 +318,26 @@ def _check_coverage(names: list[str], engine_names: Iterable[str] | None, aliase
         )
 
 
-def _unit(name: str) -> str:
+def _unit(name: str, rows: int = 0) -> str:
     """What travels together: one routed expert's weights (its gate, up and down projections are
-    never split between two buckets, so never between two requests); any other weight alone."""
+    never split between two buckets, so never between two requests); any other weight alone.
+    With `rows` (experts per EP rank, routing inside an engine): the experts of one layer that
+    sit at the same local slot on every EP rank, so that every request carries an expert for
+    every rank and no rank's payload is ever empty."""
     m = EXPERT.search(name)
-    return name[: m.end() - 1] if m else name
+    if m is None:
+        return name
+    if rows:
+        return f"{name[: m.start()]}.experts.slot{int(m.group(1)) % rows}"
+    return name[: m.end() - 1]
 
 
-def _first_fit_decreasing(weights: list[WeightSpec], targets: dict[str, tuple[int, ...]], limit: int) -> list[Bucket]:
+def _first_fit_decreasing(
+    weights: list[WeightSpec], targets: dict[str, tuple[int, ...]], limit: int, rows: int = 0
+) -> list[Bucket]:
     groups: dict[tuple[tuple[int, ...], torch.dtype], dict[str, list[WeightSpec]]] = {}
     for w in weights:
-        groups.setdefault((targets[w.name], w.dtype), {}).setdefault(_unit(w.name), []).append(w)
+        groups.setdefault((targets[w.name], w.dtype), {}).setdefault(_unit(w.name, rows), []).append(w)
     buckets: list[Bucket] = []
     for (tgt, dtype), units in groups.items():
         mine: list[tuple[Bucket, int]] = []  # (bucket, bytes used)

@@ -6,7 +6,9 @@ An engine of TP size k gets one payload per TP rank, in TP-rank order
 by the trainer rank colocated there: a CUDA-IPC handle is opened by exactly one consumer
 (SGLang's TP rank k reads entry k only; a handle opened by several processes breaks the
 producer's IPC refcounting — freed under a peer's copy, or leaked — and puts a context of every
-TP process on one GPU). Per bucket the engine's ranks each flatten their copy, the engine's leader
+TP process on one GPU). Where the plan routes experts inside the engine (SGLang's `--ep-size`),
+a TP rank's payload holds only its own EP rank's experts, with every other weight
+(`SyncPlan.needed_by`). Per bucket the engine's ranks each flatten their copy, the engine's leader
 gathers the payloads over the engine's bridge subgroup and sends the one request, and all keep
 their buffers until a barrier after the engine's answer (`_send_across_tp`).
 
@@ -44,6 +46,7 @@ class TensorTransport:
         self.depth = DEPTH if self.reuse_buffers else 1
         self.slotted = False  # this push: buffers go to the engines by slot number
         self.timings: dict[str, float] = {}
+        self.rank_bytes: dict[int, int] = {}  # engine TP rank -> bytes its payloads held, last push
         self._timing_lock = threading.Lock()
         self._ring: list[torch.Tensor | None] = []  # the buffers refilled in turn (this push)
         self._sent: set[tuple[int, int]] = set()  # (receiver, slot): holds the slot's buffer, this push
@@ -173,6 +176,7 @@ class TensorTransport:
         group = ctx.tp_group
         assert group is not None
         sent, failure = 0, None
+        self.rank_bytes = {}  # bytes each TP rank of the engine was sent, this push (measured)
         clock = time.perf_counter
         if ctx.sender:
             try:
@@ -183,11 +187,17 @@ class TensorTransport:
         try:
             for i, bucket, named in weights.buckets(self.timings):
                 t0 = clock()
-                flat = flatten_bucket(named)
-                del named
+                # Routed inside the engine: this TP rank's own experts and every other weight.
+                mine = [(n, t) for n, t in named if ctx.plan.needed_by(ctx.tp_rank, n)]
+                nbytes = sum(t.numel() * t.element_size() for _, t in mine)
+                flat = flatten_bucket(mine)
+                del named, mine
                 if flat["flattened_tensor"].device.type == "cuda":
                     torch.cuda.current_stream(flat["flattened_tensor"].device).synchronize()  # filled before shared
-                payloads = group.all_gather_object(serialize(flat), phase=f"sync bucket {i} payloads")
+                gathered = group.all_gather_object((serialize(flat), nbytes), phase=f"sync bucket {i} payloads")
+                payloads = [p for p, _ in gathered]
+                for k, (_, b) in enumerate(gathered):
+                    self.rank_bytes[k] = self.rank_bytes.get(k, 0) + b
                 t1 = clock()
                 self.timings["flatten"] += t1 - t0
                 if ctx.sender and failure is None:
@@ -200,7 +210,7 @@ class TensorTransport:
                                 weight_version=tag,
                                 flush_cache=tag is not None,
                             )
-                        sent += bucket.nbytes * len(bucket.targets)
+                        sent += sum(b for _, b in gathered) * len(bucket.targets)
                     except (EngineError, OSError, RuntimeError, ValueError) as e:
                         failure = e
                 self.timings["request"] += clock() - t1

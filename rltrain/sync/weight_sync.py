@@ -107,8 +107,18 @@ class WeightSync:
         engine_names, aliases = checkpoint_names(engine_model_path)
         model_cfg = AutoConfig.from_pretrained(engine_model_path)
         experts = num_experts(model_cfg)
-        topology = EngineTopology((len(self.receivers),), experts, engine_layouts(self.receivers) if experts else ())
+        topology = EngineTopology(
+            (len(self.receivers),),
+            experts,
+            engine_layouts(self.receivers) if experts else (),
+            per_rank_payloads=cfg.sync.transport == "tensor" and tp_size > 1,
+        )
         self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
+        if self.plan.engine_ep_ranks is not None and len(self.plan.engine_ep_ranks) != tp_size:
+            raise ValueError(
+                f"{self.engine_name} reports {len(self.plan.engine_ep_ranks)} TP ranks, but it was laid out over "
+                f"{tp_size} GPUs (engine.gpus_per_engine): set its --tp-size through the layout, not extra_args"
+            )
         self.caps = probe(self.receivers) if self.leader else EngineCaps()
         self.probe = verify.probe_tokens(model_cfg.vocab_size, cfg.sync.probe_tokens) if cfg.sync.probe_tokens else []
         self.tp_group = tp_group
