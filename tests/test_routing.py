@@ -282,3 +282,22 @@ def test_a_transport_without_per_rank_payloads_falls_back_inside_an_engine_and_s
     assert not plan.routed and plan.engine_ep_ranks is None and "only `tensor`" in (plan.fallback_reason or "")
     assert all(plan.needed_by(1, w.name) for w in plan.weights)
     assert "only `tensor`" in caplog.text
+
+
+def test_the_per_rank_coverage_proof_names_what_a_rank_would_miss_or_get_twice():
+    from rltrain.sync import plan as plan_mod
+
+    specs = _moe_specs(4)
+    good = build_plan(
+        specs,
+        EngineTopology((1,), 4, (plan_mod.EngineParallelism(tp_size=2, ep_size=2),), per_rank_payloads=True),
+        1 << 20,
+    )
+    broken = plan_mod.SyncPlan(
+        specs, good.targets, [plan_mod.Bucket((0,), torch.float32, specs[:-1] + specs[:1])], 1, True, None, (0, 1), 2
+    )
+    with pytest.raises(plan_mod.SyncPlanError, match=r"TP rank 0.*twice: \['model.embed_tokens.weight'\]"):
+        plan_mod._check_rank_coverage(broken, 2)
+    broken.buckets = [plan_mod.Bucket((0,), torch.float32, specs[:-1])]
+    with pytest.raises(plan_mod.SyncPlanError, match=r"TP rank 1.*missing: \['model.layers.0.mlp.experts.3.down_proj"):
+        plan_mod._check_rank_coverage(broken, 2)

@@ -226,8 +226,14 @@ def _check_rank_coverage(plan: SyncPlan, tp_size: int) -> None:
     for k in range(tp_size):
         got = [n for b in plan.buckets for n in b.names if plan.needed_by(k, n)]
         need = {w.name for w in plan.weights if plan.needed_by(k, w.name)}
-        if len(got) != len(set(got)) or set(got) != need:
-            raise SyncPlanError(f"engine TP rank {k}: the plan's buckets do not deliver its weights exactly once")
+        seen: set[str] = set()
+        twice = sorted({n for n in got if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+        missing, extra = sorted(need - seen), sorted(seen - need)
+        if twice or missing or extra:
+            raise SyncPlanError(
+                f"engine TP rank {k}: the plan's buckets do not deliver its weights exactly once "
+                f"(twice: {twice[:10]}; missing: {missing[:10]}; not its own: {extra[:10]})"
+            )
         empty = [i for i, b in enumerate(plan.buckets) if not any(plan.needed_by(k, n) for n in b.names)]
         if empty:
             raise SyncPlanError(f"engine TP rank {k} would get an empty payload in bucket(s) {empty[:5]}")

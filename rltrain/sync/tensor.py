@@ -239,8 +239,8 @@ def _collect_shared(device: torch.device) -> None:
     """Free the buckets the engines have let go of. A CUDA block shared by IPC and dropped while
     a consumer still had it open is parked in torch's IPC limbo, still allocated; torch looks at
     the limbo again only when another shared block is dropped, when an allocation fails, or when
-    asked (`ipc_collect`). So the session's last bucket stayed allocated in the trainer through
-    the next phases (tests/test_sglang_gpu.py on the H200, SGLang: one 101 MiB bucket)."""
+    asked (`ipc_collect`): without this the session's last bucket stays allocated in the
+    trainer through the next phases."""
     if device.type == "cuda":
         torch.cuda.ipc_collect()
 
