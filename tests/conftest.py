@@ -70,23 +70,34 @@ def engine_config(kind: str, **kw) -> EngineConfig:
     return cfg
 
 
-def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | None = None, **kw) -> SimpleNamespace:
-    cfg = engine_config(kind, **kw)
+def start_server(
+    cfg: EngineConfig,
+    model: Path,
+    log: Path,
+    env: dict[str, str] | None = None,
+    request_timeout_s: float = 120,
+    retries: int = 1,
+) -> SimpleNamespace:
+    """Start the engine server `cfg` describes on a free port and wait until it is healthy; its
+    log's tail is the error when it does not come up."""
     port = free_port()
-    env = dict(env or {})
-    if kind == "sglang":
-        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])
-    proc = EngineProcess.start(
-        server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env=env
-    )
-    client = EngineClient(proc.url, request_timeout_s=120, retries=1)
+    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log, env=env or {})
+    client = EngineClient(proc.url, request_timeout_s=request_timeout_s, retries=retries)
     try:
         client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
     except Exception:
         tail = proc.log_tail()
         proc.stop()
-        raise RuntimeError(f"{kind} engine did not start:\n{tail}") from None
-    return SimpleNamespace(kind=kind, client=client, process=proc, model=model)
+        raise RuntimeError(f"{cfg.backend} engine did not start:\n{tail}") from None
+    return SimpleNamespace(kind=cfg.backend, client=client, process=proc, model=model)
+
+
+def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | None = None, **kw) -> SimpleNamespace:
+    """A CPU engine of `kind` (SGLang with its CPU shim on PYTHONPATH) serving `model`."""
+    env = dict(env or {})
+    if kind == "sglang":
+        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])
+    return start_server(engine_config(kind, **kw), model, log_dir / f"{kind}.log", env)
 
 
 @pytest.fixture(scope="session", params=["native", "sglang"])

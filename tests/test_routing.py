@@ -294,7 +294,14 @@ def test_the_per_rank_coverage_proof_names_what_a_rank_would_miss_or_get_twice()
         1 << 20,
     )
     broken = plan_mod.SyncPlan(
-        specs, good.targets, [plan_mod.Bucket((0,), torch.float32, specs[:-1] + specs[:1])], 1, True, None, (0, 1), 2
+        specs,
+        good.targets,
+        [plan_mod.Bucket((0,), torch.float32, specs[:-1] + specs[:1])],
+        1,
+        True,
+        None,
+        (0, 1),
+        good.expert_owner,
     )
     with pytest.raises(plan_mod.SyncPlanError, match=r"TP rank 0.*twice: \['model.embed_tokens.weight'\]"):
         plan_mod._check_rank_coverage(broken, 2)

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG
+from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG, start_server
 from models import make_moe_model
 from multiproc import run_ranks, values
 
@@ -74,9 +74,6 @@ def _routed_rank(rank: int, world_size: int, trainer_model: str, engine_model: s
 
 def test_experts_routed_inside_one_sglang_engine_load_what_a_full_load_loads(tmp_path):
     from rltrain.config import EngineConfig
-    from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
-    from rltrain.runtime.net import free_port
 
     if not HAVE_SGLANG:
         pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
@@ -90,16 +87,14 @@ def test_experts_routed_inside_one_sglang_engine_load_what_a_full_load_loads(tmp
         startup_timeout_s=300,
         extra_args=["--max-total-tokens", "4096", "--ep-size", "2", "--tp-size", "2", "--skip-server-warmup"],
     )
-    port = free_port()
     env = {
         "PYTHONPATH": os.pathsep.join([str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")]),
         "SGLANG_CPU_OMP_THREADS_BIND": "0|1" if (os.cpu_count() or 1) > 1 else "0|0",
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",  # its /health would generate a token
     }
-    proc = EngineProcess.start(server_command(cfg, str(a), port), f"http://127.0.0.1:{port}", tmp_path / "e.log", env)
-    client = EngineClient(proc.url, request_timeout_s=120, retries=0)
+    srv = start_server(cfg, a, tmp_path / "e.log", env, retries=0)
+    client, proc = srv.client, srv.process
     try:
-        client.wait_healthy(300, alive=lambda: proc.alive)
         before = client.weights_checker()
         r0, _ = values(run_ranks(_routed_rank, 2, str(b), str(a), proc.url, deadline_s=280))
         routed = client.weights_checker()

@@ -19,13 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import sglang_gpu_args
+from conftest import sglang_gpu_args, start_server
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
-from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
+from rltrain.engine.launcher import EngineProcess, NodeEngine
 from rltrain.generation import SamplingParams
 from rltrain.runtime.ledger import device_used, process_device_bytes
-from rltrain.runtime.net import free_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -140,19 +139,11 @@ def sglang(models, tmp_path_factory):
         startup_timeout_s=600,
         extra_args=sglang_gpu_args(),
     )
-    port = free_port()
     log = tmp_path_factory.mktemp("sglang_gpu_logs") / "sglang.log"
-    proc = EngineProcess.start(server_command(cfg, str(models[0]), port), f"http://127.0.0.1:{port}", log)
-    client = EngineClient(proc.url, request_timeout_s=300, retries=0)
-    try:
-        client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
-    except Exception:
-        tail = proc.log_tail()
-        proc.stop()
-        raise RuntimeError(f"SGLang did not start:\n{tail}") from None
-    yield client, proc, baseline
-    client.close()
-    proc.stop()
+    srv = start_server(cfg, models[0], log, request_timeout_s=300, retries=0)
+    yield srv.client, srv.process, baseline
+    srv.client.close()
+    srv.process.stop()
 
 
 def _engine_bytes(proc: EngineProcess) -> dict[int, int]:

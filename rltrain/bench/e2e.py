@@ -133,10 +133,12 @@ def _mean(steady: list[dict], f: Any) -> float:
     return sum(f(r) for r in steady) / len(steady)
 
 
-def _engine_gib(parts: dict[str, float]) -> float:
+def _engine_gib(parts: dict[str, float], context: bool = True) -> float:
     """What the engine holds on the device in a ledger entry: its own report (the embedded
-    engine) or every other process on the GPU (SGLang)."""
-    return sum(parts.get(k, 0.0) for k in (*ENGINE_DEVICE, "engine_context", "other_processes"))
+    engine; its CUDA context included or not) or every other process on the GPU (SGLang, whose
+    contexts cannot be told apart from the rest)."""
+    own_context = ("engine_context",) if context else ()
+    return sum(parts.get(k, 0.0) for k in (*ENGINE_DEVICE, *own_context, "other_processes"))
 
 
 def compare(runs: dict[str, Path], params: int, limit: Any, ipc_floor_s: float, a: argparse.Namespace) -> list[str]:
@@ -239,8 +241,7 @@ def report(
         )
     mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
-    # The engine's own report (embedded) or every other process on the GPU (SGLang: its context too).
-    engine_held = max(sum(m["train"].get(k, 0.0) for k in (*ENGINE_DEVICE, "other_processes")) for m in mem)
+    engine_held = max(_engine_gib(m["train"], context=False) for m in mem)
     ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
     ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
     lines += [

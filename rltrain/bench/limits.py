@@ -8,30 +8,21 @@ batch / step time the most response tokens per second any engine can generate on
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 
-def device_read_gbps(device: torch.device, nbytes: int = 8 << 30, chunk: int = 512 << 20) -> float:
-    """GB/s of device memory traffic in a device-to-device copy (its reads plus its writes): the
-    rate at which a decode step can stream its weights and KV cache."""
-    src = torch.empty(chunk, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    n = max(1, nbytes // chunk)
-    best = float("inf")
-    for _ in range(3):
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            dst.copy_(src)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
+def device_read_gbps(device: torch.device, nbytes: int = 8 << 30) -> float:
+    """GB/s of device memory traffic in a device-to-device copy (its reads plus its writes: twice
+    the bytes `bench.sync.raw_copy_gbps` counts): the rate at which a decode step can stream its
+    weights and KV cache."""
+    from rltrain.bench.sync import raw_copy_gbps
+
+    rate = 2 * raw_copy_gbps(nbytes, device)
     torch.cuda.empty_cache()
-    return 2 * n * chunk / best / 1e9
+    return rate
 
 
 @dataclass(frozen=True)

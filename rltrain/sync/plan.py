@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.weights.names import EXPERT, classify
+from rltrain.weights.names import EXPERT, WeightKind, classify
 
 log = logging.getLogger("rltrain.sync")
 
@@ -138,17 +138,19 @@ class SyncPlan:
     ep_size: int
     routed: bool
     fallback_reason: str | None = None
-    # Routing inside each engine: the EP rank of each of its TP ranks (None: not routed inside).
+    # Routing inside each engine: the EP rank of each of its TP ranks (None: not routed inside),
+    # and the EP rank owning each routed expert's weight (name -> rank; other weights absent).
     engine_ep_ranks: tuple[int, ...] | None = None
-    experts_per_rank: int = 0
+    expert_owner: dict[str, int] = field(default_factory=dict)
 
     def needed_by(self, tp_rank: int, name: str) -> bool:
         """Whether TP rank `tp_rank` of an engine needs weight `name` (every weight, unless the
-        plan routes experts inside the engine: then its own experts, and every other weight)."""
+        plan routes experts inside the engine: then its own experts, and every other weight).
+        Asked for every tensor of every sync: a lookup, the names were classified once."""
         if self.engine_ep_ranks is None:
             return True
-        expert = classify(name).expert
-        return expert is None or expert // self.experts_per_rank == self.engine_ep_ranks[tp_rank]
+        owner = self.expert_owner.get(name)
+        return owner is None or owner == self.engine_ep_ranks[tp_rank]
 
     def rank_bytes(self, tp_rank: int) -> int:
         """Bytes the plan sends TP rank `tp_rank` of an engine per sync."""
@@ -186,12 +188,13 @@ def build_plan(
     ep = topology.ep_size
     everyone = tuple(range(ep))
     inside = topology.inside
-    reason = _routing_refused(weights, topology)
+    kinds = {w.name: classify(w.name) for w in weights}  # an unknown expert name raises, naming it
+    reason = _routing_refused(kinds, topology)
     targets: dict[str, tuple[int, ...]] = {}
     for w in weights:
-        kind = classify(w.name)
-        if reason is None and inside is None and kind.expert is not None:
-            targets[w.name] = (kind.expert // (topology.num_experts // ep),)
+        expert = kinds[w.name].expert
+        if reason is None and inside is None and expert is not None:
+            targets[w.name] = (expert // (topology.num_experts // ep),)
         else:
             targets[w.name] = everyone  # dense and shared-expert weights: every rank computes them
     engine_ep = max((la.ep_size for la in topology.layouts), default=1)
@@ -205,8 +208,9 @@ def build_plan(
         # SGLang's MoE groups: TP rank k is in EP rank (k // moe_tp) % ep, moe_tp = tp / ep.
         per_rank = topology.num_experts // inside.ep_size
         ranks = tuple((k // (inside.tp_size // inside.ep_size)) % inside.ep_size for k in range(inside.tp_size))
+        owner = {n: k.expert // per_rank for n, k in kinds.items() if k.expert is not None}
         buckets = _first_fit_decreasing(weights, targets, bucket_bytes, rows=per_rank)
-        plan = SyncPlan(weights, targets, buckets, ep, True, None, ranks, per_rank)
+        plan = SyncPlan(weights, targets, buckets, ep, True, None, ranks, owner)
         _check_rank_coverage(plan, inside.tp_size)
         return plan
     return SyncPlan(
@@ -239,7 +243,7 @@ def _check_rank_coverage(plan: SyncPlan, tp_size: int) -> None:
             raise SyncPlanError(f"engine TP rank {k} would get an empty payload in bucket(s) {empty[:5]}")
 
 
-def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | None:
+def _routing_refused(kinds: dict[str, WeightKind], topo: EngineTopology) -> str | None:
     """Why experts cannot be routed (None: they can)."""
     layout_reason = _layout_refused(topo)
     if layout_reason is not None:
@@ -256,7 +260,6 @@ def _routing_refused(weights: list[WeightSpec], topo: EngineTopology) -> str | N
         return "the model has no routed experts"
     if topo.num_experts % ep:
         return f"{topo.num_experts} experts do not divide over ep_size {ep}"
-    kinds = {w.name: classify(w.name) for w in weights}  # an unknown expert name raises, naming it
     fused = sorted(n for n, k in kinds.items() if k.kind == "fused_experts")
     if fused:
         return f"expert weights stored fused ({fused[0]}, ...): they cannot be routed by name"
