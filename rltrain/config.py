@@ -71,7 +71,8 @@ class ModelConfig:
     path: str = ""
     # tiny-addition: if `path` does not exist, build a random tiny Qwen2 and the word-level
     # tokenizer of the synthetic addition task there (the quickstart; no downloads).
-    build: Literal["none", "tiny-addition"] = "none"
+    # tiny-addition-moe: the same with a tiny Qwen3-MoE (4 experts, top 2) instead.
+    build: Literal["none", "tiny-addition", "tiny-addition-moe"] = "none"
     build_hidden: int = 64  # size of the built model
     build_layers: int = 2
 
@@ -329,11 +330,6 @@ class EngineConfig:
         for key in ("startup_timeout_s", "request_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected a positive number of seconds")
-        if self.backend == "native" and self.gpus_per_engine > 1:
-            raise ConfigError(
-                f"engine.gpus_per_engine={self.gpus_per_engine} needs engine.backend=sglang: the embedded engine "
-                "runs on one device (set engine.gpus_per_engine=1: one engine per GPU)"
-            )
 
 
 @dataclass
@@ -373,6 +369,12 @@ class Config:
             )
         if self.sync.transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
             raise ConfigError(DISTRIBUTED_COLOCATED)
+        if self.sync.transport == "distributed" and self.engine.backend == "native" and self.engine.gpus_per_engine > 1:
+            raise ConfigError(
+                f"sync.transport=distributed with engine.backend=native and engine.gpus_per_engine="
+                f"{self.engine.gpus_per_engine}: the embedded engine's TP ranks are one process, which cannot join "
+                "the weight-update group as each of them; use sync.transport=tensor or disk (or engine.backend=sglang)"
+            )
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
             raise ConfigError(
                 f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "

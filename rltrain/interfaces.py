@@ -15,7 +15,7 @@ the type checker where `setup.py` wires them together:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -29,6 +29,10 @@ from rltrain.runtime.ledger import HeldTensors
 
 # (checkpoint name, source name in the trainer, full shape, dtype) of one weight
 WeightSpecRow = tuple[str, str, torch.Size, torch.dtype]
+# Which ranks need which weights of an export (global rank, checkpoint name -> needed): given when
+# the sync routes experts inside an engine, so each trainer rank is handed only its TP rank's
+# payload (`Trainer.export_weights`); None: every rank needs every weight.
+Needs = Callable[[int, str], bool]
 # One rank's shard of a released trainer, in host memory (trainer-specific layout)
 Snapshot = dict[str, Any]
 
@@ -120,7 +124,11 @@ class Trainer(Protocol):
     # weights (the sync)
     def weight_specs(self) -> list[WeightSpecRow]: ...
 
-    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
+    # A collective: every rank iterates it with the same `names`. With `needs`, each rank yields
+    # only what it needs, and a weight held by one rank is moved only to the ranks that need it.
+    def export_weights(
+        self, names: list[str] | None = None, needs: Needs | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     # checkpoints
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]: ...

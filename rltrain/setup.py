@@ -63,7 +63,7 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     # Where the run begins, or a refusal that would lose its history: before anything starts.
     resume_from = _begin(cfg, world)
     model_path = Path(cfg.model.path)
-    if cfg.model.build == "tiny-addition":
+    if cfg.model.build in ("tiny-addition", "tiny-addition-moe"):
         # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
         # `exists()` itself raced with rank 0's build: a late rank skipped the collective.)
         _on_rank0(
@@ -77,6 +77,7 @@ def setup_run(cfg: Config, world: World) -> RunParts:
                     hidden=cfg.model.build_hidden,
                     layers=cfg.model.build_layers,
                     seed=cfg.run.seed,
+                    experts=4 if cfg.model.build == "tiny-addition-moe" else 0,
                 )
             ),
         )

@@ -39,8 +39,10 @@ def test_impossible_combinations_are_rejected():
         load_config(None, REQUIRED + ["rollout.n=1"])
     with pytest.raises(ConfigError, match="algo.kl_in=reward is the REINFORCE\\+\\+ form"):
         load_config(None, REQUIRED + ["algo.kl_in=reward", "algo.kl_coef=0.1"])
-    with pytest.raises(ConfigError, match="engine.gpus_per_engine=2 needs engine.backend=sglang"):
-        load_config(None, REQUIRED + ["engine.backend=native", "engine.gpus_per_engine=2"])
+    with pytest.raises(ConfigError, match="the embedded engine's TP ranks are one process.*tensor or disk"):
+        load_config(
+            None, REQUIRED + ["engine.backend=native", "engine.gpus_per_engine=2", "sync.transport=distributed"]
+        )
     with pytest.raises(ConfigError, match="engine.tp_size moved to engine.gpus_per_engine"):
         load_config(None, REQUIRED + ["engine.tp_size=2"])
 

@@ -160,8 +160,9 @@ def test_engine_layouts_that_cannot_work_are_refused_with_what_to_set():
         EngineLayout.of(EngineConfig(backend="sglang", gpus_per_engine=16), "sglang", _env(0), 8)
     with pytest.raises(ConfigError, match=r"LOCAL_WORLD_SIZE=8 ranks .* only 4 GPU\(s\) visible.*--nproc-per-node=4"):
         EngineLayout.of(EngineConfig(backend="sglang"), "sglang", _env(0), 4)
-    with pytest.raises(ConfigError, match=r"the embedded engine runs on one device"):
-        EngineLayout.of(EngineConfig(backend="auto", gpus_per_engine=2), "native", _env(0), 8)
+    # The embedded engine over two GPUs: one process taking both TP ranks' payloads.
+    native = EngineLayout.of(EngineConfig(backend="auto", gpus_per_engine=2), "native", _env(0), 8)
+    assert native.gpus_per_engine == 2
 
 
 def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monkeypatch):
@@ -179,6 +180,9 @@ def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monke
     )
     native = server_command(EngineConfig(backend="native", device="cuda"), "/m", 1, layout=EngineLayout(3, 8, 0, 1))
     assert native[native.index("--device") + 1] == "cuda:3" and "--weights-backup" not in native
+    assert "--tp-size" not in native
+    over_two = server_command(EngineConfig(backend="native", device="cuda"), "/m", 1, layout=EngineLayout(2, 8, 0, 2))
+    assert over_two[over_two.index("--device") + 1] == "cuda:2" and over_two[over_two.index("--tp-size") + 1] == "2"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     env = server_environment(cfg, second)

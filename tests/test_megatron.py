@@ -416,6 +416,18 @@ def _moe_rank(
         )
         t.create()
         held = sorted(n for n in dict(t.model.module.named_parameters()) if "local_experts" in n)
+        routed_export = None
+        if ep == 2:  # experts from the rank holding them to the ranks that need them only
+            from rltrain.weights.names import classify
+
+            def expert(name):
+                return classify(name).expert
+
+            # Rank r needs EP rank r's experts (the trainer's own: nothing moves), then the other's.
+            aligned = {n for n, _ in t.export_weights(needs=lambda r, n: expert(n) is None or expert(n) // 2 == r)}
+            sent_aligned = t.expert_bytes_sent
+            crossed = {n for n, _ in t.export_weights(needs=lambda r, n: expert(n) is None or expert(n) // 2 != r)}
+            routed_export = {"aligned": aligned, "crossed": crossed, "sent": (sent_aligned, t.expert_bytes_sent)}
         mine = _batch(2, n=4).slice(slice(rank * 2, rank * 2 + 2))
         lp, _ = t.logprobs(mine)
         mine.old_logp = lp
@@ -469,6 +481,7 @@ def _moe_rank(
                 "resumed": resumed,
                 "held": held,
                 "synced": synced,
+                "routed_export": routed_export,
             }
         )
 
@@ -519,6 +532,23 @@ def test_a_qwen3_moe_model_matches_hf_and_trains(moe_runs):
     assert runs[2][0]["stats"]["grad_norm"] == pytest.approx(runs[1][0]["stats"]["grad_norm"], rel=1e-5)
     for n in hf:  # two Adam steps at lr 1e-3, as in the dense TP/DP comparison
         assert (runs[2][0]["weights"][n] - runs[1][0]["weights"][n]).abs().max() < 1e-4, n
+
+
+def test_an_export_routed_by_need_sends_each_expert_from_its_holder_only_where_needed(moe_runs):
+    """EP=2: when each rank needs its own experts (the engine's EP ranks are the trainer's), no
+    expert moves between ranks; when each needs the other's, each expert goes to the other rank
+    only. Either way a rank yields the dense weights and exactly the experts it needs."""
+    path, runs = moe_runs
+    hf = _hf_state(path)
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in hf.items() if ".experts." in n)
+    for rank, r in enumerate(runs[2]):
+        got = r["routed_export"]
+        dense = {n for n in hf if ".experts." not in n}
+        own = {n for n in hf if ".experts." in n and int(n.split(".experts.")[1].split(".")[0]) // 2 == rank}
+        other = {n for n in hf if ".experts." in n} - own
+        assert got["aligned"] == dense | own and got["crossed"] == dense | other
+        # Nothing moved for the aligned export; then this rank's half of the experts to the other.
+        assert got["sent"] == (0, expert_bytes // 2), got["sent"]
 
 
 def test_a_moe_checkpoint_resumes_exactly_with_experts_split(moe_runs):
@@ -682,6 +712,49 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
     # The memory ledger sizes megatron's weights and its optimizer's fp32 main params and moments.
     ledger = rows[-1]["memory"]["rank0"]["train"]
     assert ledger["trainer_host"] > 0 and ledger["rss"] > ledger["trainer_host"], ledger
+
+
+@pytest.mark.parametrize("backend", ["megatron", "native"])
+def test_a_moe_loop_routes_experts_inside_the_engine_on_every_sync(tmp_path, backend):
+    """The loop with a tiny Qwen3-MoE, one embedded engine over both ranks laid out as SGLang
+    lays out `--tp-size 2 --ep-size 2`, tensor sync: every sync sends each TP rank the dense
+    weights and its own experts only (megatron EP=2: from the rank holding them, which is that
+    same rank), each TP rank's checksum and the probe are verified every step, and the engine
+    samples with the trainer's weights."""
+    import json
+    from pathlib import Path
+
+    from tests.multiproc import run_torchrun
+
+    repo = Path(__file__).resolve().parents[1]
+    r = run_torchrun(
+        tmp_path,
+        [str(repo / "tests" / "megatron_loop_script.py")],
+        [
+            "--config",
+            str(repo / "configs" / "quickstart.yaml"),
+            f"run.dir={tmp_path}",
+            f"model.path={tmp_path / 'base_model'}",
+            "model.build=tiny-addition-moe",
+            "loop.steps=3",
+            "data.prompts_per_step=8",
+            "metrics.progress_bar=false",
+            "metrics.plot=false",
+            f"trainer.backend={backend}",
+            *(["trainer.expert_parallel_size=2"] if backend == "megatron" else []),
+            "engine.gpus_per_engine=2",
+            "engine.extra_args=[--ep-size,2]",
+            "sync.transport=tensor",
+        ],
+        env={"PYTHONPATH": str(repo)},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    for x in rows:
+        assert x["generation_failed"] == 0 and x["sync_routed"] == 1.0, x
+        assert x["logp_diff_engine_trainer"] < 1e-3 and x["sync_probe_diff"] < 1e-3, x
+    assert "expert routing off" not in r.stderr + r.stdout
 
 
 def test_expert_parallel_training_syncs_each_engine_ep_rank_only_its_experts(moe_runs):

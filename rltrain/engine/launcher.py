@@ -114,6 +114,8 @@ def server_command(
             "--parent-pid",
             str(os.getpid()),
         ]
+        if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/native/engine.py)
+            cmd += ["--tp-size", str(tp_size)]
         if cfg.deterministic:
             cmd.append("--deterministic")
         if cfg.weights_backup:

@@ -12,6 +12,12 @@ GPU `base + k` is the engine's TP rank k: it generates through that engine, and 
     gpus_per_engine=1          one engine per GPU (small models)
     gpus_per_engine=8          one engine per 8-GPU node
 
+The embedded engine over k > 1 GPUs is one process that computes on the first of them and takes
+SGLang's per-TP-rank weight payloads for its k TP ranks (`--tp-size`): SGLang's layout and
+protocol where SGLang is absent (and on CPU, where SGLang cannot run a MoE at EP > 1). It does
+not shard the model: on GPUs it is for checking a layout, not for serving a model one GPU
+cannot hold.
+
 On CPU a "GPU" is a rank: the same layout, with the node's CPU cores shared out between the
 engines' TP ranks (`cpu_binding`).
 """
@@ -40,11 +46,6 @@ class EngineLayout:
         engine backend, `visible_gpus` the GPUs this process sees (None on CPU)."""
         n = env.local_world_size
         per = cfg.gpus_per_engine or (n if backend == "sglang" else 1)
-        if backend == "native" and per != 1:
-            raise ConfigError(
-                f"engine.gpus_per_engine={per}: the embedded engine runs on one device; set "
-                "engine.gpus_per_engine=1 (one engine per GPU) or engine.backend=sglang for tensor parallelism"
-            )
         if per > n:
             raise ConfigError(
                 f"engine.gpus_per_engine={per} is larger than the node: LOCAL_WORLD_SIZE={n} ranks "

@@ -53,26 +53,42 @@ def build_tokenizer(words: list[str]):
     )
 
 
-def build_tiny_model(path: Path, words: list[str], hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A random Qwen2 and its tokenizer, written atomically to `path`."""
+def build_tiny_model(
+    path: Path, words: list[str], hidden: int = 64, layers: int = 2, seed: int = 0, experts: int = 0
+) -> Path:
+    """A random Qwen2 (or, with `experts`, a Qwen3-MoE routing each token to 2 of them) and its
+    tokenizer, written atomically to `path`."""
 
     tokenizer = build_tokenizer(words)
-    cfg = transformers.Qwen2Config(
+    heads = max(4, hidden // 64)
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 4,
         num_hidden_layers=layers,
-        num_attention_heads=max(4, hidden // 64),
+        num_attention_heads=heads,
         num_key_value_heads=2,
-        head_dim=hidden // max(4, hidden // 64),
+        head_dim=hidden // heads,
         max_position_embeddings=128,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    cfg: transformers.PretrainedConfig
+    if experts:
+        cfg = transformers.Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=hidden * 2,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    else:
+        cfg = transformers.Qwen2Config(**common)
     torch.manual_seed(seed)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    model = (transformers.Qwen3MoeForCausalLM if experts else transformers.Qwen2ForCausalLM)(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     model.save_pretrained(tmp)

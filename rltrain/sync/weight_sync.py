@@ -40,14 +40,14 @@ from transformers import AutoConfig
 from rltrain.config import Config
 from rltrain.engine.client import EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
-from rltrain.interfaces import Trainer, World
+from rltrain.interfaces import Needs, Trainer, World
 from rltrain.sync import verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
 from rltrain.sync.plan import EngineParallelism, EngineTopology, SyncPlan, WeightSpec, build_plan
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import EngineCaps, SyncContext, Transport, WeightStream, probe
-from rltrain.weights.checksum import WeightMismatchError, combine, entry
+from rltrain.weights.checksum import WeightMismatchError, combine, entry, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 from rltrain.weights.versions import StaleWeightsError
 
@@ -120,6 +120,14 @@ class WeightSync:
                 f"{tp_size} GPUs (engine.gpus_per_engine): set its --tp-size through the layout, not extra_args"
             )
         self.caps = probe(self.receivers) if self.leader else EngineCaps()
+        if tp_group is not None:  # every rank of the engine checksums its own payload (`_tensors`)
+            self.caps = tp_group.all_gather_object(self.caps, phase="sync caps")[0]
+        self.tp_rank = tp_rank
+        # Routed inside the engine: each trainer rank is handed only its TP rank's payload.
+        self.needs: Needs | None = None
+        if self.plan.engine_ep_ranks is not None:
+            local, per = env.local_world_size, tp_size
+            self.needs = lambda rank, name: self.plan.needed_by((rank % local) % per, name)
         self.probe = verify.probe_tokens(model_cfg.vocab_size, cfg.sync.probe_tokens) if cfg.sync.probe_tokens else []
         self.tp_group = tp_group
         self.transport: Transport = make_transport(
@@ -172,13 +180,19 @@ class WeightSync:
             sent,
             time.perf_counter() - t0,
         )
-        return {"sync_bytes": float(sent), **stats}  # its time is the loop's "sync" phase
+        # sync_routed: the experts went only to the engine ranks that hold them (plan.py).
+        return {"sync_bytes": float(sent), "sync_routed": float(self.plan.routed), **stats}  # time: the "sync" phase
 
     def _tensors(self, names: list[str] | None, sums: Sums) -> Iterator[tuple[str, torch.Tensor]]:
-        """The trainer's tensors (a collective); the leader checksums each in the engine's dtype."""
+        """The trainer's tensors this rank sends (a collective): all of them, or, routed inside
+        the engine, its TP rank's. Checksummed in the engine's dtype by the leader, and by every
+        rank of an engine that checksums each TP rank's weights."""
         dtype = self.caps.dtype
-        for name, t in self.trainer.export_weights(names):
-            if self.leader and self.cfg.sync.verify:
+        check = self.cfg.sync.verify and (self.leader or (self.caps.checksums and self.tp_group is not None))
+        for name, t in self.trainer.export_weights(names, needs=self.needs):
+            if not self.plan.needed_by(self.tp_rank, name):
+                continue
+            if check:
                 sums[name] = entry(t if dtype is None else t.to(dtype))
             yield name, t
 
@@ -191,6 +205,9 @@ class WeightSync:
         wrong: list[str] = []  # engines at the version with other weights
         check = self.cfg.sync.verify
         digests: list[verify.EngineDigest] = []
+        per_rank = {self.tp_rank: sums}  # TP rank -> what its trainer rank sent and checksummed
+        if check and self.caps.checksums and self.tp_group is not None:
+            per_rank = dict(enumerate(self.tp_group.all_gather_object(fetched(sums), phase="sync checksums")))
         try:
             for r, client in enumerate(self.receivers):
                 name = self._name(r)
@@ -202,14 +219,19 @@ class WeightSync:
                     continue
                 if self.caps.checksums:
                     rep = client.weights_checksum()
-                    owned = {n: v for n, v in sums.items() if r in self.plan.targets[n]}
-                    mine = combine(owned)
-                    if rep["weight_version"] != version or rep["checksum"] != mine:
-                        wrong.append(
-                            f"after syncing version {version}, {name} serves version {rep['weight_version']!r} "
-                            f"with weight checksum {rep['checksum']} over {rep['count']} tensors; the trainer's is "
-                            f"{mine} over {len(owned)}"
-                        )
+                    # An engine over several TP ranks checksums each (what that rank holds); one
+                    # of one rank, all it owns.
+                    for e in rep.get("ranks") or [{"tp_rank": 0, **rep}]:
+                        k = e["tp_rank"]
+                        owned = {n: v for n, v in per_rank.get(k, sums).items() if r in self.plan.targets[n]}
+                        mine = combine(owned)
+                        if rep["weight_version"] != version or e["checksum"] != mine:
+                            rank = f" TP rank {k}" if "ranks" in rep else ""
+                            wrong.append(
+                                f"after syncing version {version}, {name}{rank} serves version "
+                                f"{rep['weight_version']!r} with weight checksum {e['checksum']} over {e['count']} "
+                                f"tensors; the trainer's is {mine} over {len(owned)}"
+                            )
                 if self.caps.weights_checker:
                     ranks = client.weights_checker()
                     shard = f"ep{r}/{len(self.receivers)}" if len(self.receivers) > 1 else ""

@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import Snapshot, WeightSpecRow
+from rltrain.interfaces import Needs, Snapshot, WeightSpecRow
 from rltrain.kernels import linear_logprobs_entropy
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
@@ -410,10 +410,15 @@ class FSDPTrainer:
             self._specs = checkpoint_specs(self._live_model())
         return self._specs
 
-    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(
+        self, names: list[str] | None = None, needs: Needs | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, full tensor) of every weight (or of `names`, in their order of module
         tensors), in the training dtype, on the trainer's device, detached. Sharded, a collective:
-        every rank iterates it to the end with the same `names`. (Not a no_grad generator: that
+        every rank iterates it to the end with the same `names`. With `needs`, a rank yields only
+        the names it needs: FSDP2 shards every tensor over every rank, so each still joins every
+        all-gather, but what no one on this rank needs is never converted to checkpoint names (a
+        fused expert tensor's other experts are not split out). (Not a no_grad generator: that
         enters and leaves no_grad around every item, on every bucket of every sync; the gather
         runs under no_grad and what it yields is detached.)"""
         model = self._live_model()
@@ -424,6 +429,8 @@ class FSDPTrainer:
             self._sources = ({ck: src for ck, src, _, _ in specs}, {src for ck, src, _, _ in specs if ck != src})
         module_tensors = self._module_tensors
         source_of, converted = self._sources
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = None if needs is None else (lambda name: needs(rank, name))
         if names is None:
             sources, wanted = list(module_tensors), None
         else:
@@ -440,9 +447,10 @@ class FSDPTrainer:
             for src in chunk:
                 full = fulls.pop(0).detach()  # popped: each is freed once its consumer lets go
                 if src not in converted:
-                    yield src, full
+                    if mine is None or mine(src):
+                        yield src, full
                     continue
-                for name, t in to_checkpoint(model, src, full):
+                for name, t in to_checkpoint(model, src, full, keep=mine):
                     if wanted is None or name in wanted:
                         yield name, t
 

@@ -65,22 +65,32 @@ def entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], torch.Tensor]:
     return str(t.dtype).removeprefix("torch."), tuple(t.shape), _device_sums(t)
 
 
-def combine(sums: dict[str, tuple[str, tuple[int, ...], torch.Tensor | tuple[int, int]]]) -> str:
-    """name -> `entry` (or an entry whose sums are already ints) to one hex digest."""
-    names = sorted(sums)
+Entry = tuple[str, tuple[int, ...], "torch.Tensor | tuple[int, int]"]
+
+
+def fetched(sums: dict[str, Entry]) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
+    """`sums` with every entry's sums brought to the host as ints, in one device-to-host transfer
+    per device (to combine several subsets, or to send the entries to another process)."""
     pending: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name in names:
-        on_device = sums[name][2]
+    for name, (_, _, on_device) in sums.items():
         if isinstance(on_device, torch.Tensor):
             pending.setdefault(on_device.device, []).append((name, on_device))
-    fetched: dict[str, tuple[int, int]] = {}
-    for group in pending.values():  # one device-to-host transfer per device
+    ints: dict[str, tuple[int, int]] = {}
+    for group in pending.values():
         for (name, _), pair in zip(group, torch.stack([t for _, t in group]).tolist()):
-            fetched[name] = pair
+            ints[name] = (pair[0], pair[1])
+    out = {}
+    for n, (d, s, p) in sums.items():
+        out[n] = (d, tuple(s), ints[n] if isinstance(p, torch.Tensor) else (int(p[0]), int(p[1])))
+    return out
+
+
+def combine(sums: dict[str, Entry]) -> str:
+    """name -> `entry` (or an entry whose sums are already ints) to one hex digest."""
     h = xxhash.xxh3_128()
-    for name in names:
-        dtype, shape, pair = sums[name]
-        s1, s2 = fetched.get(name, pair)
+    host = fetched(sums)
+    for name in sorted(host):
+        dtype, shape, (s1, s2) = host[name]
         h.update(f"{name}|{dtype}|{list(shape)}|{s1}|{s2}\n".encode())
     return h.hexdigest()
 

@@ -24,6 +24,7 @@ of its spellings.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,12 +115,16 @@ def _revert(model: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return revert_weight_conversion(model, named)
 
 
-def to_checkpoint(model: Any, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint tensors (name, tensor) stored in module tensor `name`."""
+def to_checkpoint(
+    model: Any, name: str, tensor: torch.Tensor, keep: Callable[[str], bool] | None = None
+) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors (name, tensor) stored in module tensor `name`; with `keep`, only
+    the names it keeps (the others are never made contiguous: a fused expert tensor's experts
+    that no one needs cost nothing)."""
     out = _revert(model, {name: tensor})
     if list(out) == [name]:
-        return [(name, tensor)]
-    return [(n, t.contiguous()) for n, t in out.items()]
+        return [(name, tensor)] if keep is None or keep(name) else []
+    return [(n, t.contiguous()) for n, t in out.items() if keep is None or keep(n)]
 
 
 def checkpoint_specs(model: Any) -> list[tuple[str, str, torch.Size, torch.dtype]]:

@@ -39,7 +39,7 @@ from rltrain.runtime.ledger import measure_cuda_context
 from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
 from rltrain.weights.bucket import BucketViews
-from rltrain.weights.checksum import combine, entry
+from rltrain.weights.checksum import combine, entry, fetched
 from rltrain.weights.names import checkpoint_index, classify, num_experts, write
 from rltrain.weights.versions import read_weights
 
@@ -87,6 +87,7 @@ class NativeEngine:
         deterministic: bool = False,
         ep_size: int = 1,
         ep_rank: int = 0,
+        tp_size: int = 1,
     ):
 
         self.model_path = model_path
@@ -134,15 +135,31 @@ class NativeEngine:
         self._bucket_keys: dict[int, tuple[list[Any], tuple]] = {}  # id(metadata) -> (metadata, its key)
         self._local = threading.local()  # per request thread: its last update's copies and times
         self._upload: PinnedUpload | None = None  # disk loads: host-to-device through page-locked buffers
-        # Expert ownership (the receiving end of routed sync): as EP rank r of ep_size this engine
-        # takes updates only for its contiguous block of experts, and checksums what it owns. The
-        # native engine has no expert-parallel forward: its weights of other experts stay as
-        # loaded, and it is used this way to receive and verify routed syncs (SGLang serves EP).
-        self.ep_size, self.ep_rank = ep_size, ep_rank
+        # Expert ownership (the receiving end of routed sync), in one of two layouts:
+        # - one engine of a group (`ep_rank`, tp_size 1): as EP rank r of ep_size it takes updates
+        #   only for its contiguous block of experts and checksums what it owns;
+        # - SGLang's layout (tp_size > 1): one engine over tp_size TP ranks, experts split over
+        #   ep_size of them (TP rank k is EP rank (k // (tp_size / ep_size)) % ep_size). An update
+        #   carries one payload per TP rank; each may hold only its own EP rank's experts, and every
+        #   rank's copy of a dense weight must be the same (`load_per_rank`). The ranks live in this
+        #   one process on one device (it has no tensor-parallel forward): they receive, hold and
+        #   checksum per rank what SGLang's TP ranks would, and together serve the whole model.
+        # The engine has no expert-parallel forward: in the first layout its weights of other
+        # experts stay as loaded (it is used so to receive and verify routed syncs).
+        self.ep_size, self.ep_rank, self.tp_size = ep_size, ep_rank, tp_size
         experts = num_experts(self.config)
-        if ep_size > 1 and (experts == 0 or experts % ep_size or not 0 <= ep_rank < ep_size):
+        if tp_size > 1:
+            if ep_rank or tp_size % ep_size or (ep_size > 1 and (experts == 0 or experts % ep_size)):
+                raise ValueError(
+                    f"tp_size={tp_size}, ep_size={ep_size}, ep_rank={ep_rank}: EP inside the engine needs "
+                    f"ep_size dividing tp_size and the model's {experts} experts, and no --ep-rank"
+                )
+        elif ep_size > 1 and (experts == 0 or experts % ep_size or not 0 <= ep_rank < ep_size):
             raise ValueError(f"ep_size={ep_size}, ep_rank={ep_rank}: the model has {experts} experts")
         self._experts_per_rank = experts // ep_size if ep_size > 1 else 0
+        # The EP rank of each TP rank (SGLang's MoE groups; one TP rank: this engine's EP rank).
+        self.rank_ep = [(k // (tp_size // ep_size)) % ep_size for k in range(tp_size)] if tp_size > 1 else [ep_rank]
+        self.rank_bytes_loaded = [0] * tp_size  # bytes each TP rank's payloads held (updates)
         self.bytes_loaded = 0  # bytes of weights received by updates, for sync accounting
         self.released: set[str] = set()
         self.weights_valid = True  # False after resume without a backup, until weights are loaded
@@ -666,11 +683,64 @@ class NativeEngine:
         return getattr(self._local, "update_ms", {})
 
     def owns(self, name: str) -> bool:
-        """Whether this engine holds `name` under expert parallelism (always, without it)."""
-        if self.ep_size <= 1:
+        """Whether this engine holds `name` as one EP rank of a group of engines (always, in any
+        other layout: an engine over several TP ranks holds every rank's experts)."""
+        if self.ep_size <= 1 or self.tp_size > 1:
             return True
         expert = classify(name).expert
         return expert is None or expert // self._experts_per_rank == self.ep_rank
+
+    def rank_owns(self, tp_rank: int, name: str) -> bool:
+        """Whether TP rank `tp_rank` of this engine holds `name`: its EP rank's experts, and every
+        weight that is not a routed expert."""
+        if self.ep_size <= 1:
+            return True
+        expert = classify(name).expert
+        return expert is None or expert // self._experts_per_rank == self.rank_ep[tp_rank]
+
+    def load_per_rank(self, entries: list[list[tuple[str, torch.Tensor]]], weight_version: str | None) -> int:
+        """One update request of an engine over several TP ranks: entry k is what TP rank k was
+        sent. Everything is checked before anything is copied (a bad update changes nothing):
+        each rank is sent only weights it holds, at most once; the ranks of one EP rank are sent
+        the same names, every rank the same non-expert names; a weight sent to several ranks is
+        the same tensor in each. Then each weight is copied once. Returns the tensors copied."""
+        if len(entries) != self.tp_size:
+            raise ValueError(f"{len(entries)} per-rank payloads; this engine has {self.tp_size} TP ranks")
+        first: dict[str, torch.Tensor] = {}
+        names_of: list[set[str]] = []
+        for k, named in enumerate(entries):
+            names = [n for n, _ in named]
+            mine = set(names)
+            if len(mine) != len(names):
+                twice = sorted({n for n in names if names.count(n) > 1})
+                raise ValueError(f"TP rank {k}'s payload carries {twice[:5]} more than once")
+            foreign = sorted(n for n in mine if not self.rank_owns(k, n))
+            if foreign:
+                raise ValueError(
+                    f"TP rank {k} (EP rank {self.rank_ep[k]} of {self.ep_size}) was sent experts it does not "
+                    f"hold: {foreign[:5]}"
+                )
+            for n, t in named:
+                seen = first.setdefault(n, t)
+                if seen is not t and (seen.shape != t.shape or seen.dtype != t.dtype or not torch.equal(seen, t)):
+                    raise ValueError(f"TP ranks' copies of {n!r} differ (rank {k}'s is not rank 0's)")
+            names_of.append(mine)
+        for k, mine in enumerate(names_of):
+            dense = {n for n in mine if classify(n).expert is None}
+            dense0 = {n for n in names_of[0] if classify(n).expert is None}
+            peer = self.rank_ep.index(self.rank_ep[k])  # the first TP rank of k's EP rank
+            if dense != dense0 or mine - dense != names_of[peer] - dense0:
+                lacks = sorted((dense0 - dense) | (names_of[peer] - mine))
+                extra = sorted((dense - dense0) | (mine - names_of[peer]))
+                raise ValueError(
+                    f"TP rank {k}'s payload differs from its peers': it lacks {lacks[:5]}, and has {extra[:5]} "
+                    "that they lack (every rank is sent every non-expert weight of the request, each EP rank's "
+                    "ranks the same experts)"
+                )
+        n = self.load_named_tensors(list(first.items()), weight_version)
+        for k, named in enumerate(entries):
+            self.rank_bytes_loaded[k] += sum(t.numel() * t.element_size() for _, t in named)
+        return n
 
     @torch.no_grad()
     def weights_checksum(self) -> dict[str, Any]:
@@ -685,7 +755,8 @@ class NativeEngine:
                     continue
                 t = tensors[module_name]
                 sums[name] = entry(t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape))
-            return {
+            sums = fetched(sums)  # once: the ranks' checksums below combine subsets of them
+            rep: dict[str, Any] = {
                 "checksum": combine(sums),
                 "count": len(sums),
                 "dtype": str(self.dtype).removeprefix("torch."),
@@ -694,6 +765,20 @@ class NativeEngine:
                 "ep_rank": self.ep_rank,
                 "ep_size": self.ep_size,
             }
+            if self.tp_size > 1:  # what each TP rank holds: its EP rank's experts and every other weight
+                rep["ranks"] = []
+                for k in range(self.tp_size):
+                    held = {n: v for n, v in sums.items() if self.rank_owns(k, n)}
+                    rep["ranks"].append(
+                        {
+                            "tp_rank": k,
+                            "ep_rank": self.rank_ep[k],
+                            "checksum": combine(held),
+                            "count": len(held),
+                            "bytes_loaded": self.rank_bytes_loaded[k],
+                        }
+                    )
+            return rep
 
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._param_meta)

@@ -31,7 +31,7 @@ from transformers.utils import logging as hf_logging
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
 from rltrain.generation import SamplingParams
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
-from rltrain.weights.bucket import deserialize
+from rltrain.weights.bucket import BucketViews, deserialize
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -102,11 +102,13 @@ class NativeServer:
                 # A published disk version's files are checked against its manifest on load.
                 "weight_files": "verified",
                 # Its parallel layout, in SGLang's field names (the sync's router reads them). One
-                # process on one device; with --ep-size it is EP rank ep_rank of a group of engines.
-                "tp_size": 1,
+                # process on one device: with --tp-size it takes SGLang's per-TP-rank payloads
+                # (experts split over --ep-size of its ranks); with --ep-size alone it is EP rank
+                # ep_rank of a group of engines.
+                "tp_size": self.engine.tp_size,
                 "dp_size": 1,
                 "ep_size": self.engine.ep_size,
-                "ep_rank": self.engine.ep_rank if self.engine.ep_size > 1 else None,
+                "ep_rank": self.engine.ep_rank if self.engine.ep_size > 1 and self.engine.tp_size == 1 else None,
                 "enable_eplb": False,
                 "ep_num_redundant_experts": 0,
                 "moe_a2a_backend": "none",
@@ -224,6 +226,8 @@ class NativeServer:
     def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         payloads = _need(body, "serialized_named_tensors", list)
+        if self.engine.tp_size > 1:
+            return self._update_per_rank(body, payloads)
         if not 0 <= self.tp_rank < len(payloads):
             raise BadRequest(
                 f"serialized_named_tensors has {len(payloads)} entries; this engine is tp rank {self.tp_rank}"
@@ -288,6 +292,40 @@ class NativeServer:
         # mapped: whether the sender's buffer had to be mapped (False: a kept mapping was reused).
         return {"success": True, "message": f"loaded {n} tensors", "mapped": fresh}
 
+    def _update_per_rank(self, body: dict[str, Any], payloads: list[Any]) -> dict[str, Any]:
+        """An engine over several TP ranks: entry k is TP rank k's payload (as SGLang's TP rank k
+        reads it), each a fresh buffer of its own (no buffer slots: every rank's sender builds its
+        payload anew per bucket)."""
+        tp = self.engine.tp_size
+        if len(payloads) != tp:
+            raise BadRequest(
+                f"serialized_named_tensors has {len(payloads)} entries; this engine has {tp} TP ranks (one each)"
+            )
+        fmt = body.get("load_format")
+        entries = []
+        for k, raw in enumerate(payloads):
+            try:
+                data = deserialize(raw)
+            except Exception as err:
+                raise BadRequest(f"cannot deserialize TP rank {k}'s tensor payload: {err}") from None
+            if fmt == "flattened_bucket":
+                if (
+                    not isinstance(data, dict)
+                    or not isinstance(data.get("metadata"), list)
+                    or not isinstance(data.get("flattened_tensor"), torch.Tensor)
+                    or "buffer" in data
+                ):
+                    raise BadRequest(f"TP rank {k}: {BUCKET_PAYLOAD} (buffer slots need a one-rank engine)")
+                views = BucketViews(data["metadata"]).views(data["flattened_tensor"])
+                entries.append([(m.name, v.view(m.shape)) for m, v in zip(data["metadata"], views)])
+            elif fmt in (None, "direct"):
+                entries.append(list(data.items()) if isinstance(data, dict) else list(data))
+            else:
+                raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
+        n = self.engine.load_per_rank(entries, body.get("weight_version"))
+        del entries, data  # unmaps the senders' buffers
+        return {"success": True, "message": f"loaded {n} tensors", "mapped": True}
+
     def _slot(self, data: dict[str, Any]) -> bool:
         """The buffer-slot extension (this engine's; `"weight_buffer_slots"` in /get_server_info):
         a sender that refills a few buffers sends each one's handle once per weight-update
@@ -316,6 +354,11 @@ class NativeServer:
         name = body.get("group_name", "weight_update_group")
         if name in self.groups:
             raise BadRequest(f"weight update group {name!r} exists; destroy it first")
+        if self.engine.tp_size > 1:
+            raise BadRequest(
+                f"this engine's {self.engine.tp_size} TP ranks are one process: it cannot join a weight-update "
+                "group as each of them; use sync.transport=tensor or disk"
+            )
         rank = int(_need(body, "rank_offset", int)) + self.tp_rank
         backend = body.get("backend", "nccl")
         if backend == "nccl" and self.engine.device.type != "cuda":
@@ -476,6 +519,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ep-size", type=int, default=1, help="expert ownership: this engine holds experts of rank --ep-rank"
     )
     ap.add_argument("--ep-rank", type=int, default=0)
+    ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="take SGLang's per-TP-rank weight payloads for this many TP ranks (one process, one device; "
+        "with --ep-size, experts split over the ranks as SGLang splits them)",
+    )
     ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
     ap.add_argument(
         "--weights-backup",
@@ -516,6 +566,7 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=args.deterministic,
         ep_size=args.ep_size,
         ep_rank=args.ep_rank,
+        tp_size=args.tp_size,
     )
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
     httpd = ThreadingHTTPServer(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ from transformers import AutoConfig
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch, pad_rows, pad_width
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import Snapshot, WeightSpecRow, World
+from rltrain.interfaces import Needs, Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
@@ -156,6 +156,9 @@ class MegatronTrainer:
         self._host: _HostMirror | None = None  # page-locked buffers offloads copy into (GPU)
         self._rebuilds = 0  # re-assemblies after a world rebuild (a full gc every GC_EVERY)
         self._specs: list[WeightSpecRow] | None = None
+        self._hf_of: dict[str, list[str]] = {}  # megatron name -> its HF names (from the specs)
+        # Bytes of expert weights this rank sent to other EP ranks in exports (all of them so far).
+        self.expert_bytes_sent = 0
 
     sharded = True  # its collectives always run over the world's groups
 
@@ -515,9 +518,14 @@ class MegatronTrainer:
         return self._specs
 
     @torch.no_grad()
-    def export_weights(self, names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(
+        self, names: list[str] | None = None, needs: Needs | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every weight (or of `names`): a collective over each tensor
-        parallel group (every rank iterates to the end with the same names)."""
+        parallel group (every rank iterates to the end with the same names). An expert lives on
+        one rank of each EP group: without `needs` it is broadcast to the group; with `needs` it
+        goes from that rank only to the ranks that need it (none, where the engine's EP ranks
+        are the trainer's), and a rank converts to HF names only what it needs."""
         specs = self.weight_specs()
         wanted = None if names is None else set(names)
         if wanted is not None:
@@ -532,14 +540,55 @@ class MegatronTrainer:
             yield from self._export_stages(sources, local, wanted)
             return
         g = self._groups()
+        rank = dist.get_rank()
+        keep = None if needs is None else (lambda name: needs(rank, name))
         for src in sources:
             e = expert_of(src)
-            if e is not None and self.ep > 1:  # the expert-parallel rank that holds it broadcasts it
+            routed = e is not None and self.ep > 1
+            if keep is not None and not routed and self.tp == 1 and not any(map(keep, self._hf_names(src, wanted))):
+                continue  # held whole here (no collective) and not needed here: not converted either
+            if e is not None and routed:  # one rank of the EP group holds it
                 owner = e // per_rank
                 mine = local[local_expert_name(src, e % per_rank)] if owner == g.ep_rank else None
-                yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.ep, owner), wanted)
+                full = (
+                    self._broadcast_full(src, mine, self._pgs.ep, owner)
+                    if needs is None
+                    else self._send_expert(src, mine, owner, wanted, needs)
+                )
+                if full is not None:
+                    yield from self._pieces(src, full, wanted, keep)
             else:
-                yield from self._pieces(src, self._tp_full(src, local[src]), wanted)
+                yield from self._pieces(src, self._tp_full(src, local[src]), wanted, keep)
+
+    def _hf_names(self, src: str, wanted: set[str] | None) -> list[str]:
+        if not self._hf_of:
+            for hf_name, mc_name, _, _ in self.weight_specs():
+                self._hf_of.setdefault(mc_name, []).append(hf_name)
+        return [n for n in self._hf_of[src] if wanted is None or n in wanted]
+
+    def _send_expert(
+        self, src: str, mine: torch.Tensor | None, owner: int, wanted: set[str] | None, needs: Needs
+    ) -> torch.Tensor | None:
+        """Expert weight `src` from its EP rank `owner` to each other EP rank of the group that
+        needs it (point to point, every rank in the same order); the tensor on the owner and on
+        those ranks, None elsewhere."""
+        group = self._pgs.ep
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        hf = self._hf_names(src, wanted)
+        to = [i for i, r in enumerate(members) if i != owner and any(needs(r, n) for n in hf)]
+        me = self._groups().ep_rank
+        if me == owner:
+            assert mine is not None
+            full = mine.contiguous()
+            for i in to:
+                dist.send(full, group=group, group_dst=i)
+            self.expert_bytes_sent += full.numel() * full.element_size() * len(to)
+            return full
+        if me not in to:
+            return None
+        full = torch.empty(full_shape(src, self.dims), dtype=self.dtype, device=self.device)
+        dist.recv(full, group=group, group_src=owner)
+        return full
 
     def _export_stages(
         self, sources: list[str], local: dict[str, torch.Tensor], wanted: set[str] | None
@@ -568,11 +617,16 @@ class MegatronTrainer:
             else torch.empty(full_shape(src, self.dims), dtype=self.dtype, device=self.device)
         )
         dist.broadcast(full, group=group, group_src=owner)
+        if mine is not None and group is self._pgs.ep:
+            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            self.expert_bytes_sent += full.numel() * full.element_size() * (size - 1)
         return full
 
-    def _pieces(self, src: str, full: torch.Tensor, wanted: set[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    def _pieces(
+        self, src: str, full: torch.Tensor, wanted: set[str] | None, keep: Callable[[str], bool] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for hf_name, t in from_mcore(src, full, self.dims):
-            if wanted is None or hf_name in wanted:
+            if (wanted is None or hf_name in wanted) and (keep is None or keep(hf_name)):
                 yield hf_name, t
 
     def save_pretrained(self, path: str) -> None:

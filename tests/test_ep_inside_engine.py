@@ -1,4 +1,5 @@
-"""Experts routed inside one real SGLang engine (CPU): `--tp-size 2 --ep-size 2`, a tiny Qwen3-MoE.
+"""Experts routed inside one engine (CPU): `--tp-size 2 --ep-size 2`, a tiny Qwen3-MoE; real
+SGLang, and the embedded engine laid out as SGLang is.
 
 Two trainer ranks, one engine over both (its TP ranks 0 and 1 are EP ranks 0 and 1). The plan
 reads the engine's layout from its /server_info and routes inside it: each rank's payload holds
@@ -9,7 +10,9 @@ loading the same model from disk.
 SGLang 0.5.23 cannot *generate* with a MoE at EP > 1 on CPU (the standard dispatcher asks
 `get_device()`, which has no CPU answer; its CPU MoE kernel then indexes with the -1 ids EP gives
 non-local experts), so the server starts without its warm-up, its /health does not generate,
-and the check is SGLang's own checksum, not log-probs.
+and the check is SGLang's own checksum, not log-probs. The embedded engine over two TP ranks
+takes the same per-rank payloads, refuses an expert sent to a rank that does not hold it, and
+generates: there the check is also the log-probs after the sync.
 """
 
 from __future__ import annotations
@@ -22,12 +25,20 @@ from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG, start_server
 from models import make_moe_model
 from multiproc import run_ranks, values
 
-pytestmark = pytest.mark.skipif(
+needs_sglang = pytest.mark.skipif(
     not HAVE_SGLANG and SKIP_SGLANG, reason="SGLang not installed and RLTRAIN_SKIP_SGLANG=1"
 )
 
 
-def _routed_rank(rank: int, world_size: int, trainer_model: str, engine_model: str, url: str) -> dict:
+def _routed_rank(
+    rank: int,
+    world_size: int,
+    trainer_model: str,
+    engine_model: str,
+    url: str,
+    backend: str = "sglang",
+    misroute: bool = False,
+) -> dict:
     import torch
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig, load_config
@@ -45,18 +56,30 @@ def _routed_rank(rank: int, world_size: int, trainer_model: str, engine_model: s
             "data.path=synthetic:addition",
             "sync.transport=tensor",
             "sync.bucket_mb=1",
-            "sync.probe_tokens=0",  # SGLang cannot generate at EP > 1 on CPU (module docstring)
+            # SGLang cannot generate at EP > 1 on CPU (module docstring); the embedded engine can.
+            f"sync.probe_tokens={0 if backend == 'sglang' else 12}",
         ],
     )
-    layout = EngineLayout.of(EngineConfig(gpus_per_engine=2), "sglang", world.env, None)
+    layout = EngineLayout.of(EngineConfig(gpus_per_engine=2), backend, world.env, None)
     client = EngineClient(url, request_timeout_s=120)
     sync = None
     try:
         t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
         t.create()
         sync = weight_sync.WeightSync(cfg, world, t, [client], engine_model, engine=layout)
-        sync.push("routed")
+        if misroute:  # a broken router: each TP rank is sent the other EP rank's experts
+            sync.plan.engine_ep_ranks = (1, 0)
+            try:
+                sync.push("misrouted")
+            except weight_sync.SyncError as e:
+                return {"error": str(e), "version": client.weight_version()}
+            return {"error": None}
+        stats = sync.push("routed")
+        probe = sync.probe_engines() if backend == "native" else {}
         return {
+            "stats": stats,
+            "probe": probe,
+            "engine": client.weights_checksum() if backend == "native" else None,
             "routed": sync.plan.routed,
             "reason": sync.plan.fallback_reason,
             "ep_ranks": sync.plan.engine_ep_ranks,
@@ -72,6 +95,7 @@ def _routed_rank(rank: int, world_size: int, trainer_model: str, engine_model: s
         world.close()
 
 
+@needs_sglang
 def test_experts_routed_inside_one_sglang_engine_load_what_a_full_load_loads(tmp_path):
     from rltrain.config import EngineConfig
 
@@ -113,3 +137,37 @@ def test_experts_routed_inside_one_sglang_engine_load_what_a_full_load_loads(tmp
     # a full load of the same model loads (and not what it held before).
     assert [e["tp_size"] for e in routed] == [2, 2]
     assert routed == full != before
+
+
+def test_experts_routed_inside_the_embedded_engine_laid_out_like_sglang(tmp_path):
+    """The embedded engine over two TP ranks (`--tp-size 2 --ep-size 2`): the same per-rank
+    protocol as SGLang's. Each rank's checksum over what it holds matches what its trainer rank
+    sent (checked in push), the engine counts per rank the bytes the senders measured, the
+    log-probs after the sync match the trainer's, and an expert sent to the wrong rank is refused
+    with the engine's weights and version unchanged."""
+    from conftest import start_engine
+
+    a = make_moe_model(tmp_path / "a", seed=1)
+    b = make_moe_model(tmp_path / "b", seed=2)
+    srv = start_engine("native", a, tmp_path, extra_args=["--tp-size", "2", "--ep-size", "2"])
+    try:
+        info = srv.client.server_info()
+        r0, r1 = values(run_ranks(_routed_rank, 2, str(b), str(a), srv.process.url, "native", deadline_s=200))
+        bad, _ = values(run_ranks(_routed_rank, 2, str(a), str(a), srv.process.url, "native", True, deadline_s=200))
+        after = srv.client.weights_checksum()
+    finally:
+        srv.client.close()
+        srv.process.stop()
+    assert (info["tp_size"], info["ep_size"], info["ep_rank"]) == (2, 2, None)
+    assert r0["routed"] and r0["ep_ranks"] == (0, 1) and r0["version"] == "routed", r0["reason"]
+    assert r0["stats"]["sync_routed"] == 1.0
+    # What each TP rank's payloads held: the plan's figure, measured by the senders and by the
+    # engine, and less than the whole model.
+    ranks = r0["engine"]["ranks"]
+    assert [r0["rank_bytes"][k] for k in (0, 1)] == r0["planned"] == [e["bytes_loaded"] for e in ranks]
+    assert all(x < r0["full"] for x in r0["planned"]) and r0["stats"]["sync_bytes"] == sum(r0["planned"])
+    assert [e["ep_rank"] for e in ranks] == [0, 1]
+    assert r0["probe"]["sync_probe_diff"] < 1e-5 and r1["probe"] == r0["probe"]
+    # The misrouted push: refused by the engine, naming the rank and an expert; nothing changed.
+    assert bad["error"] and "was sent experts it does not hold" in bad["error"], bad
+    assert bad["version"] == "routed" and after["ranks"] == ranks
