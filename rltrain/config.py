@@ -143,6 +143,22 @@ class AlgoConfig:
     entropy_coef: float = 0.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     tis_cap: float | None = None  # truncated importance sampling cap against engine log-probs
+    # ppo: the clipped surrogate; cispo (MiniMax-M1): the clipped importance weight, without its
+    # gradient, on a REINFORCE token loss (clip_eps_low/high bound the weight; >= 1 low: no floor).
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    # token: a ratio per token (PPO); sequence: GSPO's length-normalised ratio per sequence.
+    importance_level: Literal["token", "sequence"] = "token"
+    # DAPO's overlong handling. overlong_filter: responses cut at rollout.max_new_tokens are kept
+    # out of the loss. overlong_buffer > 0: the soft overlong penalty, a reward falling linearly
+    # from 0 to -overlong_penalty over the last overlong_buffer tokens before the limit.
+    overlong_filter: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage) are dropped and
+    # more prompts sampled, at most dynamic_sampling_max_batches batches of data.prompts_per_step
+    # per step (the first included), until data.prompts_per_step informative groups are kept.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_batches: int = 4
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
 
@@ -153,6 +169,15 @@ class AlgoConfig:
             raise ConfigError(f"algo.tis_cap={self.tis_cap}: expected > 0 (or null to disable)")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ConfigError("algo.ppo_epochs and algo.mini_batches must be >= 1")
+        if self.policy_loss == "cispo" and self.dual_clip is not None:
+            raise ConfigError(
+                "algo.dual_clip caps PPO's clipped surrogate; algo.policy_loss=cispo has none (its weight is "
+                "already clipped to [1 - clip_eps_low, 1 + clip_eps_high]): set algo.dual_clip=null"
+            )
+        if self.dynamic_sampling_max_batches < 1:
+            raise ConfigError(f"algo.dynamic_sampling_max_batches={self.dynamic_sampling_max_batches}: expected >= 1")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ConfigError("algo.overlong_buffer and algo.overlong_penalty must be >= 0")
 
 
 @dataclass
@@ -379,6 +404,13 @@ class Config:
             raise ConfigError(
                 f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
                 f"got {self.rollout.n}"
+            )
+        if self.algo.dynamic_sampling and self.rollout.n < 2:
+            raise ConfigError("algo.dynamic_sampling keeps groups whose samples' rewards differ: needs rollout.n >= 2")
+        if self.algo.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ConfigError(
+                f"algo.overlong_buffer={self.algo.overlong_buffer} must be smaller than rollout.max_new_tokens="
+                f"{self.rollout.max_new_tokens} (the penalty ramps over the last overlong_buffer tokens)"
             )
         if (
             self.algo.kl_in == "reward"

@@ -121,6 +121,8 @@ class Trainer(Protocol):
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
 
+    def data_group(self) -> Any: ...  # the group whose ranks hold different samples (None: the world)
+
     # weights (the sync)
     def weight_specs(self) -> list[WeightSpecRow]: ...
 

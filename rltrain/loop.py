@@ -27,14 +27,23 @@ from pathlib import Path
 
 import torch
 
-from rltrain.algo.advantages import compute_advantages
+from rltrain.algo.advantages import compute_advantages, overlong_penalty, return_moments
 from rltrain.algo.losses import kl_penalty
 from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.generation import SamplingParams
 from rltrain.interfaces import Trainer, World
 from rltrain.metrics import MetricsWriter, PhaseClock
-from rltrain.rollout.collect import Rollout, build_batch, collect, retry_failed
+from rltrain.rollout.collect import (
+    Rollout,
+    build_batch,
+    collect,
+    extend,
+    informative,
+    keep_informative,
+    quotas,
+    retry_failed,
+)
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.runtime.stop import StopRequest, write_marker
 from rltrain.setup import RunParts, setup_run
@@ -88,6 +97,14 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                     )
                 prompts = sampler.next_batch(world.rank, world.world_size)
                 rollout = collect(engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
+                batches = 1
+                # DAPO's dynamic sampling: more prompts while too few groups are informative.
+                while cfg.algo.dynamic_sampling and batches < cfg.algo.dynamic_sampling_max_batches:
+                    if sum(_informative_counts(world, rollout)) >= cfg.data.prompts_per_step:
+                        break
+                    more = sampler.next_batch(world.rank, world.world_size)
+                    fresh = collect(engine.client, more, step_params, parts.tokenizer, parts.rewards, len(prompts))
+                    rollout, prompts, batches = extend(rollout, fresh), prompts + more, batches + 1
             if engine.recover():  # an engine died: restarted (or the job stops, with its log tail)
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
@@ -96,6 +113,8 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                     rollout.stats["engine_restarts"] = 1.0
             with clock.phase("rollout"):
                 _check_versions(rollout, version, world.rank)
+                if cfg.algo.dynamic_sampling:
+                    rollout = _keep_informative(cfg, world, rollout, batches)
             _to_training(clock.phase, parts, world)
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
@@ -116,6 +135,27 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
         writer.close()
         parts.close()
     return last
+
+
+def _informative_counts(world: World, rollout: Rollout) -> list[int]:
+    """Each rank's number of kept groups whose rewards differ (over the bridge: the world is down)."""
+    return world.bridge.all_gather_object(sum(map(informative, rollout.groups)), phase="dynamic sampling")
+
+
+def _keep_informative(cfg: Config, world: World, rollout: Rollout, batches: int) -> Rollout:
+    """data.prompts_per_step informative groups over all ranks (fewer, said, if the budget ran out)."""
+    counts = _informative_counts(world, rollout)
+    share = quotas(counts, cfg.data.prompts_per_step)
+    if world.rank == 0 and sum(share) < cfg.data.prompts_per_step:
+        log.warning(
+            "dynamic sampling: %d of %d groups informative after %d batches of prompts "
+            "(algo.dynamic_sampling_max_batches=%d); training on those",
+            sum(share),
+            cfg.data.prompts_per_step,
+            batches,
+            cfg.algo.dynamic_sampling_max_batches,
+        )
+    return keep_informative(rollout, share[world.rank], batches)
 
 
 def _stop_at_step_boundary(cfg: Config, parts: RunParts, world: World, done: int, reason: str) -> None:
@@ -211,26 +251,57 @@ def _prepare(
     batch.old_logp, _ = trainer.logprobs(batch)  # collectives: also on a rank without samples
     if cfg.algo.kl_coef > 0:
         batch.ref_logp, _ = trainer.logprobs(batch, reference=True)
+    algo = cfg.algo
+    # REINFORCE++ normalises over the whole batch: its moments are summed over the data ranks.
+    global_sum = _data_sum(trainer) if algo.advantage.startswith("reinforce_plus_plus") else None
     if len(batch) == 0 or rewards is None:
+        if global_sum is not None:
+            return_moments(torch.zeros(0), global_sum)  # the collective the other ranks run
         return batch, rewards, {}
+    stats: dict[str, float] = {}
+    samples = [s for g in rollout.groups for s in g]
+    if algo.overlong_buffer:
+        lengths = torch.tensor([len(s.completion.output_ids) for s in samples])
+        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
+        rewards = rewards + penalty.reshape(rewards.shape)
+        stats["overlong_penalty"] = float(penalty.mean())
     token_kl = None
-    if cfg.algo.kl_coef > 0:
+    if algo.kl_coef > 0:
         assert batch.ref_logp is not None
-        token_kl = kl_penalty(batch.old_logp, batch.ref_logp, cfg.algo.kl_estimator) * batch.loss_mask
-    in_reward = cfg.algo.kl_in == "reward" and cfg.algo.kl_coef > 0
+        token_kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator) * batch.loss_mask
+    in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
     batch.advantages = compute_advantages(
-        cfg.algo.advantage,
+        algo.advantage,
         rewards,
         batch.loss_mask,
-        norm_std=cfg.algo.norm_std,
+        norm_std=algo.norm_std,
         token_kl=token_kl if in_reward else None,
-        kl_coef=cfg.algo.kl_coef if in_reward else 0.0,
-        gamma=cfg.algo.gamma,
+        kl_coef=algo.kl_coef if in_reward else 0.0,
+        gamma=algo.gamma,
+        global_sum=global_sum,
     )
+    if algo.overlong_filter:  # DAPO: a response cut at the limit is kept out of the loss
+        cut = torch.tensor([s.completion.finish_reason == "length" for s in samples])
+        batch.loss_mask[cut] = 0.0
+        batch.advantages = batch.advantages * batch.loss_mask
+        stats["overlong_filtered"] = float(cut.sum())
     # How far the engine's log-probs are from the trainer's for the same tokens and weights.
     mask = batch.loss_mask.bool()
     assert batch.rollout_logp is not None
     diff = float((batch.old_logp - batch.rollout_logp)[mask].abs().mean())
     if cfg.algo.tis_cap is None:
         batch.rollout_logp = None
-    return batch, rewards, {"logp_diff_engine_trainer": diff}
+    return batch, rewards, {"logp_diff_engine_trainer": diff, **stats}
+
+
+def _data_sum(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A sum over the trainer's data-parallel ranks (the ranks that hold different samples)."""
+
+    def total(t: torch.Tensor) -> torch.Tensor:
+        if not torch.distributed.is_initialized():
+            return t
+        on = t.to(trainer.device)
+        torch.distributed.all_reduce(on, group=trainer.data_group())
+        return on.cpu()
+
+    return total

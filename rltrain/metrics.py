@@ -142,6 +142,8 @@ class MetricsWriter:
             "prompt_length_sum": float(sum(prompts)),
             **{k: v for k, v in rollout.stats.items()},
             "logp_diff_sum": adv_stats.get("logp_diff_engine_trainer", 0.0) * flat.numel(),
+            "overlong_filtered": adv_stats.get("overlong_filtered", 0.0),
+            "overlong_penalty_sum": adv_stats.get("overlong_penalty", 0.0) * flat.numel(),
             "times": clock.times,
             "memory": clock.memory,
             "step_seconds": clock.step_seconds,
@@ -165,12 +167,21 @@ class MetricsWriter:
             "reward_failed": tot("reward_failed"),
             "groups_dropped": tot("groups_dropped"),
             "groups_identical": tot("groups_identical"),
+            "groups_zero_advantage": tot("groups_zero_advantage"),
             # Generations lost to an engine that died, sampled again after its restart.
             "generation_retried": sum(g.get("generation_retried", 0.0) for g in gathered),
             "engine_restarts": max(g.get("engine_restarts", 0.0) for g in gathered),
             "logp_diff_engine_trainer": tot("logp_diff_sum") / n,
             **{k: v for k, v in train.items()},
         }
+        if self.cfg.algo.overlong_filter:
+            rec["overlong_filtered"] = tot("overlong_filtered")  # responses cut at the limit, out of the loss
+        if self.cfg.algo.overlong_buffer:
+            rec["overlong_penalty"] = tot("overlong_penalty_sum") / n  # mean reward added
+        if self.cfg.algo.dynamic_sampling:  # DAPO: groups sampled, dropped (zero advantage) and kept, all ranks
+            for k in ("sampled", "zero_advantage", "surplus", "kept"):
+                rec[f"dynamic_groups_{k}"] = tot(f"dynamic_groups_{k}")
+            rec["dynamic_batches"] = max(g["dynamic_batches"] for g in gathered)
         slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
         rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}

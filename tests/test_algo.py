@@ -114,3 +114,112 @@ def test_aggregations():
     assert parts.item() == pytest.approx(10 / 4)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate(v, m, "mean")
+
+
+def test_gspo_clips_the_length_normalised_sequence_ratio_and_each_token_gets_its_sequence_weight():
+    """GSPO (Zheng et al. 2025): s_i = exp(mean_t log(pi / pi_old)) per sequence, clipped per
+    sequence; d loss / d logp_t = -A_i s_i / N on every token of an unclipped sequence, 0 on a
+    clipped one, whatever each token's own ratio."""
+    old = torch.zeros(2, 3)
+    # seq 0: token log-ratios .3, 0, 0 (mean .1 -> s = e^.1 ~ 1.105, inside [0.8, 1.2]);
+    # seq 1: log-ratios .6, .6 and a padding token (mean .6 -> s = e^.6 ~ 1.82, clipped for A > 0).
+    logp = torch.tensor([[0.3, 0.0, 0.0], [0.6, 0.6, 5.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0], [1.0]]) * mask
+    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.2, importance_level="sequence")
+    loss, stats = policy_loss(logp, old, adv, mask, cfg)
+    s0 = math.exp(0.1)  # seq 1's e^.6 is clipped to 1.2
+    assert loss.item() == pytest.approx((3 * -s0 + 2 * -1.2) / 5, rel=1e-6)
+    loss.backward()
+    grad = logp.grad
+    assert torch.allclose(grad[0], torch.full((3,), -s0 / 5), atol=1e-6)  # every token: its sequence's weight
+    assert torch.equal(grad[1], torch.zeros(3))  # the clipped sequence: no gradient at all
+    assert stats["clip_frac"].item() == pytest.approx(2 / 5)
+    # Token level on the same numbers clips seq 0's first token (e^.3 > 1.2) and not the others.
+    tok = logp.detach().clone().requires_grad_(True)
+    policy_loss(tok, old, adv, mask, PolicyLossConfig(eps_low=0.2, eps_high=0.2))[0].backward()
+    assert tok.grad[0, 0] == 0 and tok.grad[0, 1] != 0
+
+
+def test_cispo_clips_a_stop_gradient_weight_and_keeps_every_tokens_gradient():
+    """CISPO (MiniMax-M1): loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_t, so a
+    clipped token still has the gradient -w A / N (PPO's clip zeroes it)."""
+    old = torch.zeros(1, 3)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.0]])).requires_grad_(True)  # ratios 1.5, 0.5, 1.0
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    cfg = PolicyLossConfig(eps_low=0.2, eps_high=0.28, kind="cispo")
+    loss, stats = policy_loss(logp, old, adv, mask, cfg)
+    w = [1.28, 0.8, 1.0]  # clipped weights
+    lp = [math.log(1.5), math.log(0.5), 0.0]
+    assert loss.item() == pytest.approx(sum(-w[i] * adv[0, i].item() * lp[i] for i in range(3)) / 3, rel=1e-6)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.28 / 3, 0.8 / 3, -2.0 / 3]]), atol=1e-6)
+    assert stats["clip_frac"].item() == pytest.approx(2 / 3)
+    ppo = logp.detach().clone().requires_grad_(True)
+    policy_loss(ppo, old, adv, mask, PolicyLossConfig(eps_low=0.2, eps_high=0.28))[0].backward()
+    assert ppo.grad[0, 0] == 0 and ppo.grad[0, 1] == 0  # what CISPO keeps, PPO drops
+
+
+def test_the_soft_overlong_penalty_ramps_over_the_buffer():
+    """DAPO eq. 13 with L_max 10, L_cache 4: 0 up to 6 tokens, then -(len - 6) / 4, -1 at 10."""
+    from rltrain.algo.advantages import overlong_penalty
+
+    got = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), max_len=10, buffer=4, factor=0.5)
+    assert torch.allclose(got, torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5]))
+
+
+def _reinforce_rank(rank: int, world_size: int, rewards, mask, kl) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+
+    def total(t):
+        dist.all_reduce(t)
+        return t
+
+    rows = slice(rank * 2, rank * 2 + 2)  # each rank holds one group of 2
+    adv = compute_advantages(
+        "reinforce_plus_plus", rewards[rank : rank + 1], mask[rows], token_kl=kl[rows], kl_coef=0.5, global_sum=total
+    )
+    dist.destroy_process_group()
+    return {"adv": adv}
+
+
+def test_reinforce_plus_plus_normalises_over_the_global_batch_on_real_ranks():
+    """Two ranks of one group each give exactly the advantages of the whole batch in one place
+    (per-rank normalisation would not: each rank's returns have their own mean and std)."""
+    from multiproc import run_ranks, values
+
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    kl = torch.tensor([[0.1, 0.2, 9.0], [0.0, 0.1, 0.3], [0.4, 0.0, 0.0], [0.2, 0.2, 0.2]])
+    whole = compute_advantages("reinforce_plus_plus", rewards, mask, token_kl=kl, kl_coef=0.5)
+    r0, r1 = values(run_ranks(_reinforce_rank, 2, rewards, mask, kl))
+    assert torch.allclose(torch.cat([r0["adv"], r1["adv"]]), whole, atol=1e-6)
+    alone = compute_advantages("reinforce_plus_plus", rewards[:1], mask[:2], token_kl=kl[:2], kl_coef=0.5)
+    assert not torch.allclose(alone, whole[:2], atol=1e-3)
+
+
+def test_dynamic_sampling_keeps_the_informative_groups_up_to_the_target_over_the_ranks():
+    from rltrain.generation import Completion
+    from rltrain.rollout.collect import Rollout, Sample, informative, keep_informative, quotas
+    from rltrain.rollout.data import Prompt
+
+    assert quotas([5, 5], 8) == [4, 4]  # even shares
+    assert quotas([1, 9], 8) == [1, 7]  # a short rank's share goes to the other
+    assert quotas([2, 3], 8) == [2, 3]  # the budget ran out: all there is
+    assert quotas([4, 4, 4], 8) == [3, 3, 2]
+
+    def group(*rewards):
+        return [
+            Sample(Prompt([1], {}), Completion(0, i, [2], finish_reason="stop"), reward=r)
+            for i, r in enumerate(rewards)
+        ]
+
+    groups = [group(0.0, 0.0), group(1.0, 0.0), group(1.0, 1.0), group(0.0, 1.0), group(0.5, 0.0)]
+    assert [informative(g) for g in groups] == [False, True, False, True, True]
+    out = keep_informative(Rollout(groups, {}, groups), quota=2, batches=3)
+    assert out.groups == [groups[1], groups[3]]
+    assert out.stats["dynamic_groups_zero_advantage"] == 2 and out.stats["dynamic_groups_surplus"] == 1
+    assert out.stats["dynamic_groups_kept"] == 2 and out.stats["dynamic_batches"] == 3

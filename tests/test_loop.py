@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -132,3 +133,49 @@ def test_samples_from_stale_weights_are_refused():
     with pytest.raises(StaleWeightsError, match=r"weight version\(s\) \['3', '4'\], expected 4"):
         _check_versions(rollout, "4", rank=1)
     _check_versions(type("R", (), {"groups": [[_S("4")]]})(), "4", rank=0)
+
+
+@pytest.mark.parametrize(
+    "algo",
+    [
+        # GSPO's sequence ratio (its paper's clip range), DAPO's overlong filter, soft penalty and
+        # dynamic sampling, at 3 new tokens so some responses are cut at the limit.
+        [
+            "algo.importance_level=sequence",
+            "algo.clip_eps_low=3e-4",
+            "algo.clip_eps_high=4e-4",
+            "rollout.max_new_tokens=3",
+            "algo.overlong_filter=true",
+            "algo.overlong_buffer=1",
+            "algo.dynamic_sampling=true",
+            "algo.dynamic_sampling_max_batches=6",
+        ],
+        # CISPO with MiniMax-M1's one-sided weight clip; REINFORCE++ normalised over both ranks.
+        [
+            "algo.policy_loss=cispo",
+            "algo.clip_eps_low=1.0",
+            "algo.clip_eps_high=2.0",
+            "algo.advantage=reinforce_plus_plus",
+        ],
+    ],
+    ids=["gspo-dapo", "cispo-reinforce++"],
+)
+def test_the_quickstart_runs_with_each_algorithm(tmp_path, algo):
+    r = run_quickstart(tmp_path, "metrics.plot=false", *algo)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["logp_diff_engine_trainer"] < 1e-3
+        assert math.isfinite(row["loss"]) and row["grad_norm"] >= 0
+    if "algo.dynamic_sampling=true" in algo:
+        for row in rows:
+            # No zero-advantage group in any train batch, and the over-sampling counted.
+            assert row["groups_zero_advantage"] == 0, row
+            assert row["dynamic_groups_sampled"] == 8 * row["dynamic_batches"], row
+            assert row["dynamic_groups_kept"] <= 8 and row["samples_trained"] == 8 * row["dynamic_groups_kept"], row
+            parts = ("kept", "zero_advantage", "surplus")
+            accounted = sum(row[f"dynamic_groups_{k}"] for k in parts) + row["groups_dropped"]
+            assert row["dynamic_groups_sampled"] == accounted, row
+            assert row["overlong_filtered"] >= 0 and row["overlong_penalty"] <= 0
+        assert any(row["dynamic_batches"] > 1 for row in rows)  # near chance most groups score all 0

@@ -12,11 +12,16 @@ defined per token and the losses consume tokens.
 - rloo (Ahmadian et al. 2024, "Back to Basics"): leave-one-out baseline,
   A_i = r_i - (sum_j r_j - r_i) / (n - 1).
 - reinforce_plus_plus (Hu 2025, "REINFORCE++"): per-token reward -beta * KL_t, plus r at the last
-  token; return G_t = sum_{s >= t} gamma^(s-t) r_s; then normalised over all valid tokens of the batch.
+  token; return G_t = sum_{s >= t} gamma^(s-t) r_s; then normalised over all valid tokens of the
+  *global* batch: with `global_sum` (a sum over the data-parallel ranks) the mean and std are the
+  whole batch's, so the result does not depend on the world size. `return_moments` gives a rank
+  without samples the same collective to join.
 - reinforce_plus_plus_baseline (same paper): r_i - mean(r) of the group first, then as above.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -33,6 +38,7 @@ def compute_advantages(
     kl_coef: float = 0.0,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rewards [G, n]; mask [G*n, T] (1 on response tokens); token_kl [G*n, T] for REINFORCE++."""
     if rewards.dim() != 2:
@@ -67,10 +73,33 @@ def compute_advantages(
         for t in range(per_token.shape[1] - 1, -1, -1):
             running = per_token[:, t] + gamma * running * maskf[:, t]
             returns[:, t] = running
-        valid = maskf.bool()
-        mean, std = returns[valid].mean(), returns[valid].std() if valid.sum() > 1 else torch.tensor(0.0)
-        return (returns - mean) / (std + eps) * maskf
+        mean, std = return_moments(returns[maskf.bool()], global_sum)
+        return ((returns - mean) / (std + eps) * maskf).float()
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}")
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, "DAPO", eq. 13), added to the reward of a
+    response of `lengths` tokens: 0 up to max_len - buffer, then falling linearly to -factor at
+    max_len, and -factor beyond."""
+    start = max_len - buffer
+    over = (lengths.float() - start).clamp(min=0.0)
+    return -factor * (over / max(buffer, 1)).clamp(max=1.0)
+
+
+def return_moments(
+    values: torch.Tensor, global_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased std of `values` (1-D), over every rank's values when `global_sum` sums
+    a tensor over the ranks (each rank calls it once, also with no values)."""
+    v = values.double()
+    moments = torch.stack([torch.tensor(float(v.numel()), dtype=torch.float64), v.sum(), v.pow(2).sum()])
+    if global_sum is not None:
+        moments = global_sum(moments)
+    count, total, squares = moments.tolist()
+    mean = total / max(count, 1.0)
+    var = (squares - count * mean * mean) / (count - 1) if count > 1 else 0.0
+    return torch.tensor(mean), torch.tensor(max(var, 0.0) ** 0.5)
 
 
 def _last_index(mask: torch.Tensor) -> torch.Tensor:

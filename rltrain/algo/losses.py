@@ -8,6 +8,15 @@ All per-token tensors are [B, T] with `mask` 1 on response tokens.
   the loss is capped at -A * c, c > 1, so a huge ratio on a bad action cannot dominate.
 - KL estimators (Schulman 2020, "Approximating KL Divergence"), with log r = ref - logp:
   k1 = -log r = logp - ref;  k2 = (log r)^2 / 2;  k3 = (r - 1) - log r  (unbiased, always >= 0).
+- GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7 and the GSPO-token
+  form, eq. 13): `importance_level="sequence"` replaces each token's ratio by its sequence's
+  length-normalised ratio s_i = exp(mean_t (logp - old_logp)), as the value sg[s_i] * pi/sg[pi]
+  at every token: the value is s_i, the gradient of token t is s_i * grad log pi(y_t), and the
+  clip (and dual clip) then act per sequence. The paper's clip range is small (3e-4 / 4e-4).
+- CISPO (MiniMax 2025, "MiniMax-M1", eq. 4): `kind="cispo"`, a REINFORCE-style token loss
+  -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A * log pi(y_t): the importance weight is clipped
+  and carries no gradient, so no token's gradient is dropped (PPO's clip zeroes it). MiniMax-M1
+  bounds the weight above only (eps_low >= 1 leaves it unbounded below).
 - Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
   Off-Policy RL Training"): each token's loss is weighted by min(pi_old / pi_rollout, C), correcting
   for the rollout engine's numerics differing from the trainer's.
@@ -24,6 +33,8 @@ from dataclasses import dataclass
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSSES = ("ppo", "cispo")
+IMPORTANCE_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -64,6 +75,8 @@ class PolicyLossConfig:
     dual_clip: float | None = None  # c > 1 enables dual clip
     tis_cap: float | None = None  # C enables truncated importance sampling against engine log-probs
     aggregation: str = "token-mean"
+    kind: str = "ppo"  # ppo (clipped surrogate) or cispo (clipped stop-gradient weight)
+    importance_level: str = "token"  # token (PPO) or sequence (GSPO)
 
 
 def policy_loss(
@@ -75,28 +88,44 @@ def policy_loss(
     rollout_logp: torch.Tensor | None = None,
     normalizer: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip loss and its statistics (clip fraction, approx KL to the old policy, TIS weight)."""
-    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    """The policy loss (PPO-clip or CISPO, token- or sequence-level ratio) and its statistics:
+    clip fraction, approx KL to the old policy, TIS weight."""
+    if cfg.kind not in LOSSES:
+        raise ValueError(f"unknown policy loss {cfg.kind!r}; expected one of {', '.join(LOSSES)}")
+    if cfg.importance_level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"importance_level={cfg.importance_level!r}; expected one of {', '.join(IMPORTANCE_LEVELS)}")
+    maskf = mask.to(logp.dtype)
+    token_log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    log_ratio = token_log_ratio
+    if cfg.importance_level == "sequence":  # GSPO: the sequence's length-normalised log-ratio at every token
+        seq = (log_ratio * maskf).sum(dim=1, keepdim=True) / maskf.sum(dim=1, keepdim=True).clamp(min=1.0)
+        log_ratio = seq.detach() + logp - logp.detach()
     ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    loss = torch.maximum(unclipped, clipped)
-    if cfg.dual_clip is not None:
-        if cfg.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip={cfg.dual_clip}: must be > 1")
-        capped = torch.minimum(loss, -advantages * cfg.dual_clip)
-        loss = torch.where(advantages < 0, capped, loss)
+    low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    if cfg.kind == "cispo":
+        weight = ratio.detach().clamp(min=low, max=high)
+        loss = -advantages * weight * logp
+        clipped_mask = (ratio.detach() < low) | (ratio.detach() > high)
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * ratio.clamp(low, high)
+        loss = torch.maximum(unclipped, clipped)
+        clipped_mask = clipped > unclipped
+        if cfg.dual_clip is not None:
+            if cfg.dual_clip <= 1.0:
+                raise ValueError(f"dual_clip={cfg.dual_clip}: must be > 1")
+            capped = torch.minimum(loss, -advantages * cfg.dual_clip)
+            loss = torch.where(advantages < 0, capped, loss)
     tis = None
     if cfg.tis_cap is not None:
         if rollout_logp is None:
             raise ValueError("truncated importance sampling needs the engine's rollout log-probs")
         tis = torch.exp((old_logp - rollout_logp).clamp(-20.0, 20.0)).clamp(max=cfg.tis_cap).detach()
         loss = loss * tis
-    maskf = mask.to(loss.dtype)
     n = maskf.sum().clamp(min=1.0)
     stats = {
-        "clip_frac": ((clipped > unclipped).to(loss.dtype) * maskf).sum() / n,
-        "approx_kl_old": (0.5 * log_ratio.pow(2) * maskf).sum() / n,
+        "clip_frac": (clipped_mask.to(loss.dtype) * maskf).sum() / n,
+        "approx_kl_old": (0.5 * token_log_ratio.pow(2) * maskf).sum() / n,
     }
     if tis is not None:
         stats["tis_weight"] = (tis * maskf).sum() / n

@@ -44,9 +44,56 @@ class Rollout:
 
 
 def collect(
-    client: RolloutClient, prompts: list[Prompt], params: SamplingParams, tokenizer: Any, rewards: RewardRunner
+    client: RolloutClient,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    tokenizer: Any,
+    rewards: RewardRunner,
+    first: int = 0,
 ) -> Rollout:
-    return _summarize(_generate(client, prompts, list(range(len(prompts))), params, tokenizer, rewards), retried=0)
+    """`first`: the position of `prompts[0]` among the step's prompts (samples are seeded by it)."""
+    positions = list(range(first, first + len(prompts)))
+    return _summarize(_generate(client, prompts, positions, params, tokenizer, rewards), retried=0)
+
+
+def extend(rollout: Rollout, more: Rollout) -> Rollout:
+    """One rollout of both's prompts, in order (`more` collected with `first` after `rollout`'s)."""
+    return _summarize(rollout.every_group + more.every_group, retried=int(rollout.stats.get("generation_retried", 0)))
+
+
+def informative(group: list[Sample]) -> bool:
+    """Whether a kept group's rewards differ: an all-equal group has zero advantage everywhere."""
+    return len({s.reward for s in group}) > 1
+
+
+def keep_informative(rollout: Rollout, quota: int, batches: int) -> Rollout:
+    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2) on this rank: of the kept groups, those
+    whose rewards differ, at most `quota` of them; what was sampled, dropped and kept is counted."""
+    useful = [g for g in rollout.groups if informative(g)]
+    kept = useful[:quota]
+    stats = dict(rollout.stats)
+    stats.update(
+        dynamic_groups_sampled=float(len(rollout.every_group)),
+        dynamic_groups_zero_advantage=float(len(rollout.groups) - len(useful)),
+        dynamic_groups_surplus=float(len(useful) - len(kept)),
+        dynamic_groups_kept=float(len(kept)),
+        dynamic_batches=float(batches),
+    )
+    stats["response_tokens"] = float(sum(len(s.completion.output_ids) for g in kept for s in g))
+    stats["groups_zero_advantage"] = 0.0
+    return Rollout(kept, stats, rollout.every_group)
+
+
+def quotas(counts: list[int], target: int) -> list[int]:
+    """How many informative groups each rank keeps so that the ranks keep `target` in all (or all
+    they have): an even share first, then the rest to the ranks with more, in rank order."""
+    share = [min(c, target // len(counts) + (r < target % len(counts))) for r, c in enumerate(counts)]
+    left = target - sum(share)
+    for r, c in enumerate(counts):
+        extra = min(c - share[r], max(left, 0))
+        share[r] += extra
+        left -= extra
+    return share
 
 
 def retry_failed(
@@ -123,6 +170,8 @@ def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retrie
         "groups_identical": float(
             sum(1 for g in kept if len(g) > 1 and len({tuple(s.completion.output_ids) for s in g}) == 1)
         ),
+        # Groups whose rewards are all equal: zero advantage, no gradient (DAPO's dynamic sampling drops them).
+        "groups_zero_advantage": float(sum(1 for g in kept if not informative(g))),
         "response_tokens": float(sum(len(s.completion.output_ids) for s in ok)),
     }
     return Rollout(kept, stats, groups)

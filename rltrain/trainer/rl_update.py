@@ -65,6 +65,8 @@ def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
         dual_clip=algo.dual_clip,
         tis_cap=algo.tis_cap,
         aggregation=algo.loss_agg,
+        kind=algo.policy_loss,
+        importance_level=algo.importance_level,
     )
 
 
