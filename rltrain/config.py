@@ -199,6 +199,11 @@ class TrainerConfig:
     min_lr_ratio: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 8
+    # > 0: padding-free. Micro-batches are cut by token count (at most this many real tokens, a
+    # longer sequence alone), and each is one packed row with per-sequence position ids, so no
+    # token attends across sequences and no padding is computed (native backend). Replaces
+    # micro_batch_size.
+    max_tokens_per_micro_batch: int = 0
     gradient_checkpointing: bool = False
     # Deterministic kernels in every rank (torch.use_deterministic_algorithms) and a fixed cuBLAS
     # workspace (:4096:8) in every rank and its engine: with engine.deterministic, a GPU run
@@ -211,6 +216,15 @@ class TrainerConfig:
         if min(self.tensor_parallel_size, self.expert_parallel_size, self.pipeline_parallel_size) < 1:
             raise ConfigError(
                 "trainer.tensor_parallel_size, expert_parallel_size and pipeline_parallel_size must be >= 1"
+            )
+        if self.max_tokens_per_micro_batch < 0:
+            raise ConfigError(f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: expected >= 0")
+        if self.max_tokens_per_micro_batch and self.backend == "megatron":
+            raise ConfigError(
+                "trainer.max_tokens_per_micro_batch (padding-free packed sequences) needs trainer.backend=native: "
+                "megatron-core takes packed sequences (THD, PackedSeqParams) only through Transformer Engine's "
+                "attention, and rltrain builds megatron's local layer spec without it; use "
+                "trainer.micro_batch_size with the megatron backend"
             )
         if self.backend == "native" and (self.expert_parallel_size != 1 or self.pipeline_parallel_size != 1):
             raise ConfigError(

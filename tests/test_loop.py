@@ -139,7 +139,8 @@ def test_samples_from_stale_weights_are_refused():
     "algo",
     [
         # GSPO's sequence ratio (its paper's clip range), DAPO's overlong filter, soft penalty and
-        # dynamic sampling, at 3 new tokens so some responses are cut at the limit.
+        # dynamic sampling, at 3 new tokens so some responses are cut at the limit; packed
+        # micro-batches.
         [
             "algo.importance_level=sequence",
             "algo.clip_eps_low=3e-4",
@@ -149,6 +150,7 @@ def test_samples_from_stale_weights_are_refused():
             "algo.overlong_buffer=1",
             "algo.dynamic_sampling=true",
             "algo.dynamic_sampling_max_batches=6",
+            "trainer.max_tokens_per_micro_batch=256",  # padding-free, on two sharded ranks
         ],
         # CISPO with MiniMax-M1's one-sided weight clip; REINFORCE++ normalised over both ranks.
         [

@@ -343,14 +343,26 @@ class FSDPTrainer:
     # ------------------------------------------------------------------ the RL update (rl_update.Backend)
 
     def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs:
+        """[B, L] log-probs (and entropies) of `mb`'s tokens. Padding-free
+        (`max_tokens_per_micro_batch`): the sequences run as one packed row, so neither the
+        padding nor attention across sequences is computed, and the result is laid out as the
+        padded path's."""
+        valid = None
+        tokens, inputs = mb.tokens, {"attention_mask": mb.attention_mask}
+        if self.cfg.max_tokens_per_micro_batch:
+            tokens, position_ids, valid = rl_update.packed(mb)
+            inputs = {"position_ids": position_ids}
         head = model.get_output_embeddings()
         if not isinstance(head, LogprobHead):
-            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
-            return rl_update.logp_from_logits(out.logits, mb.tokens, self.temperature, with_entropy)
-        targets = torch.nn.functional.pad(mb.tokens[:, 1:], (0, 1))  # the last position's is a dummy
-        with head.scoring(targets, self.temperature):
-            out = model(input_ids=mb.tokens, attention_mask=mb.attention_mask, use_cache=False)
-        logp, ent = (torch.nn.functional.pad(x[:, :-1], (1, 0)) for x in out.logits.unbind(-1))
+            out = model(input_ids=tokens, use_cache=False, **inputs)
+            logp, ent = rl_update.logp_from_logits(out.logits, tokens, self.temperature, with_entropy)
+        else:
+            targets = torch.nn.functional.pad(tokens[:, 1:], (0, 1))  # the last position's is a dummy
+            with head.scoring(targets, self.temperature):
+                out = model(input_ids=tokens, use_cache=False, **inputs)
+            logp, ent = (torch.nn.functional.pad(x[:, :-1], (1, 0)) for x in out.logits.unbind(-1))
+        if valid is not None:
+            logp, ent = rl_update.unpacked(logp, valid), None if ent is None else rl_update.unpacked(ent, valid)
         return logp, ent if with_entropy else None
 
     def data_group(self) -> Any:

@@ -130,19 +130,59 @@ def optimizer_step(backend: Backend, model: Any, mini: TrainBatch, loss_cfg: Pol
 
 
 def micro_batches(backend: Backend, batch: TrainBatch) -> Iterator[tuple[TrainBatch, bool]]:
-    """(micro-batch, is real). Sharded, every rank must run as many forward/backward passes as
-    the busiest one (each pass runs collectives): the others add idle passes."""
-    size = backend.cfg.micro_batch_size
-    mine = math.ceil(len(batch) / size)
+    """(micro-batch, is real), in the batch's order: `trainer.micro_batch_size` rows each, or,
+    padding-free, as many consecutive rows as fit `trainer.max_tokens_per_micro_batch` real
+    tokens. Sharded, every rank must run as many forward/backward passes as the busiest one
+    (each pass runs collectives): the others add idle passes."""
+    bounds = micro_batch_bounds(batch, backend.cfg)
+    mine = len(bounds)
     total = mine
     if backend.sharded:
         count = torch.tensor([mine], device=backend.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         total = int(count)
-    for i in range(mine):
-        yield batch.slice(slice(i * size, (i + 1) * size)), True
+    for start, stop in bounds:
+        yield batch.slice(slice(start, stop)), True
     for _ in range(total - mine):
         yield idle_batch(batch, backend.pad_id), False
+
+
+def micro_batch_bounds(batch: TrainBatch, cfg: TrainerConfig) -> list[tuple[int, int]]:
+    """(start, stop) rows of each micro-batch."""
+    n = len(batch)
+    budget = cfg.max_tokens_per_micro_batch
+    if not budget:
+        size = cfg.micro_batch_size
+        return [(i, min(i + size, n)) for i in range(0, n, size)]
+    bounds, start, used = [], 0, 0
+    for i, length in enumerate(batch.attention_mask.sum(dim=1).tolist()):
+        if i > start and used + length > budget:
+            bounds.append((start, i))
+            start, used = i, 0
+        used += length
+    if n:
+        bounds.append((start, n))
+    return bounds
+
+
+def packed(mb: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A right-padded micro-batch as one row without padding: (tokens [1, N], position ids
+    [1, N] starting at 0 in each sequence, the [B, L] mask of where each packed token came from).
+    transformers keeps packed sequences apart by their position ids (no attention mask given:
+    a block-diagonal causal mask, or varlen flash attention)."""
+    valid = mb.attention_mask.bool()
+    positions = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    return mb.tokens[valid][None], positions[valid][None], valid
+
+
+def unpacked(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-token values of a packed row [1, N] (each the score of its position's token given the
+    ones before it in its sequence) back in the [B, L] layout; 0 at padding and at each
+    sequence's first position (nothing precedes it), as the padded path has."""
+    out = torch.zeros(valid.shape, dtype=values.dtype, device=values.device)
+    out[valid] = values[0]
+    out[:, 0] = 0.0
+    return out
 
 
 def normalizers(backend: Backend, mini: TrainBatch) -> tuple[float, float]:
