@@ -2,6 +2,12 @@
 
     python -m rltrain.bench.trainers --device cuda                       # both backends, Qwen3-1.7B shape
     python -m rltrain.bench.trainers --backends megatron --shape 0.6b
+    python -m rltrain.bench.trainers --backends native,native-packed --response 64-1024 --samples 64
+
+`--response LO-HI`: responses of lengths uniform in [LO, HI] after a `--prompt`-token prompt (an
+RL batch), right-padded as the loop pads them; `native-packed` is the native backend padding-free
+(`trainer.max_tokens_per_micro_batch` = micro-batch x the longest sequence: the padded path's
+tokens per forward). Rates and MFU count real tokens only, so padding is counted as lost time.
 
 One rank (a one-rank world: FSDP2 over one rank for `native`, TP=1 for `megatron`), a
 Qwen3-shaped model with random weights built locally, bf16 on GPU. Per backend: create, old
@@ -65,14 +71,24 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
 
 
-def batch(n: int, L: int, vocab: int):
+def batch(n: int, L: int, vocab: int, prompt: int = 0, response: tuple[int, int] | None = None):
+    """n sequences of L tokens (a prompt quarter), or of `prompt` + a response length uniform in
+    `response` (right-padded to the longest)."""
     from rltrain.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
+    if response is None:
+        lengths, prompts = [L] * n, [L // 4] * n
+    else:
+        lo, hi = response
+        lengths = [prompt + int(x) for x in torch.randint(lo, hi + 1, (n,), generator=g)]
+        prompts, L = [prompt] * n, max(lengths)
     tokens = torch.randint(1, vocab - 1, (n, L), generator=g)
-    attn = torch.ones(n, L, dtype=torch.long)
-    loss = attn.float()
-    loss[:, : L // 4] = 0  # a prompt quarter
+    attn = torch.zeros(n, L, dtype=torch.long)
+    loss = torch.zeros(n, L)
+    for i, (length, p) in enumerate(zip(lengths, prompts)):
+        attn[i, :length] = 1
+        loss[i, p:length] = 1.0
     adv = torch.randn(n, 1, generator=g).expand(n, L) * loss
     return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
 
@@ -85,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens, with --response")
+    ap.add_argument("--response", default="", help="LO-HI: variable response lengths (default: --seq tokens each)")
     a = ap.parse_args(argv)
+    response = tuple(int(x) for x in a.response.split("-")) if a.response else None
 
     from rltrain.bench.release import pinned_copy_gbps
     from rltrain.config import AlgoConfig, TrainerConfig
@@ -109,11 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16"
     )
     print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy measured per backend below")
-    for backend in a.backends.split(","):
-        cfg = TrainerConfig(backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro)
+    for name in a.backends.split(","):
+        backend = name.removesuffix("-packed")
+        b = batch(a.samples, a.seq, vocab, a.prompt, response)  # type: ignore[arg-type]
+        budget = a.micro * b.tokens.shape[1] if name.endswith("-packed") else 0
+        cfg = TrainerConfig(
+            backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro, max_tokens_per_micro_batch=budget
+        )
         algo = AlgoConfig()
-        b = batch(a.samples, a.seq, vocab)
-        tokens = a.samples * a.seq
+        tokens = int(b.attention_mask.sum())  # real tokens: padding computed is time lost
         rows = []
 
         def phase(name: str, fn):
@@ -145,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             phase("onload", t.onload)
         state_bytes = params * (2 + 4 + 4 + 4)  # bf16 weights + fp32 main copy / Adam moments (upper bound)
         down, up = pinned_copy_gbps(min(state_bytes, 4 << 30), device)
-        print(f"\n## {backend}: {params / 1e9:.2f} B parameters; grad_norm {stats['grad_norm']:.3g}")
+        shape = f"{tokens:,} real tokens in {b.tokens.numel():,} padded ({tokens / b.tokens.numel():.0%})"
+        packing = f"packed, <= {budget} tokens per micro-batch" if budget else f"padded, micro-batch {a.micro}"
+        print(f"\n## {name}: {params / 1e9:.2f} B parameters; {shape}; {packing}; grad_norm {stats['grad_norm']:.3g}")
         print(f"{'phase':>10s} {'s':>8s} {'GPU used GiB':>13s} {'allocated GiB':>14s}  rate")
         for name, s, used, alloc in rows:
             rate = ""
