@@ -66,15 +66,9 @@ def build(path: Path, width: int, layers: int) -> Path:
 
 
 def _rank(rank: int, ep: int, port: int, model: str, url: str, repeats: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(ep),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(ep),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from rltrain.runtime.env import single_node_variables
+
+    os.environ.update(single_node_variables(rank, ep, port))
     torch.set_num_threads(1)
     import pickle
 

@@ -69,15 +69,9 @@ def _build(path: Path) -> None:
 
 
 def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        GROUP_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from rltrain.runtime.env import single_node_variables
+
+    os.environ.update(single_node_variables(rank, world_size, port))
     from rltrain.config import build_config
     from rltrain.engine.launcher import NodeEngine
     from rltrain.runtime.ledger import device_used

@@ -72,14 +72,9 @@ def _first_collectives(world_size: int, device: torch.device, groups: list) -> N
 
 
 def _worker(rank: int, world_size: int, port: int, args: dict, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    from rltrain.runtime.env import single_node_variables
+
+    os.environ.update(single_node_variables(rank, world_size, port))
     backend = args["backend"]
     context_mib = None
     if backend == "nccl":

@@ -63,3 +63,17 @@ class DistEnv:
         if env.world_size > 1 and (env.master_addr is None or env.master_port is None):
             raise RuntimeError("WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (torchrun sets them)")
         return env
+
+
+def single_node_variables(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """What torchrun would set for rank `rank` of `world_size` on one node, the store on
+    127.0.0.1:`port`: for processes a benchmark spawns itself."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
