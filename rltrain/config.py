@@ -204,6 +204,11 @@ class TrainerConfig:
     # token attends across sequences and no padding is computed (native backend). Replaces
     # micro_batch_size.
     max_tokens_per_micro_batch: int = 0
+    # The native backend's attention (transformers' attn_implementation). auto: transformers'
+    # default (SDPA), and flex_attention for packed micro-batches on a GPU. Packed, sdpa and eager
+    # compute a block-diagonal mask over the whole row, flex_attention skips the blocks across
+    # sequences, flash_attention_2 (if installed) is varlen.
+    attention: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
     # Deterministic kernels in every rank (torch.use_deterministic_algorithms) and a fixed cuBLAS
     # workspace (:4096:8) in every rank and its engine: with engine.deterministic, a GPU run

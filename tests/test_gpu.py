@@ -313,7 +313,8 @@ def test_memory_ledger_accounts_for_the_gpu(tmp_path):
         assert abs(row["unexplained"]) < 0.5, " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "when")
 
 
-def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])  # auto: flex attention when packed on a GPU
+def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_path, attention):
     """bf16 on the H200: packed micro-batches (one row per micro-batch, per-sequence position ids)
     score and step as the padded path does, within bf16 noise, at other micro-batch boundaries."""
     from models import make_model
@@ -325,9 +326,13 @@ def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_
     batch = _varied_batch()
     out = {}
     for name, budget in (("padded", 0), ("packed", 40)):
-        cfg = TrainerConfig(dtype="bfloat16", lr=1e-4, micro_batch_size=3, max_tokens_per_micro_batch=budget)
+        cfg = TrainerConfig(
+            dtype="bfloat16", lr=1e-4, micro_batch_size=3, max_tokens_per_micro_batch=budget, attention=attention
+        )
         t = FSDPTrainer(cfg, AlgoConfig(), str(path), torch.device("cuda", 0), total_steps=10)
         t.create()
+        if budget:
+            assert t.attention == ("flex_attention" if attention == "auto" else attention)
         lp, ent = t.logprobs(batch)
         batch.old_logp = lp
         stats = t.train_step(batch)

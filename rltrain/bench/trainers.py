@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens, with --response")
     ap.add_argument("--response", default="", help="LO-HI: variable response lengths (default: --seq tokens each)")
+    ap.add_argument("--attention", default="auto", help="trainer.attention of the native backend")
+    ap.add_argument("--budget", type=int, default=0, help="packed: tokens per micro-batch (0: micro x longest)")
     a = ap.parse_args(argv)
     response = tuple(int(x) for x in a.response.split("-")) if a.response else None
 
@@ -131,9 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.backends.split(","):
         backend = name.removesuffix("-packed")
         b = batch(a.samples, a.seq, vocab, a.prompt, response)  # type: ignore[arg-type]
-        budget = a.micro * b.tokens.shape[1] if name.endswith("-packed") else 0
+        budget = (a.budget or a.micro * b.tokens.shape[1]) if name.endswith("-packed") else 0
         cfg = TrainerConfig(
-            backend=backend, dtype="bfloat16", lr=1e-6, micro_batch_size=a.micro, max_tokens_per_micro_batch=budget
+            backend=backend,
+            dtype="bfloat16",
+            lr=1e-6,
+            micro_batch_size=a.micro,
+            max_tokens_per_micro_batch=budget,
+            attention=a.attention if backend == "native" else "auto",  # type: ignore[arg-type]
         )
         algo = AlgoConfig()
         tokens = int(b.attention_mask.sum())  # real tokens: padding computed is time lost
@@ -170,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         down, up = pinned_copy_gbps(min(state_bytes, 4 << 30), device)
         shape = f"{tokens:,} real tokens in {b.tokens.numel():,} padded ({tokens / b.tokens.numel():.0%})"
         packing = f"packed, <= {budget} tokens per micro-batch" if budget else f"padded, micro-batch {a.micro}"
+        packing += f", attention {cfg.attention}"
         print(f"\n## {name}: {params / 1e9:.2f} B parameters; {shape}; {packing}; grad_norm {stats['grad_norm']:.3g}")
         print(f"{'phase':>10s} {'s':>8s} {'GPU used GiB':>13s} {'allocated GiB':>14s}  rate")
         for name, s, used, alloc in rows:

@@ -162,11 +162,22 @@ class FSDPTrainer:
         self._group = current_group()
         self._park = None
 
+    @property
+    def attention(self) -> str:
+        """transformers' attn_implementation: `trainer.attention`, where auto means its default,
+        except for packed micro-batches on a GPU: flex attention, which skips the blocks across
+        sequences (SDPA computes the whole row's masked attention: measured slower than padding
+        at 18k tokens per micro-batch, BENCHMARKS.md)."""
+        if self.cfg.attention == "auto" and self.cfg.max_tokens_per_micro_batch and self.device.type == "cuda":
+            return "flex_attention"
+        return self.cfg.attention
+
     def _build(self, init: str) -> torch.nn.Module:
         """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
         random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
+        attention = {"attn_implementation": self.attention} if self.attention != "auto" else {}
         if init == "checkpoint":
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attention).to(self.device)
         else:
             # Skip the random init: the state is restored next, and initialising a large model on
             # the host costs seconds. fork_rng: whatever init remains must not move the global
@@ -177,7 +188,7 @@ class FSDPTrainer:
                 internals.no_init_weights(),
                 where,
             ):
-                model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype)
+                model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype, **attention)
         head = model.get_output_embeddings()
         if LogprobHead.fits(head, model.config):
             model.set_output_embeddings(LogprobHead(head))
