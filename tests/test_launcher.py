@@ -204,3 +204,33 @@ def test_what_sglang_cannot_do_where_it_runs_is_refused_at_start_up():
         load_config(
             None, ["model.path=/m", "data.path=synthetic:addition", "sync.transport=distributed", "engine.device=cuda"]
         )
+
+
+def test_an_engine_started_by_a_job_that_ignores_sigint_still_stops_on_sigint(tmp_path):
+    """A job in the background of a non-interactive shell (`nohup torchrun ... &`) inherits SIGINT
+    ignored. The engine must still take the SIGINT its rank stops it with (and clean up), not sit
+    out the grace period and be killed."""
+    import signal
+    import sys
+    import time
+
+    from rltrain.engine.launcher import EngineProcess
+
+    child = (
+        "import signal, time; "
+        "print('handler', 'default' if signal.getsignal(signal.SIGINT) is signal.default_int_handler else 'other', "
+        "flush=True); "
+        "time.sleep(60)"
+    )
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = EngineProcess.start([sys.executable, "-c", child], "http://127.0.0.1:1", tmp_path / "e.log")
+    finally:
+        signal.signal(signal.SIGINT, old)
+    deadline = time.monotonic() + 30
+    while not proc.log_tail().splitlines()[-1].startswith("handler ") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.log_tail().splitlines()[-1] == "handler default", proc.log_tail()
+    t0 = time.monotonic()
+    proc.stop(grace_s=10.0)
+    assert time.monotonic() - t0 < 5.0 and proc.proc.returncode != -signal.SIGKILL

@@ -212,10 +212,14 @@ def _engine_preexec(parent_pid: int) -> None:
     """preexec_fn: the job's stop signals (runtime/stop.py) are for the ranks, which stop the
     engine themselves: a scheduler signals every process of the job, and an engine gone before
     its rank's checkpoint would fail that step. SIGTERM and SIGUSR1 stay ignored across exec
-    (SGLang's server still takes SIGTERM: it installs its own handler). And SIGKILL this child
-    when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+    (SGLang's server still takes SIGTERM: it installs its own handler). SIGINT, how the rank
+    stops it (`EngineProcess.stop`), is back to its default: a job started in the background of
+    a non-interactive shell (`nohup torchrun ... &`) inherits it ignored, and the engine would
+    then be killed after the grace period every time, its clean-up skipped. And SIGKILL this
+    child when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 == PR_SET_PDEATHSIG
     except OSError:
