@@ -671,10 +671,9 @@ def test_a_weight_sync_from_the_megatron_trainer_passes_the_engine_checksum(mega
     assert [r["synced"] for r in pp2] == ["7", "7"]  # weights gathered from both pipeline stages
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "pp2"])
-def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
-    """Two ranks under torchrun: rollout on the embedded engine, megatron trains, tensor sync
-    with the checksum verified every step, world destroy/rebuild between phases."""
+def _megatron_loop(tmp_path, *overrides: str) -> tuple:
+    """The quickstart on two ranks under torchrun through the megatron shim, tensor sync, with
+    `overrides`; (the finished process, its metrics rows). Fails with the job's stderr."""
     import json
     from pathlib import Path
 
@@ -689,19 +688,29 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
             str(repo / "configs" / "quickstart.yaml"),
             f"run.dir={tmp_path}",
             f"model.path={tmp_path / 'base_model'}",
-            "loop.steps=4",
             "data.prompts_per_step=8",
             "metrics.progress_bar=false",
             "metrics.plot=false",
-            "trainer.backend=megatron",
-            f"trainer.tensor_parallel_size={tp}",
-            f"trainer.pipeline_parallel_size={pp}",
             "sync.transport=tensor",
+            *overrides,
         ],
         env={"PYTHONPATH": str(repo)},
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    return r, [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 1), (1, 2)], ids=["tp2", "dp2", "pp2"])
+def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
+    """Two ranks under torchrun: rollout on the embedded engine, megatron trains, tensor sync
+    with the checksum verified every step, world destroy/rebuild between phases."""
+    _, rows = _megatron_loop(
+        tmp_path,
+        "loop.steps=4",
+        "trainer.backend=megatron",
+        f"trainer.tensor_parallel_size={tp}",
+        f"trainer.pipeline_parallel_size={pp}",
+    )
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["generation_failed"] == 0
@@ -721,35 +730,15 @@ def test_a_moe_loop_routes_experts_inside_the_engine_on_every_sync(tmp_path, bac
     weights and its own experts only (megatron EP=2: from the rank holding them, which is that
     same rank), each TP rank's checksum and the probe are verified every step, and the engine
     samples with the trainer's weights."""
-    import json
-    from pathlib import Path
-
-    from tests.multiproc import run_torchrun
-
-    repo = Path(__file__).resolve().parents[1]
-    r = run_torchrun(
+    r, rows = _megatron_loop(
         tmp_path,
-        [str(repo / "tests" / "megatron_loop_script.py")],
-        [
-            "--config",
-            str(repo / "configs" / "quickstart.yaml"),
-            f"run.dir={tmp_path}",
-            f"model.path={tmp_path / 'base_model'}",
-            "model.build=tiny-addition-moe",
-            "loop.steps=3",
-            "data.prompts_per_step=8",
-            "metrics.progress_bar=false",
-            "metrics.plot=false",
-            f"trainer.backend={backend}",
-            *(["trainer.expert_parallel_size=2"] if backend == "megatron" else []),
-            "engine.gpus_per_engine=2",
-            "engine.extra_args=[--ep-size,2]",
-            "sync.transport=tensor",
-        ],
-        env={"PYTHONPATH": str(repo)},
+        "model.build=tiny-addition-moe",
+        "loop.steps=3",
+        f"trainer.backend={backend}",
+        *(["trainer.expert_parallel_size=2"] if backend == "megatron" else []),
+        "engine.gpus_per_engine=2",
+        "engine.extra_args=[--ep-size,2]",
     )
-    assert r.returncode == 0, r.stderr[-4000:]
-    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3]
     for x in rows:
         assert x["generation_failed"] == 0 and x["sync_routed"] == 1.0, x

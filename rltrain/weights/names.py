@@ -23,6 +23,7 @@ of its spellings.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +64,11 @@ class WeightKind:
     expert: int | None = None
 
 
+@functools.cache
 def classify(name: str) -> WeightKind:
     """The routing class of checkpoint weight `name`. A name that speaks of experts in no form
-    above is an error naming it: it is never guessed to be dense, never dropped."""
+    above is an error naming it: it is never guessed to be dense, never dropped. Kept per name:
+    the engines ask it of every tensor of every update (a model's names are a fixed set)."""
     if m := EXPERT.search(name):
         return WeightKind("expert", int(m.group(1)))
     if SHARED_EXPERT.search(name):

@@ -725,9 +725,10 @@ class NativeEngine:
                 if seen is not t and (seen.shape != t.shape or seen.dtype != t.dtype or not torch.equal(seen, t)):
                     raise ValueError(f"TP ranks' copies of {n!r} differ (rank {k}'s is not rank 0's)")
             names_of.append(mine)
+        dense_names = {n for n in first if classify(n).expert is None}  # each name classified once
+        dense0 = names_of[0] & dense_names
         for k, mine in enumerate(names_of):
-            dense = {n for n in mine if classify(n).expert is None}
-            dense0 = {n for n in names_of[0] if classify(n).expert is None}
+            dense = mine & dense_names
             peer = self.rank_ep.index(self.rank_ep[k])  # the first TP rank of k's EP rank
             if dense != dense0 or mine - dense != names_of[peer] - dense0:
                 lacks = sorted((dense0 - dense) | (names_of[peer] - mine))
