@@ -108,6 +108,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Token ids that end a response besides the model's EOS (SGLang's stop_token_ids); the
+    # stop token is part of the response, as EOS is.
+    stop_token_ids: list[int] = field(default_factory=list)
     # Each step's requests carry sampling seeds derived from (run.seed, step, rank): a resumed
     # run samples what the uninterrupted run sampled (exactly so with engine.deterministic).
     seeded: bool = True
@@ -117,6 +120,9 @@ class RolloutConfig:
             raise ConfigError(f"rollout.n={self.n}, rollout.max_new_tokens={self.max_new_tokens}: both must be >= 1")
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature={self.temperature}: RL needs sampling, expected > 0")
+        bad = [t for t in self.stop_token_ids if t < 0]
+        if bad:
+            raise ConfigError(f"rollout.stop_token_ids: {bad[:5]} are not token ids (expected >= 0)")
 
 
 @dataclass
@@ -210,6 +216,10 @@ class TrainerConfig:
     # sequences, flash_attention_2 (if installed) is varlen.
     attention: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
+    # torch.compile each transformer block's forward (native backend; regional compilation, dynamic
+    # shapes, so packed micro-batches of any length reuse one graph): fuses the norms, rotary and
+    # gated activations around the matmuls. The first step pays the compilation (tens of seconds).
+    compile: bool = False
     # Deterministic kernels in every rank (torch.use_deterministic_algorithms) and a fixed cuBLAS
     # workspace (:4096:8) in every rank and its engine: with engine.deterministic, a GPU run
     # repeats bitwise (resume and release-train are compared so). Slower: some kernels lose their atomics.
@@ -244,6 +254,11 @@ class TrainerConfig:
             raise ConfigError(
                 "trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
                 "trainer shards with FSDP2 over all ranks)"
+            )
+        if self.backend == "megatron" and self.compile:
+            raise ConfigError(
+                "trainer.compile compiles the native backend's transformer blocks; megatron-core's GPTModel is "
+                "not compiled by rltrain: set trainer.compile=false with trainer.backend=megatron"
             )
         if self.backend == "megatron" and self.gradient_checkpointing:
             raise ConfigError("trainer.gradient_checkpointing is not supported by trainer.backend=megatron yet")

@@ -313,10 +313,15 @@ def test_memory_ledger_accounts_for_the_gpu(tmp_path):
         assert abs(row["unexplained"]) < 0.5, " ".join(f"{k}={v:.3f}" for k, v in row.items() if k != "when")
 
 
-@pytest.mark.parametrize("attention", ["auto", "sdpa"])  # auto: flex attention when packed on a GPU
-def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_path, attention):
+@pytest.mark.parametrize(
+    "attention,compiled", [("auto", False), ("sdpa", False), ("auto", True)]
+)  # auto: flex attention when packed on a GPU
+def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_path, attention, compiled):
     """bf16 on the H200: packed micro-batches (one row per micro-batch, per-sequence position ids)
-    score and step as the padded path does, within bf16 noise, at other micro-batch boundaries."""
+    score and step as the padded path does, within bf16 noise, at other micro-batch boundaries;
+    also with the packed trainer's blocks compiled (trainer.compile), whose fused kernels round
+    differently from eager bf16: both are held to an fp32 reference, the compiled one no further
+    from it than eager bf16 is."""
     from models import make_model
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -325,9 +330,14 @@ def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_
     path = make_model(tmp_path / "m", seed=3, arch="qwen3", vocab=256, hidden=256, layers=2)
     batch = _varied_batch()
     out = {}
-    for name, budget in (("padded", 0), ("packed", 40)):
+    for name, budget, dtype in (("fp32", 0, "float32"), ("padded", 0, "bfloat16"), ("packed", 40, "bfloat16")):
         cfg = TrainerConfig(
-            dtype="bfloat16", lr=1e-4, micro_batch_size=3, max_tokens_per_micro_batch=budget, attention=attention
+            dtype=dtype,  # type: ignore[arg-type]
+            lr=1e-4,
+            micro_batch_size=3,
+            max_tokens_per_micro_batch=budget,
+            attention=attention,
+            compile=compiled and bool(budget),
         )
         t = FSDPTrainer(cfg, AlgoConfig(), str(path), torch.device("cuda", 0), total_steps=10)
         t.create()
@@ -339,7 +349,11 @@ def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_
         out[name] = (lp, ent, stats)
         t.release()
     mask = batch.loss_mask.bool()
+    lp_r = out["fp32"][0]
     (lp_a, ent_a, sa), (lp_b, ent_b, sb) = out["padded"], out["packed"]
-    assert (lp_a[mask] - lp_b[mask]).abs().mean() < 0.02 and (ent_a[mask] - ent_b[mask]).abs().mean() < 0.02
+    err = {k: float((lp[mask] - lp_r[mask]).abs().mean()) for k, (lp, _, _) in out.items()}
+    assert err["padded"] < 0.03 and err["packed"] < max(0.03, 1.25 * err["padded"]), err
+    assert (lp_a[mask] - lp_b[mask]).abs().mean() < 0.03
+    assert (ent_a[mask] - ent_b[mask]).abs().mean() < 0.03
     assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=0.05)
     assert sa["entropy"] == pytest.approx(sb["entropy"], rel=0.02)

@@ -292,3 +292,68 @@ def test_the_megatron_backend_refuses_padding_free_micro_batches_saying_why():
 
     with pytest.raises(ConfigError, match="Transformer Engine"):
         TrainerConfig(backend="megatron", max_tokens_per_micro_batch=4096).check()
+
+
+def test_compiled_blocks_give_the_eager_log_probs_and_step_with_one_graph_for_every_length(tmp_path):
+    """trainer.compile: every transformer block's forward compiled (dynamic shapes) scores and
+    steps as eager does; packed micro-batches of every length and every block reuse the compiled
+    graphs (no recompilation per block or per length)."""
+    import torch._dynamo
+
+    from rltrain.trainer.fsdp import compile_blocks
+
+    path = make_model(tmp_path / "m", seed=3, arch="qwen3")
+    batch = _varied_batch()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    results = []
+    for compiled in (False, True):
+        cfg = TrainerConfig(lr=1e-2, grad_clip=1e9, max_tokens_per_micro_batch=40, compile=compiled)
+        t = FSDPTrainer(cfg, AlgoConfig(entropy_coef=0.01), str(path), torch.device("cpu"), total_steps=10)
+        t.create()
+        lp, ent = t.logprobs(batch)
+        stats = one_step(t, batch)
+        results.append((lp, ent, stats, dict(t.export_weights())))
+    (lp_a, ent_a, sa, wa), (lp_b, ent_b, sb, wb) = results
+    mask = batch.loss_mask.bool()
+    assert torch.allclose(lp_a[mask], lp_b[mask], atol=1e-5) and torch.allclose(ent_a[mask], ent_b[mask], atol=1e-5)
+    for k in ("loss", "pg_loss", "entropy", "grad_norm"):
+        assert sa[k] == pytest.approx(sb[k], rel=1e-4, abs=1e-6), k
+    bad = {n: float((wa[n] - wb[n]).abs().max()) for n in wa if not torch.allclose(wa[n], wb[n], atol=1e-4)}
+    assert not bad, bad
+    # Micro-batches of several packed lengths went through both blocks, with and without
+    # gradients: a graph per grad mode and per mask kind (None for a lone sequence, a mask for
+    # several), 4 at most; a block or a length that recompiled would add more.
+    lengths = rl_lengths(batch, 40)
+    assert len(set(lengths)) > 2, lengths
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 4, dict(torch._dynamo.utils.counters["stats"])
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        compile_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def rl_lengths(batch: TrainBatch, budget: int) -> list[int]:
+    """The packed lengths of `batch`'s micro-batches under a token budget."""
+    from rltrain.trainer import rl_update
+
+    lengths = batch.attention_mask.sum(1).tolist()
+    cfg = TrainerConfig(max_tokens_per_micro_batch=budget)
+    return [sum(lengths[a:b]) for a, b in rl_update.micro_batch_bounds(batch, cfg)]
+
+
+def test_an_attention_kept_outside_the_compiled_blocks_scores_as_it_does_inside(tmp_path):
+    """`outside_graphs`: the attention registered under its own name, run between the compiled
+    halves of each block (how flex attention runs with trainer.compile on a GPU), gives the
+    logits of the plain model."""
+    from transformers import AutoModelForCausalLM
+
+    from rltrain.trainer.fsdp import compile_blocks, outside_graphs
+
+    path = make_model(tmp_path / "m", seed=4, arch="qwen3")
+    tokens = torch.randint(1, 255, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+    split = AutoModelForCausalLM.from_pretrained(path, attn_implementation=outside_graphs("sdpa"))
+    assert split.config._attn_implementation == "rltrain_uncompiled_sdpa"
+    compile_blocks(split)
+    with torch.no_grad():
+        assert torch.allclose(plain(input_ids=tokens).logits, split(input_ids=tokens).logits, atol=1e-5)

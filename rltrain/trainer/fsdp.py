@@ -22,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
@@ -176,6 +178,8 @@ class FSDPTrainer:
         """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
         random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
         attention = {"attn_implementation": self.attention} if self.attention != "auto" else {}
+        if self.cfg.compile and self.attention == "flex_attention":
+            attention["attn_implementation"] = outside_graphs("flex_attention")
         if init == "checkpoint":
             model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attention).to(self.device)
         else:
@@ -192,6 +196,8 @@ class FSDPTrainer:
         head = model.get_output_embeddings()
         if LogprobHead.fits(head, model.config):
             model.set_output_embeddings(LogprobHead(head))
+        if self.cfg.compile:
+            compile_blocks(model)
         if self.sharded:
             shard(model, self.device)
         if init == "meta":
@@ -511,6 +517,37 @@ class FSDPTrainer:
     def restore_snapshot(self, snap: Snapshot) -> None:
         """Re-create a released trainer from `snapshot()`, sharded over the current group."""
         self._rebuild(snap)
+
+
+def outside_graphs(attention: str) -> str:
+    """The name under which transformers runs `attention` outside compiled graphs: its function
+    under `torch.compiler.disable`, registered with transformers' attention and mask interfaces
+    (its documented way to add an attention implementation). Flex attention then runs as
+    transformers compiles it on its own, between the compiled halves of each block: traced into
+    a block compiled with dynamic shapes, inductor (torch 2.11) fails to lower it
+    ("unsupported operand type(s) for &: 'floor' and 'Add'", seen on the H200)."""
+    name = f"rltrain_uncompiled_{attention}"  # (transformers checks flex_attention by substring: kept)
+    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
+        AttentionInterface.register(name, torch.compiler.disable(ALL_ATTENTION_FUNCTIONS[attention]))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[attention])
+    return name
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile the forward of every transformer block (HF `_no_split_modules`), not the
+    whole model: the blocks are where the fusable elementwise work is, they are alike (one graph
+    serves all, weights are its inputs), and the calls around them (FSDP2's hooks, the packed
+    mask, the log-prob head) stay eager. Dynamic shapes: a packed micro-batch of any length
+    reuses the graph. Returns the number of blocks compiled."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            module.forward = torch.compile(module.forward, dynamic=True)  # type: ignore[method-assign]
+            count += 1
+    if not count:
+        raise ValueError(f"trainer.compile: {type(model).__name__} names no transformer blocks (_no_split_modules)")
+    return count
 
 
 def _gather_chunks(

@@ -116,14 +116,16 @@ def train_step(
 def optimizer_step(backend: Backend, model: Any, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
     normalizer, total_tokens = normalizers(backend, mini)
     backend.zero_grad()
-    acc = torch.zeros(len(STATS), dtype=torch.float64)
+    # Summed on the device: a copy to the host per micro-batch would wait for its backward and
+    # leave the GPU idle while the next forward is launched.
+    acc = torch.zeros(len(STATS), dtype=torch.float64, device=backend.device)
     for mb, _ in micro_batches(backend, mini):
         mb = mb.to(backend.device)
         logp, ent = backend.forward_logp(model, mb, with_entropy=True)
         assert ent is not None
         loss, stats = micro_loss(backend.algo, mb, logp, ent, loss_cfg, normalizer)
         loss.backward()
-        acc += stats.cpu()
+        acc += stats
     grad_norm = backend.apply_gradients()
     backend.zero_grad()  # no gradients live between steps
     return step_stats(backend, acc, total_tokens, grad_norm)
@@ -254,7 +256,8 @@ def logprobs(
     when sharded (every rank calls it, with however many samples it has). `temperature`: instead
     of the sampling temperature (1.0: the engine's untempered scores of a probe)."""
     L = batch.tokens.shape[1]
-    outs, ents = [torch.zeros(0, L)], [torch.zeros(0, L)]
+    empty = torch.zeros(0, L, device=backend.device)
+    outs, ents = [empty], [empty]
     sampling = backend.temperature
     backend.temperature = sampling if temperature is None else temperature
     try:
@@ -262,11 +265,11 @@ def logprobs(
             lp, ent = backend.forward_logp(model, mb.to(backend.device), with_entropy=True)
             if real:
                 assert ent is not None
-                outs.append(lp.cpu())
-                ents.append(ent.cpu())
+                outs.append(lp.float())
+                ents.append(ent.float())
     finally:
         backend.temperature = sampling
-    return torch.cat(outs), torch.cat(ents)
+    return torch.cat(outs).cpu(), torch.cat(ents).cpu()  # one copy to the host, after the last pass
 
 
 def logp_from_logits(
