@@ -71,6 +71,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
         top_p=cfg.rollout.top_p,
         top_k=cfg.rollout.top_k,
         n=cfg.rollout.n,
+        stop_token_ids=list(cfg.rollout.stop_token_ids) or None,
     )
     version = parts.initial_version
     last: dict[str, float] = {}

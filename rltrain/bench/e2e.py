@@ -4,6 +4,8 @@
     python -m rltrain.bench.e2e --shape 0.6b --steps 3 --max-new-tokens 256
     python -m rltrain.bench.e2e --shape 0.6b --nproc 2    # the trainer sharded over two GPUs
     python -m rltrain.bench.e2e --shape 0.6b --engine sglang native   # both engines, same prompts
+    python -m rltrain.bench.e2e --packing padded packed --stop-tokens 300 --max-new-tokens 1024
+                                          # variable response lengths, the trainer padded and padding-free
 
 A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
 task's tokenizer. The real loop runs under torchrun on one rank (or --nproc, one per GPU, FSDP2
@@ -47,6 +49,7 @@ SWITCHES = (
     "engine_resume_kv",
     "sync_probe",
 )
+PROMPT_TOKENS = 8  # room for the synthetic task's prompts (5 tokens) in a packed micro-batch's budget
 TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
 ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other")
 GOALS = (
@@ -73,12 +76,25 @@ def _parameters(path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_loop(root: Path, model: Path, a: argparse.Namespace, engine: str = "native") -> Path:
+def stop_token_ids(vocab: int, count: int) -> list[int]:
+    """`count` token ids spread over the vocabulary (none of the tokenizer's own, which sit at the
+    start): a random-weight model samples one of them after ~vocab/count tokens on average, so
+    response lengths vary as an RL batch's do (a geometric spread, cut at max_new_tokens)."""
+    if count <= 0:
+        return []
+    return [vocab - 2 - k * ((vocab // 2) // count) for k in range(count)]
+
+
+def run_loop(
+    root: Path, model: Path, a: argparse.Namespace, engine: str = "native", packed: bool = False
+) -> Path | None:
+    """One loop run under torchrun; its run directory, or None (said, with the log's tail) if it failed."""
+    label = engine + ("-packed" if packed else "")
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
     overrides = [
         f"run.dir={root}",
-        f"run.name=e2e-{engine}",
+        f"run.name=e2e-{label}",
         f"engine.backend={engine}",
         f"model.path={model}",
         "model.build=none",
@@ -98,6 +114,13 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace, engine: str = "nati
         "metrics.progress_bar=false",
         "metrics.plot=true",
     ]
+    if packed:  # the padded path's tokens per forward, cut by real tokens instead of rows
+        overrides.append(f"trainer.max_tokens_per_micro_batch={a.micro * (PROMPT_TOKENS + a.max_new_tokens)}")
+    if a.compile:
+        overrides.append("trainer.compile=true")
+    stops = stop_token_ids(_vocab(model), a.stop_tokens)
+    if stops:
+        overrides.append(f"rollout.stop_token_ids=[{','.join(map(str, stops))}]")
     if engine == "sglang":
         args = ",".join(shlex.split(a.sglang_args))
         overrides += [f"engine.mem_fraction_static={a.mem_fraction}", f"engine.extra_args=[{args}]"]
@@ -113,15 +136,23 @@ def run_loop(root: Path, model: Path, a: argparse.Namespace, engine: str = "nati
         str(config),
         *overrides,
     ]
-    log = root / f"loop-{engine}.log"
+    log = root / f"loop-{label}.log"
     with open(log, "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
-    if r.returncode != 0:
-        raise SystemExit(
-            f"the loop failed (exit {r.returncode}); last lines of {log}:\n"
-            + "\n".join(log.read_text().splitlines()[-40:])
+    if r.returncode != 0:  # said, and the other runs still reported
+        print(
+            f"the loop {label} failed (exit {r.returncode}); last lines of {log}:\n"
+            + "\n".join(log.read_text().splitlines()[-40:]),
+            flush=True,
         )
-    return root / f"e2e-{engine}"
+        return None
+    return root / f"e2e-{label}"
+
+
+def _vocab(path: Path) -> int:
+    import transformers
+
+    return int(transformers.AutoConfig.from_pretrained(path).vocab_size)
 
 
 def _rows(run_dir: Path) -> tuple[list[dict], list[dict]]:
@@ -141,8 +172,11 @@ def _engine_gib(parts: dict[str, float], context: bool = True) -> float:
     return sum(parts.get(k, 0.0) for k in (*ENGINE_DEVICE, *own_context, "other_processes"))
 
 
-def compare(runs: dict[str, Path], params: int, limit: Any, ipc_floor_s: float, a: argparse.Namespace) -> list[str]:
-    """The engines side by side on the same model, prompts and seed (steps after the first)."""
+def compare(
+    runs: dict[str, Path], params: int, tflops: float, limit: Any, ipc_floor_s: float, a: argparse.Namespace
+) -> list[str]:
+    """The runs side by side on the same model, prompts and seed (steps after the first): engines,
+    and the trainer padded or padding-free (`-packed`)."""
     cols: dict[str, dict[str, str]] = {}
     for engine, run_dir in runs.items():
         rows, steady = _rows(run_dir)
@@ -157,10 +191,15 @@ def compare(runs: dict[str, Path], params: int, limit: Any, ipc_floor_s: float, 
         freed = sum(x["rollout"]["device_used"] - x["engine_release"]["device_used"] for x in mem) / len(mem)
         held = sum(_engine_gib(x["rollout"]) for x in mem) / len(mem)
         training = max(_engine_gib(x["train"]) for x in mem)
+        train_s, lp_s = m(lambda r: r["time"]["train"]), m(lambda r: r["time"]["logprobs"])
+        train_tokens = m(lambda r: r["train_tokens_per_s"]) * train_s  # real tokens, padding not counted
         cols[engine] = {
             "step": f"{step_s:.2f} s",
             "rollout": f"{rollout_s:.2f} s",
             "response tokens/s": f"{tps:,.0f}",
+            "mean response length": f"{m(lambda r: r['response_length']):.0f}",
+            "log-probs MFU (real tokens)": f"{2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
+            "train MFU (real tokens)": f"{6 * params * train_tokens / train_s / 1e12 / tflops:.0%}",
             "of the decode limit": f"{tps / limit.tokens_per_s:.1%}",
             "engine GPU while generating": f"{held:.2f} GiB",
             "engine_release": f"{m(lambda r: r['time'].get('engine_release', 0.0)):.3f} s",
@@ -269,6 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
     ap.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU")
     ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
+    ap.add_argument(
+        "--packing",
+        nargs="+",
+        default=["padded"],
+        choices=["padded", "packed"],
+        help="the trainer's micro-batches: padded (trainer.micro_batch_size) and/or padding-free "
+        "(trainer.max_tokens_per_micro_batch = micro x (prompt + max new tokens)); each is its own loop run",
+    )
+    ap.add_argument(
+        "--stop-tokens",
+        type=int,
+        default=0,
+        help="this many vocabulary ids end a response (rollout.stop_token_ids), so response lengths vary "
+        "(about vocab / count on average, cut at --max-new-tokens); 0: every response runs to the limit",
+    )
+    ap.add_argument("--compile", action="store_true", help="trainer.compile=true")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags, one string")
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static")
     ap.add_argument(
@@ -296,10 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"building the model failed (exit {p.exitcode})")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         os.environ.pop(k, None)
+    labels = [(e, p == "packed") for e in a.engine for p in a.packing]
     if a.report_only:
-        runs = {engine: root / f"e2e-{engine}" for engine in a.engine}
+        runs = {e + ("-packed" if p else ""): root / f"e2e-{e}{'-packed' if p else ''}" for e, p in labels}
     else:
-        runs = {engine: run_loop(root, model, a, engine) for engine in a.engine}
+        done = {e + ("-packed" if p else ""): run_loop(root, model, a, e, p) for e, p in labels}
+        runs = {label: d for label, d in done.items() if d is not None}
+        if not runs:
+            raise SystemExit("every loop run failed")
     from rltrain.bench.limits import decode_limit, device_read_gbps
     from rltrain.bench.release import pinned_copy_gbps
     from rltrain.bench.sync import raw_ipc_seconds
@@ -316,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     for engine, run_dir in runs.items():
         print("\n".join(report(run_dir, params, tflops, h2d, d2h, a, engine)))
         print(f"\nrun directory: {run_dir}\n")
-    print("\n".join(compare(runs, params, limit, ipc_floor_s, a)))
+    print("\n".join(compare(runs, params, tflops, limit, ipc_floor_s, a)))
     return 0
 
 

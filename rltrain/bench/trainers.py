@@ -21,6 +21,7 @@ pinned host<->device copy bandwidth (what offload/onload move at best).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import tempfile
@@ -93,6 +94,24 @@ def batch(n: int, L: int, vocab: int, prompt: int = 0, response: tuple[int, int]
     return TrainBatch(tokens, attn, loss, advantages=adv.contiguous())
 
 
+@contextlib.contextmanager
+def profiled(into: dict[str, str], name: str, top: int):
+    """Under torch.profiler: the `top` kernels by GPU time into `into[name]`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) or 1
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    lines = [f"{'share':>6s} {'ms':>9s} {'calls':>6s}  kernel (GPU busy {total / 1e3:.1f} ms in all)"]
+    for e in events[:top]:
+        t = e.self_device_time_total
+        lines.append(f"{t / total:6.1%} {t / 1e3:9.2f} {e.count:6d}  {e.key[:110]}")
+    into[name] = "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -105,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--response", default="", help="LO-HI: variable response lengths (default: --seq tokens each)")
     ap.add_argument("--attention", default="auto", help="trainer.attention of the native backend")
     ap.add_argument("--budget", type=int, default=0, help="packed: tokens per micro-batch (0: micro x longest)")
+    ap.add_argument(
+        "--compile",
+        default="off",
+        choices=["off", "on", "both"],
+        help="trainer.compile of the native backend (both: each native backend twice, eager then compiled)",
+    )
+    ap.add_argument("--profile", type=int, default=0, help="print the N kernels that took most GPU time per phase")
     a = ap.parse_args(argv)
     response = tuple(int(x) for x in a.response.split("-")) if a.response else None
 
@@ -130,7 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16"
     )
     print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy measured per backend below")
+    runs = []
     for name in a.backends.split(","):
+        modes = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
+        runs += [(name, c) for c in (modes if name.startswith("native") else [False])]
+    for name, compiled in runs:
         backend = name.removesuffix("-packed")
         b = batch(a.samples, a.seq, vocab, a.prompt, response)  # type: ignore[arg-type]
         budget = (a.budget or a.micro * b.tokens.shape[1]) if name.endswith("-packed") else 0
@@ -141,10 +171,13 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch_size=a.micro,
             max_tokens_per_micro_batch=budget,
             attention=a.attention if backend == "native" else "auto",  # type: ignore[arg-type]
+            compile=compiled,
         )
         algo = AlgoConfig()
         tokens = int(b.attention_mask.sum())  # real tokens: padding computed is time lost
         rows = []
+
+        profiles: dict[str, str] = {}
 
         def phase(name: str, fn):
             torch.cuda.synchronize()
@@ -166,18 +199,24 @@ def main(argv: list[str] | None = None) -> int:
             t = FSDPTrainer(cfg, algo, str(path), device)
         phase("create", t.create)
         params = sum(n.numel() for n in t.model.parameters())
-        for _ in range(2):  # the first round warms kernels up; the second is reported
+        for _ in range(2):  # the first round warms kernels up (and compiles); the second is reported
             rows.clear()
             lp, _ = phase("logprobs", functools.partial(t.logprobs, b))
             b.old_logp = lp
             stats = phase("train", functools.partial(t.train_step, b))
             phase("offload", t.offload)
             phase("onload", t.onload)
+        if a.profile:  # a third round, untimed, under the profiler
+            t.onload()
+            with profiled(profiles, "logprobs", a.profile):
+                t.logprobs(b)
+            with profiled(profiles, "train", a.profile):
+                t.train_step(b)
         state_bytes = params * (2 + 4 + 4 + 4)  # bf16 weights + fp32 main copy / Adam moments (upper bound)
         down, up = pinned_copy_gbps(min(state_bytes, 4 << 30), device)
         shape = f"{tokens:,} real tokens in {b.tokens.numel():,} padded ({tokens / b.tokens.numel():.0%})"
         packing = f"packed, <= {budget} tokens per micro-batch" if budget else f"padded, micro-batch {a.micro}"
-        packing += f", attention {cfg.attention}"
+        packing += f", attention {cfg.attention}" + (", compiled blocks" if compiled else "")
         print(f"\n## {name}: {params / 1e9:.2f} B parameters; {shape}; {packing}; grad_norm {stats['grad_norm']:.3g}")
         print(f"{'phase':>10s} {'s':>8s} {'GPU used GiB':>13s} {'allocated GiB':>14s}  rate")
         for name, s, used, alloc in rows:
@@ -189,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                 rate = f"{tokens / s:,.0f} tok/s, MFU {6 * params * tokens / s / 1e12 / tflops:.0%}"
             print(f"{name:>10s} {s:8.3f} {used:13.2f} {alloc:14.2f}  {rate}")
         print(f"pinned copy d->h {down:.1f} GB/s, h->d {up:.1f} GB/s")
+        for phase_name, table in profiles.items():
+            print(f"GPU time by kernel, {phase_name} (a third, untimed round under the profiler)\n{table}")
         print("parts of the last offload/onload: " + ", ".join(f"{k} {v:.3f}s" for k, v in t.timings.items()))
         t.release()
         del t
