@@ -10,46 +10,67 @@ embedded engine (`python -m rltrain.engine.native`). Token ids in, token ids out
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
 @dataclass
 class SamplingParams:
-    """The subset of SGLang's sampling parameters rltrain uses (same names, same defaults)."""
+    """The subset of SGLang's sampling parameters rltrain uses (same names, same defaults, the
+    same range checks in SGLang's words). `max_new_tokens` None: as many as the context leaves."""
 
-    max_new_tokens: int = 128
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: whole vocabulary
     min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if v is not None}
+        if "logit_bias" in d:
+            d["logit_bias"] = {str(k): v for k, v in d["logit_bias"].items()}
         return d
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> SamplingParams:
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        sp = cls(**known)
-        sp.validate()
-        return sp
+    @property
+    def penalized(self) -> bool:
+        """Whether the penalties or the logit bias change this request's logits."""
+        return bool(
+            self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     def validate(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 0")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature}: must be >= 0")
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k}: must be -1 (off) or >= 1")
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
+        if self.min_new_tokens < 0 or (self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens):
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}."
+            )
         if self.n < 1:
-            raise ValueError(f"n={self.n}: must be >= 1")
+            raise ValueError(f"n must be at least 1, got {self.n}.")
 
 
 @dataclass

@@ -23,6 +23,7 @@ from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.stop import clear_marker
 from rltrain.sync.weight_sync import WeightSync
 from rltrain.trainer.fsdp import FSDPTrainer
+from rltrain.weights.hf_files import context_length_of
 
 log = logging.getLogger("rltrain.setup")
 
@@ -56,6 +57,20 @@ def _on_rank0(world: World, what: str, fn: Callable[[], object]) -> None:
     errors = world.bridge.all_gather_object(error, phase=what)
     if errors[0]:
         raise RuntimeError(errors[0])
+
+
+def check_context(cfg: Config, context: int, model: str) -> int:
+    """The model's context length (the engine's --context-length where the config sets one), after
+    checking that a response of rollout.max_new_tokens fits in it beside a prompt."""
+    args = list(cfg.engine.extra_args)
+    if "--context-length" in args[:-1]:
+        context = int(args[args.index("--context-length") + 1])
+    if cfg.rollout.max_new_tokens >= context:
+        raise ConfigError(
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the context of "
+            f"{model} ({context} tokens): lower it below {context}"
+        )
+    return context
 
 
 def setup_run(cfg: Config, world: World) -> RunParts:
@@ -99,8 +114,19 @@ def setup_run(cfg: Config, world: World) -> RunParts:
             f"tokenizer of {model_path} has {len(tokenizer)} tokens but the model's vocabulary is "
             f"{model_cfg.vocab_size}: tokenizer and model do not match"
         )
+    context = check_context(cfg, context_length_of(model_cfg), str(model_path))
+    outside = [t for t in cfg.rollout.stop_token_ids if t >= model_cfg.vocab_size]
+    if outside:
+        raise ConfigError(
+            f"rollout.stop_token_ids {outside[:5]} are outside the model's vocabulary of {model_cfg.vocab_size}"
+        )
     prompts = tokenize_records(
-        read_records(data_path), tokenizer, cfg.data.chat_template, cfg.data.max_prompt_tokens, source=data_path
+        read_records(data_path),
+        tokenizer,
+        cfg.data.chat_template,
+        cfg.data.max_prompt_tokens,
+        source=data_path,
+        context=(context, cfg.rollout.max_new_tokens),
     )
     if cfg.data.prompts_per_step % world.world_size:
         raise ValueError(

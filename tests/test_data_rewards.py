@@ -150,3 +150,23 @@ def test_collect_drops_groups_with_failures_and_counts_them(server, tok):
         assert batch.loss_mask[b].nonzero().flatten().tolist() == list(range(P, P + R))
         assert batch.tokens[b, P : P + R].tolist() == s.completion.output_ids
     runner.close()
+
+
+def test_a_prompt_that_leaves_no_room_for_a_whole_response_is_refused_at_start_up():
+    """The model's context bounds prompt + rollout.max_new_tokens (not data.max_prompt_tokens alone)."""
+    tok = synthetic.build_tokenizer(synthetic.addition_words())
+    records = [{"prompt": "1 + 2 ="}, {"prompt": " ".join(["1"] * 40)}]
+    assert len(tokenize_records(records, tok, False, 1024, context=(128, 64))) == 2
+    with pytest.raises(DataError, match=r"record 1: prompt has 41 tokens; with rollout.max_new_tokens=100 .* 128"):
+        tokenize_records(records, tok, False, 1024, context=(128, 100))
+
+
+def test_max_new_tokens_beyond_the_models_context_is_a_config_error():
+    from rltrain.config import ConfigError, build_config
+    from rltrain.setup import check_context
+
+    cfg = build_config({"model": {"path": "m"}, "data": {"path": "x.jsonl"}, "rollout": {"max_new_tokens": 4096}})
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens=4096 leaves no room .* \(2048 tokens\)"):
+        check_context(cfg, 2048, "m")
+    cfg.engine.extra_args = ["--context-length", "8192"]  # the engine's own limit, where set
+    assert check_context(cfg, 2048, "m") == 8192

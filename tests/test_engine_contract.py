@@ -286,3 +286,175 @@ def test_engine_reports_its_parallel_layout_in_sglangs_field_names(server):
     info = server.client.server_info()
     assert {"tp_size", "ep_size", "dp_size", "enable_eplb", "ep_num_redundant_experts", "moe_a2a_backend"} <= set(info)
     assert EngineParallelism.from_server_info(info) == EngineParallelism()  # one process, no EP
+
+
+# ---------------------------------------------------------------------------- SGLang's fields and bad input
+
+META_KEYS = {  # what SGLang 0.5.23 sends in every answer's meta_info
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "weight_version",
+    "num_retractions",
+    "reasoning_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_versions",
+    "cached_tokens_details",
+    "dp_rank",
+    "e2e_latency",
+    "response_sent_to_client_ts",
+}
+LOGPROB_KEYS = {"input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"}
+
+
+def post(server, body, path="/generate", raw: bytes | None = None):
+    import httpx
+
+    with httpx.Client(timeout=120) as c:
+        if raw is not None:
+            r = c.post(server.process.url + path, content=raw, headers={"Content-Type": "application/json"})
+        else:
+            r = c.post(server.process.url + path, json=body)
+    return r.status_code, (r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text)
+
+
+def reference_greedy(path, prompt, steps, stop=(), min_new=0, bias=None, frequency=0.0, presence=0.0, repetition=1.0):
+    """Greedy decoding with SGLang's documented logit processing, by hand on the transformers
+    model: penalties over the generated tokens, stop tokens held back until min_new tokens,
+    then the logit bias."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out: list[int] = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel()).float()
+        seen = counts > 0
+        logits = logits - frequency * counts - presence * seen
+        logits = torch.where(seen, torch.where(logits < 0, logits * repetition, logits / repetition), logits)
+        if len(out) < min_new:
+            logits[list(stop)] = float("-inf")
+        for t, b in (bias or {}).items():
+            logits[t] += b
+        token = int(logits.argmax())
+        out.append(token)
+        if token in stop and len(out) >= min_new:
+            break
+    return out
+
+
+def test_an_answer_carries_sglangs_keys_and_input_log_probs(server, model_a):
+    from transformers import AutoModelForCausalLM
+
+    prompt = [3, 17, 42, 9]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        "logprob_start_len": 1,
+        "rid": "req-1",
+    }
+    status, out = post(server, body)
+    assert status == 200 and set(out) == {"output_ids", "meta_info"}, out
+    meta = out["meta_info"]
+    assert set(meta) == META_KEYS | LOGPROB_KEYS, set(meta) ^ (META_KEYS | LOGPROB_KEYS)
+    assert meta["id"] == "req-1" and meta["completion_tokens"] == 3 and meta["prompt_tokens"] == 4
+    assert meta["output_token_logprobs_length"] == 3 and isinstance(meta["cached_tokens"], int)
+    model = AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1)
+    # From position 1 on; SGLang leaves the first entry of the range without a log-prob.
+    expected = [logp[k - 1, prompt[k]].item() for k in range(2, 4)]
+    got = meta["input_token_logprobs"]
+    assert [e[1] for e in got] == prompt[1:] and got[0][0] is None
+    assert [e[0] for e in got[1:]] == pytest.approx(expected, abs=2e-3)
+    status, out = post(server, {"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 1}, "rid": "r"})
+    assert status == 200 and [o["meta_info"]["id"] for o in out] == ["r_0", "r_1"]
+    assert all(set(o["meta_info"]) == META_KEYS for o in out)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"logit_bias": {"7": 100.0}},
+        {"min_new_tokens": 4, "stop_token_ids": "first two greedy tokens"},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"repetition_penalty": 2.0},
+        {"temperature": 1e-310},  # below SGLang's 1e-6: greedy
+    ],
+    ids=["logit_bias", "min_new_tokens", "frequency_penalty", "presence_penalty", "repetition_penalty", "tiny-temp"],
+)
+def test_sglangs_logit_processing_gives_the_hand_computed_greedy_answer(server, model_a, sampling):
+    prompt = [1, 2, 3]  # model A's greedy answer repeats tokens from its 4th on: the penalties change it
+    plain = reference_greedy(model_a, prompt, 8)
+    sampling = dict(sampling)
+    if sampling.get("stop_token_ids") == "first two greedy tokens":
+        sampling["stop_token_ids"] = plain[:2]
+    ref = reference_greedy(
+        model_a,
+        prompt,
+        8,
+        stop=tuple(sampling.get("stop_token_ids", ())),
+        min_new=sampling.get("min_new_tokens", 0),
+        bias={int(k): v for k, v in sampling.get("logit_bias", {}).items()},
+        frequency=sampling.get("frequency_penalty", 0.0),
+        presence=sampling.get("presence_penalty", 0.0),
+        repetition=sampling.get("repetition_penalty", 1.0),
+    )
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, **sampling}}
+    if "stop_token_ids" not in sampling:
+        body["sampling_params"]["ignore_eos"] = True
+    status, out = post(server, body)
+    if server.kind == "sglang" and "min_new_tokens" in sampling:  # SGLang's own limit, in its words
+        assert status == 400 and "skip_tokenizer_init" in out["error"]["message"], out
+        return
+    assert status == 200, out
+    assert out["output_ids"] == ref
+    if "temperature" not in sampling:
+        assert ref != plain  # the processing changed the answer: the test can tell
+
+
+BAD_FOR_BOTH = [  # each answered 400 by SGLang (seen) and by the embedded engine
+    {"input_ids": [1, 2, 3], "sampling_params": {"min_p": 2}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"min_p": "x"}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"n": 1.5}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"stop_token_ids": 5}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"sampling_seed": 1.5}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 100000}},
+    {"input_ids": list(range(1, 200)) * 10, "sampling_params": {"max_new_tokens": 1}},
+    {"input_ids": [1, 2, 3], "sampling_params": "hello"},
+    {"input_ids": [1, 2, 3], "sampling_params": {"logit_bias": {"999999": 1.0}}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"frequency_penalty": 5}},
+    {"input_ids": [1, 2, 3], "sampling_params": {"bogus": 1}},
+    b"[1, 2]",  # not an object
+    b'{"input_ids": [1, 2',  # not JSON
+]
+
+
+def test_bad_input_is_a_400_and_the_requests_beside_it_are_still_served(server):
+    """Every class of bad input gets a 400 with a message, sent while good requests run beside
+    it; the good ones come back as if alone, and the server answers afterwards."""
+    good_body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+    }
+    expected = greedy(server.client, [PROMPTS[0]])[0]
+
+    def send(body):
+        if isinstance(body, bytes):
+            return post(server, None, raw=body)
+        return post(server, body)
+
+    with ThreadPoolExecutor(8) as pool:
+        goods = [pool.submit(send, good_body) for _ in range(8)]
+        bads = [pool.submit(send, b) for b in BAD_FOR_BOTH]
+        for body, f in zip(BAD_FOR_BOTH, bads):
+            status, out = f.result()
+            assert status == 400 and out, (body, status, out)
+        for f in goods:
+            status, out = f.result()
+            assert status == 200 and out["output_ids"] == expected
+    assert server.client.health() and greedy(server.client, [PROMPTS[0]])[0] == expected

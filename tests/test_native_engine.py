@@ -180,7 +180,11 @@ def discarding(model_a, tmp_path_factory):
     without --enable-weights-cpu-backup."""
     from conftest import start_engine
 
-    srv = start_engine("native", model_a, tmp_path_factory.mktemp("discarding_logs"))
+    # A context beyond the model's 1024 positions (RoPE extends): room for a request that is
+    # still decoding when the release aborts it.
+    srv = start_engine(
+        "native", model_a, tmp_path_factory.mktemp("discarding_logs"), extra_args=["--context-length", "8192"]
+    )
     yield srv
     srv.client.close()
     srv.process.stop()

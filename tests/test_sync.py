@@ -3,6 +3,8 @@ engines on real processes — after a sync the engine serves exactly the trainer
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -241,7 +243,33 @@ def big_a(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def big_b(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("big_b"), seed=12, vocab=2048, hidden=128)
+    """The trainer's model: with a tokenizer, which every published version must carry."""
+    from rltrain.rollout import synthetic
+
+    path = make_model(tmp_path_factory.mktemp("big_b"), seed=12, vocab=2048, hidden=128)
+    synthetic.build_tokenizer(synthetic.addition_words()).save_pretrained(path)
+    return path
+
+
+def assert_a_whole_readable_checkpoint(version: Path, trainer_now: Path, tokenizer_from: Path) -> None:
+    """A published version loads with transformers alone, tokenizer included, readable by every
+    user, and scores as the trainer's weights do."""
+    import stat
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    for f in [version, *version.iterdir()]:
+        assert f.stat().st_mode & (stat.S_IRGRP | stat.S_IROTH) == stat.S_IRGRP | stat.S_IROTH, f
+    text = "3 + 4 ="
+    assert (
+        AutoTokenizer.from_pretrained(version)(text).input_ids
+        == AutoTokenizer.from_pretrained(tokenizer_from)(text).input_ids
+    )
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(version, dtype=torch.float32)(ids).logits
+        want = AutoModelForCausalLM.from_pretrained(trainer_now, dtype=torch.float32)(ids).logits
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk", "distributed", "delta"])
@@ -275,6 +303,8 @@ def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a,
             assert eng.client.weights_checksum()["bytes_loaded"] == r0["bytes_to"][0]
         if transport == "delta":
             assert r0["v2"]["sync_bytes"] < 0.05 * r0["v1"]["sync_bytes"]  # 1% of one matrix changed
+        if transport == "disk":  # (the version the trainer's state now matches: 1, as loaded)
+            assert_a_whole_readable_checkpoint(tmp_path / "w" / "weight_v000001", tmp_path / "w" / "trainer_now", big_b)
     finally:
         eng.client.close()
         eng.process.stop()

@@ -65,8 +65,16 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 def tokenize_records(
-    records: list[dict[str, Any]], tokenizer: Any, chat_template: bool, max_prompt_tokens: int, source: str = "dataset"
+    records: list[dict[str, Any]],
+    tokenizer: Any,
+    chat_template: bool,
+    max_prompt_tokens: int,
+    source: str = "dataset",
+    context: tuple[int, int] | None = None,
 ) -> list[Prompt]:
+    """Each record's prompt as token ids; a prompt over data.max_prompt_tokens, or (`context`:
+    the model's context length and rollout.max_new_tokens) one that leaves no room for a whole
+    response, is an error naming the record."""
     prompts = []
     for i, rec in enumerate(records):
         if "messages" in rec or chat_template:
@@ -85,6 +93,12 @@ def tokenize_records(
             raise DataError(
                 f"{source} record {i}: prompt has {len(ids)} tokens, more than data.max_prompt_tokens="
                 f"{max_prompt_tokens}; shorten it or raise the limit"
+            )
+        if context is not None and len(ids) + context[1] > context[0]:
+            raise DataError(
+                f"{source} record {i}: prompt has {len(ids)} tokens; with rollout.max_new_tokens={context[1]} that "
+                f"exceeds the model's context length of {context[0]} tokens: shorten the prompt or lower "
+                "rollout.max_new_tokens"
             )
         prompts.append(Prompt(i, ids, rec))
     return prompts

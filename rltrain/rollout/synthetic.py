@@ -18,6 +18,8 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from rltrain.runtime.files import make_readable
+
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
@@ -37,6 +39,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
             f.write(json.dumps(r) + "\n")
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)  # (mkstemp makes it 0600)
     os.replace(tmp, path)
     return path
 
@@ -93,5 +96,6 @@ def build_tiny_model(
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    make_readable(tmp)
     os.replace(tmp, path)
     return path

@@ -86,6 +86,14 @@ def file_digest(path: Path, bits: int = 64) -> str:
     return h.hexdigest()
 
 
+def make_readable(directory: Path) -> None:
+    """Let every user read `directory` and its files (a temporary directory is made 0700 and
+    temporary files 0600): what is published there is read by engines that may run as others."""
+    directory.chmod(0o755)
+    for f in directory.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
+
+
 def process_tempdir(prefix: str) -> Path:
     """A new temporary directory named for this process (`<prefix><pid>-*`), after removing those
     of processes that are gone (killed before they could remove their own)."""

@@ -31,7 +31,25 @@ from rltrain.runtime.files import fsync_file, map_file
 from rltrain.runtime.pinned import pinned_empty
 
 INDEX = "model.safetensors.index.json"
-CONFIG_FILES = ("config.json", "generation_config.json")
+# What a checkpoint directory carries beside its weights, copied into every version and checkpoint
+# from the model it was trained from: its config and its tokenizer (a version is then a whole HF
+# checkpoint; without its tokenizer, AutoTokenizer.from_pretrained(version) silently builds a
+# degenerate one).
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 _DTYPES = {
@@ -245,3 +263,27 @@ def write_checkpoint(
     if digests is not None:
         digests.update(file_digests)
     return weight_map
+
+
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+
+
+def context_length_of(config: Any) -> int:
+    """The longest sequence (prompt + response) a model config allows, read as SGLang reads it:
+    the first of CONTEXT_LENGTH_KEYS it states, times its rope scaling factor (none for llama3
+    scaling or where the original length is stated), 2048 where it states none."""
+    rope = getattr(config, "rope_scaling", None)
+    factor = 1.0
+    if isinstance(rope, dict) and "original_max_position_embeddings" not in rope and rope.get("rope_type") != "llama3":
+        factor = float(rope.get("factor", 1) or 1)
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(config, key, None)
+        if value is not None:
+            return int(factor * value)
+    return 2048

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rltrain.runtime.files import file_digest, fsync_file, replace_dir
+from rltrain.runtime.files import file_digest, fsync_file, make_readable, replace_dir
 from rltrain.weights.hf_files import CorruptWeightsError, map_safetensors
 
 MANIFEST = "rltrain_version.json"
@@ -50,6 +50,7 @@ def publish(target: Path, keep: int | None, write: Callable[[Path], dict[str, An
         manifest = tmp / MANIFEST
         manifest.write_text(json.dumps({**fields, "files": files}, indent=1))
         fsync_file(manifest)
+        make_readable(tmp)
         replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -21,8 +21,9 @@ import queue
 import shutil
 import threading
 import time
+import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
 from rltrain.weights.bucket import BucketViews
 from rltrain.weights.checksum import combine, entry, fetched
+from rltrain.weights.hf_files import context_length_of
 from rltrain.weights.names import checkpoint_index, classify, num_experts, write
 from rltrain.weights.versions import read_weights
 
@@ -53,11 +55,15 @@ class EngineStateError(RuntimeError):
 
 @dataclass
 class GenRequest:
+    """Prompts with one `SamplingParams` each (the same n): sample j of prompt i is seeded with
+    `params[i].sampling_seed + j` when seeded. `ids`: each sample's meta_info id, prompt-major."""
+
     input_ids: list[list[int]]
-    params: SamplingParams
+    params: list[SamplingParams]
     return_logprob: bool
+    ids: list[str] | None = None
     future: Future = field(default_factory=Future)
-    seeds: list[int | None] | None = None  # per prompt, with n=1: one row per sample (generate_body)
+    received: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -67,6 +73,7 @@ class _Row:
     prompt_index: int
     sample_index: int
     seed: int | None  # this sample's sampling seed (None: the engine's shared generator)
+    params: SamplingParams
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -88,6 +95,7 @@ class NativeEngine:
         ep_size: int = 1,
         ep_rank: int = 0,
         tp_size: int = 1,
+        context_length: int = 0,
     ):
 
         self.model_path = model_path
@@ -101,6 +109,8 @@ class NativeEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
         self.dtype = next(self.model.parameters()).dtype
         self.max_batch_size = max_batch_size
+        # Prompt + new tokens per sequence (SGLang's --context-length; 0: the model's own).
+        self.context_length = context_length or context_length_of(self.config)
         self.deterministic = deterministic
         self.weight_version = "default"
         self.eos_ids = _eos_ids(self.model)
@@ -179,24 +189,35 @@ class NativeEngine:
     def submit(
         self,
         input_ids: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | list[SamplingParams],
         return_logprob: bool,
-        seeds: list[int | None] | None = None,
+        ids: list[str] | None = None,
     ) -> Future:
-        """Sample `params.n` continuations of each prompt; `seeds`: one sampling seed per prompt
-        instead of `params.sampling_seed` (with n=1: a request of one row per sample)."""
-        params.validate()
-        if seeds is not None and (len(seeds) != len(input_ids) or params.n != 1):
-            raise ValueError(f"{len(seeds)} per-row seeds for {len(input_ids)} prompts with n={params.n}")
+        """Sample `n` continuations of each prompt, with its own `params` (one for all: seeds
+        `sampling_seed + i * n` for prompt i). HTTP requests are checked by `requests.py` first;
+        this re-checks what the engine relies on."""
+        if isinstance(params, SamplingParams):
+            params = [
+                p if p.sampling_seed is None else replace(p, sampling_seed=p.sampling_seed + i * p.n)
+                for i, p in enumerate([params] * len(input_ids))
+            ]
+        if len(params) != len(input_ids) or len({p.n for p in params}) != 1:
+            raise ValueError(f"{len(params)} sampling params for {len(input_ids)} prompts, all of one n")
         if not input_ids or any(not isinstance(p, list) or not p for p in input_ids):
             raise ValueError("input_ids must be a non-empty list of non-empty token-id lists")
         vocab = self.config.vocab_size
-        for p in input_ids:
-            bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
+        for prompt, p in zip(input_ids, params):
+            p.validate()
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            if p.max_new_tokens is None or len(prompt) + p.max_new_tokens > self.context_length:
+                raise ValueError(
+                    f"{len(prompt)} prompt tokens + max_new_tokens={p.max_new_tokens} exceed the context length "
+                    f"({self.context_length})"
+                )
         self._check_can_generate()
-        req = GenRequest(input_ids, params, return_logprob, seeds=seeds)
+        req = GenRequest(input_ids, params, return_logprob, ids)
         self._queue.put(req)
         return req.future
 
@@ -229,7 +250,7 @@ class NativeEngine:
             if first is None:
                 break
             self._running.wait()
-            batch, rows = [first], len(first.input_ids) * first.params.n
+            batch, rows = [first], len(first.input_ids) * first.params[0].n
             while rows < self.max_batch_size and not self.deterministic:
                 try:
                     nxt = self._queue.get_nowait()
@@ -239,7 +260,7 @@ class NativeEngine:
                     self._stop.set()
                     break
                 batch.append(nxt)
-                rows += len(nxt.input_ids) * nxt.params.n
+                rows += len(nxt.input_ids) * nxt.params[0].n
             self._run_batch(batch)
 
     def _run_batch(self, batch: list[GenRequest]) -> None:
@@ -292,15 +313,10 @@ class NativeEngine:
         """Per request, its samples as SGLang result dicts, prompt-major."""
         rows: list[_Row] = []
         for req in reqs:
-            for i, prompt in enumerate(req.input_ids):
-                for j in range(req.params.n):
-                    seed = None
-                    if req.seeds is not None:
-                        seed = req.seeds[i]
-                    elif req.params.sampling_seed is not None:
-                        # One stream per sample: seed + its index in the request (prompt-major).
-                        seed = req.params.sampling_seed + i * req.params.n + j
-                    rows.append(_Row(req, prompt, i, j, seed))
+            for i, (prompt, p) in enumerate(zip(req.input_ids, req.params)):
+                for j in range(p.n):
+                    seed = None if p.sampling_seed is None else p.sampling_seed + j  # one stream per sample
+                    rows.append(_Row(req, prompt, i, j, seed, p))
         B = len(rows)
         lengths = [len(r.prompt) for r in rows]
         L = max(lengths)
@@ -311,11 +327,9 @@ class NativeEngine:
             mask[b, L - len(r.prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.req.params.temperature for r in rows], device=self.device, dtype=torch.float32)
-        max_new = [r.req.params.max_new_tokens for r in rows]
-        stops = [
-            set(r.req.params.stop_token_ids or []) | (set() if r.req.params.ignore_eos else self.eos_ids) for r in rows
-        ]
+        temps = torch.tensor([r.params.temperature for r in rows], device=self.device, dtype=torch.float32)
+        max_new = [r.params.max_new_tokens or 0 for r in rows]
+        stops = [set(r.params.stop_token_ids or []) | (set() if r.params.ignore_eos else self.eos_ids) for r in rows]
         for b, r in enumerate(rows):
             if max_new[b] == 0:
                 r.finish = {"type": "length", "length": 0}
@@ -323,6 +337,7 @@ class NativeEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_logits_only)
         past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
         plan = _SamplingPlan(rows, logits.shape[-1], self.device)
+        shaper = _LogitShaper(rows, stops, logits.shape[-1], self.device)
         step = 0
         while any(r.finish is None for r in rows):
             if not self._running.is_set():
@@ -332,7 +347,8 @@ class NativeEngine:
                             r.finish = {"type": "abort", "message": "generation paused with mode=abort"}
                     break
                 self._running.wait()
-            tokens, logps = self._sample(logits, rows, plan, temps, step)
+            tokens, logps = self._sample(shaper.shape(logits, step), rows, plan, temps, step)
+            shaper.count(tokens)
             tok_list, lp_list = tokens.tolist(), logps.tolist()
             for b, r in enumerate(rows):
                 if r.finish is not None:
@@ -360,15 +376,32 @@ class NativeEngine:
 
         results: list[list[dict[str, Any]]] = [[] for _ in reqs]
         index = {id(req): k for k, req in enumerate(reqs)}
+        now = time.time()
         for r in rows:
+            k = r.prompt_index * r.params.n + r.sample_index
+            # SGLang's meta_info keys, all of them (the contract test compares the key sets): this
+            # engine has no prefix cache, no retractions, no reasoning parser and one DP rank.
             meta: dict[str, Any] = {
+                "id": r.req.ids[k] if r.req.ids is not None else uuid.uuid4().hex,
                 "finish_reason": r.finish,
                 "prompt_tokens": len(r.prompt),
-                "completion_tokens": len(r.out),
                 "weight_version": self.weight_version,
+                "num_retractions": 0,
             }
             if r.req.return_logprob:
+                meta["input_token_logprobs"] = []  # (filled by the server when logprob_start_len >= 0)
                 meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
+                meta["output_token_logprobs_length"] = len(r.logprobs)
+            meta.update(
+                reasoning_tokens=0,
+                completion_tokens=len(r.out),
+                cached_tokens=0,
+                weight_versions=[{"version": self.weight_version, "start": 0, "end": len(r.out)}],
+                cached_tokens_details=None,
+                dp_rank=None,
+                e2e_latency=now - r.req.received,
+                response_sent_to_client_ts=now,
+            )
             results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
         return results
 
@@ -383,7 +416,7 @@ class NativeEngine:
         logprobs_all = torch.log_softmax(scaled, dim=-1)
         filtered = scaled.clone() if plan.filtered else scaled
         for b in plan.filtered:
-            p = rows[b].req.params
+            p = rows[b].params
             if 0 < p.top_k < filtered.shape[-1]:
                 kth = torch.topk(filtered[b], p.top_k).values[-1]
                 filtered[b][filtered[b] < kth] = float("-inf")
@@ -819,11 +852,11 @@ class _SamplingPlan:
     generator. Built once per batch, off the per-token path."""
 
     def __init__(self, rows: list[_Row], vocab: int, device: torch.device):
-        greedy = [r.req.params.temperature == 0 for r in rows]
+        greedy = [r.params.temperature == 0 for r in rows]
         self.filtered = [
             b
             for b, r in enumerate(rows)
-            if not greedy[b] and (0 < r.req.params.top_k < vocab or r.req.params.top_p < 1.0 or r.req.params.min_p > 0)
+            if not greedy[b] and (0 < r.params.top_k < vocab or r.params.top_p < 1.0 or r.params.min_p > 0)
         ]
         seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
         shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
@@ -831,6 +864,56 @@ class _SamplingPlan:
         self.seeds = torch.tensor([rows[b].seed for b in seeded], device=device) if seeded else None
         self.token_hash = _token_hash(vocab, device) if seeded else None
         self.shared = torch.tensor(shared, device=device) if shared else None
+
+
+class _LogitShaper:
+    """SGLang's logit processing before temperature, per row, for the rows that ask: frequency and
+    presence penalties (subtracted per occurrence / once, over the tokens generated so far),
+    the repetition penalty (a seen token's logit divided by it if positive, multiplied if
+    negative), min_new_tokens (the row's stop tokens at -inf until it has that many), then
+    logit_bias (added). Rows that ask for none of it cost nothing; counts are kept only when a
+    penalty needs them."""
+
+    def __init__(self, rows: list[_Row], stops: list[set[int]], vocab: int, device: torch.device):
+        self.counts = None
+        p = [r.params for r in rows]
+        if any(x.frequency_penalty or x.presence_penalty or x.repetition_penalty != 1 for x in p):
+            self.counts = torch.zeros(len(rows), vocab, device=device)
+        col = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+        self.frequency = col([r.params.frequency_penalty for r in rows])
+        self.presence = col([r.params.presence_penalty for r in rows])
+        self.repetition = col([r.params.repetition_penalty for r in rows])
+        self.bias = None
+        if any(r.params.logit_bias for r in rows):
+            self.bias = torch.zeros(len(rows), vocab, device=device)
+            for b, r in enumerate(rows):
+                for token, value in (r.params.logit_bias or {}).items():
+                    self.bias[b, token] = value
+        # (row, its stop tokens, its min_new_tokens) for rows that must not stop yet
+        self.hold = [(b, sorted(t for t in stops[b] if t < vocab), r.params.min_new_tokens) for b, r in enumerate(rows)]
+        self.hold = [(b, ids, m) for b, ids, m in self.hold if m > 0 and ids]
+
+    def shape(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """`logits` [rows, vocab] (float32) with the rows' penalties, holds and biases applied."""
+        out = logits
+        if self.counts is not None:
+            seen = self.counts > 0
+            out = out - self.frequency * self.counts - self.presence * seen
+            scaled = torch.where(out < 0, out * self.repetition, out / self.repetition)
+            out = torch.where(seen, scaled, out)
+        if self.bias is not None:
+            out = out + self.bias
+        held = [(b, ids) for b, ids, m in self.hold if step < m]
+        if held:
+            out = out.clone() if out is logits else out  # (the caller's tensor stays as it was)
+            for b, ids in held:
+                out[b, ids] = float("-inf")
+        return out
+
+    def count(self, tokens: torch.Tensor) -> None:
+        """The tokens just sampled (one per row) join the counts."""
+        if self.counts is not None:
+            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=self.counts.dtype))
 
 
 _M32 = 0xFFFFFFFF

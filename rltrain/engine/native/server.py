@@ -29,6 +29,7 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
+from rltrain.engine.native.requests import BadRequest, Limits, parse_generate
 from rltrain.generation import SamplingParams
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights.bucket import BucketViews, deserialize
@@ -38,10 +39,6 @@ log = logging.getLogger("rltrain.engine.native")
 
 BUCKET_PAYLOAD = "a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}"
 KEEP_MAPPED = 4  # tensor payload buffers kept mapped during a weight-update session (the sender uses 3)
-
-
-class BadRequest(ValueError):
-    pass
 
 
 class NativeServer:
@@ -94,6 +91,7 @@ class NativeServer:
                 "device": str(self.engine.device),
                 "dtype": str(self.engine.dtype),
                 "max_batch_size": self.engine.max_batch_size,
+                "context_length": self.engine.context_length,
                 "weight_version": self.engine.weight_version,
                 # Update requests answer after every copy out of the sender's buffers is done.
                 "weight_updates": "synchronous",
@@ -126,11 +124,11 @@ class NativeServer:
         if path == "/generate":
             return 200, self._generate(body)
         if path == "/release_memory_occupation":
-            return 200, e.release(body.get("tags"))
+            return 200, e.release(_tags(body))
         if path == "/resume_memory_occupation":
-            return 200, e.resume(body.get("tags"))
+            return 200, e.resume(_tags(body))
         if path == "/update_weights_from_disk":
-            n = e.load_from_disk(self._allowed(_need(body, "model_path", str)), body.get("weight_version"))
+            n = e.load_from_disk(self._allowed(_need(body, "model_path", str)), _version(body))
             return 200, {"success": True, "message": f"loaded {n} tensors", "num_paused_requests": 0}
         if path == "/update_weights_from_tensor":
             return 200, self._update_from_tensor(body)
@@ -139,14 +137,14 @@ class NativeServer:
         if path == "/update_weights_from_distributed":
             return 200, self._update_from_distributed(body)
         if path == "/destroy_weights_update_group":
-            name = body.get("group_name", "weight_update_group")
+            name = _group_name(body)
             pg = self.groups.pop(name, None)
             if pg is None:
                 raise BadRequest(f"no weight update group named {name!r}")
             close_weight_update_group(pg)
             return 200, {"success": True, "message": f"destroyed {name}"}
         if path == "/pause_generation":
-            e.pause(body.get("mode", "abort"))
+            e.pause(_need(body, "mode", str) if "mode" in body else "abort")
             return 200, {"message": "Generation paused successfully.", "status": "ok"}
         if path == "/continue_generation":
             e.resume_generation()
@@ -184,44 +182,21 @@ class NativeServer:
         return not self.api_key or hmac.compare_digest(header or "", f"Bearer {self.api_key}")
 
     def _generate(self, body: dict[str, Any]) -> Any:
-        ids = body.get("input_ids")
-        if ids is None:
-            raise BadRequest("input_ids is required (this engine does not tokenize text)")
-        single = isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)
-        batch = [ids] if single else ids
-        if not isinstance(batch, list) or not all(isinstance(p, list) for p in batch):
-            raise BadRequest("input_ids must be a list of token ids or a list of such lists")
-        sp = body.get("sampling_params") or {}
-        seeds = None
-        if isinstance(sp, list):
-            # One dict per row: rows may differ in their sampling seed only (one row per sample).
-            if len(sp) != len(batch) or not all(isinstance(s, dict) for s in sp):
-                raise BadRequest(f"sampling_params: a list needs one dict per prompt ({len(batch)}), got {len(sp)}")
-            rest = {json.dumps({k: v for k, v in s.items() if k != "sampling_seed"}, sort_keys=True) for s in sp}
-            if len(rest) > 1:
-                raise BadRequest("per-prompt sampling_params may differ in sampling_seed only; send one dict")
-            seeds = [s.get("sampling_seed") for s in sp]
-            if not all(x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in seeds):
-                raise BadRequest("sampling_params[*].sampling_seed: expected an integer or null")
-            sp = {k: v for k, v in sp[0].items() if k != "sampling_seed"} if sp else {}
-        try:
-            params = SamplingParams.from_json(sp)
-        except (TypeError, ValueError) as err:
-            raise BadRequest(f"sampling_params: {err}") from None
-        if seeds is not None and params.n != 1:
-            raise BadRequest("per-prompt sampling_params need n=1 (one row per sample)")
-        start = body.get("logprob_start_len")
-        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
-            raise BadRequest(f"logprob_start_len={start!r}: expected an integer >= 0")
-        return_logprob = bool(body.get("return_logprob", False))
-        samples = self.engine.submit(batch, params, return_logprob, seeds=seeds).result()
-        if return_logprob and start is not None:
-            for k, prompt in enumerate(batch):  # SGLang's input_token_logprobs: untempered, the first has none
-                scored = self.engine.score(prompt)
-                entries = [[None, prompt[0], None]] + [[lp, t, None] for lp, t in zip(scored, prompt[1:])]
-                for s in samples[k * params.n : (k + 1) * params.n]:
-                    s["meta_info"]["input_token_logprobs"] = entries[start:]
-        return samples[0] if single and params.n == 1 else samples
+        """SGLang's /generate, every field checked before anything is queued (`requests.py`)."""
+        e = self.engine
+        req = parse_generate(body, Limits(e.config.vocab_size, e.context_length, e.max_batch_size))
+        samples = e.submit(req.prompts, req.params, req.return_logprob, req.ids).result()
+        if req.return_logprob and req.logprob_start_len >= 0:
+            # SGLang's input_token_logprobs: from logprob_start_len on, untempered, the first of
+            # them without a log-prob (as SGLang answers, whatever the start).
+            for k, prompt in enumerate(req.prompts):
+                scored = [None, *e.score(prompt)]
+                entries = [[lp, t, None] for lp, t in zip(scored, prompt)][req.logprob_start_len :]
+                if entries:
+                    entries[0][0] = None
+                for sample in samples[k * req.n : (k + 1) * req.n]:
+                    sample["meta_info"]["input_token_logprobs"] = entries
+        return samples[0] if req.single else samples
 
     def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -268,9 +243,9 @@ class NativeServer:
             raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
         t1 = time.perf_counter()
         if named is None:
-            n = self.engine.load_bucket(data["flattened_tensor"], data["metadata"], body.get("weight_version"))
+            n = self.engine.load_bucket(data["flattened_tensor"], data["metadata"], _version(body))
         else:
-            n = self.engine.load_named_tensors(named, body.get("weight_version"))
+            n = self.engine.load_named_tensors(named, _version(body))
         t2 = time.perf_counter()
         if self.in_update and fmt == "flattened_bucket" and "buffer" not in data:
             ptr = data["flattened_tensor"].untyped_storage().data_ptr()
@@ -322,7 +297,7 @@ class NativeServer:
                 entries.append(list(data.items()) if isinstance(data, dict) else list(data))
             else:
                 raise BadRequest(f"load_format {fmt!r}: expected flattened_bucket, direct or null")
-        n = self.engine.load_per_rank(entries, body.get("weight_version"))
+        n = self.engine.load_per_rank(entries, _version(body))
         del entries, data  # unmaps the senders' buffers
         return {"success": True, "message": f"loaded {n} tensors", "mapped": True}
 
@@ -351,7 +326,7 @@ class NativeServer:
             return True
 
     def _init_group(self, body: dict[str, Any]) -> dict[str, Any]:
-        name = body.get("group_name", "weight_update_group")
+        name = _group_name(body)
         if name in self.groups:
             raise BadRequest(f"weight update group {name!r} exists; destroy it first")
         if self.engine.tp_size > 1:
@@ -360,7 +335,9 @@ class NativeServer:
                 "group as each of them; use sync.transport=tensor or disk"
             )
         rank = int(_need(body, "rank_offset", int)) + self.tp_rank
-        backend = body.get("backend", "nccl")
+        backend = _need(body, "backend", str) if "backend" in body else "nccl"
+        if backend not in ("nccl", "gloo"):
+            raise BadRequest(f"backend={backend!r}: expected nccl or gloo")
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise BadRequest("backend nccl needs a CUDA engine; use gloo on CPU")
         self.groups[name] = open_weight_update_group(
@@ -375,13 +352,18 @@ class NativeServer:
 
     def _update_from_distributed(self, body: dict[str, Any]) -> dict[str, Any]:
 
-        name = body.get("group_name", "weight_update_group")
+        name = _group_name(body)
         pg = self.groups.get(name)
         if pg is None:
             raise BadRequest(f"no weight update group named {name!r}; call /init_weights_update_group first")
         names, dtypes, shapes = _need(body, "names", list), _need(body, "dtypes", list), _need(body, "shapes", list)
         if not len(names) == len(dtypes) == len(shapes):
             raise BadRequest(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        for k, (n, d, shape) in enumerate(zip(names, dtypes, shapes)):
+            if not isinstance(n, str) or not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype):
+                raise BadRequest(f"entry {k}: name {n!r} with dtype {d!r}: expected a name and a torch dtype name")
+            if not isinstance(shape, list) or any(type(x) is not int or x < 0 for x in shape):
+                raise BadRequest(f"entry {k} ({n}): shape {shape!r} is not a list of sizes")
         dev = self.engine.device
         if body.get("load_format") == "flattened_bucket":
             specs, offset = [], 0
@@ -399,8 +381,27 @@ class NativeServer:
                 t = torch.empty(s, dtype=getattr(torch, d), device=dev)
                 dist.broadcast(t, group=pg, group_src=0)
                 named.append((n, t))
-        count = self.engine.load_named_tensors(named, body.get("weight_version"))
+        count = self.engine.load_named_tensors(named, _version(body))
         return {"success": True, "message": f"loaded {count} tensors"}
+
+
+def _version(body: dict[str, Any]) -> str | None:
+    """The request's weight_version: a string, or absent (the engine's stays)."""
+    v = body.get("weight_version")
+    if v is not None and not isinstance(v, str):
+        raise BadRequest(f"weight_version={v!r}: expected a string")
+    return v
+
+
+def _tags(body: dict[str, Any]) -> list[str] | None:
+    tags = body.get("tags")
+    if tags is not None and (not isinstance(tags, list) or not all(isinstance(t, str) for t in tags)):
+        raise BadRequest(f"tags={tags!r}: expected a list of memory regions (weights, kv_cache, cuda_graph)")
+    return tags
+
+
+def _group_name(body: dict[str, Any]) -> str:
+    return _need(body, "group_name", str) if "group_name" in body else "weight_update_group"
 
 
 def _need(body: dict[str, Any], key: str, kind: type) -> Any:
@@ -414,12 +415,33 @@ def _need(body: dict[str, Any], key: str, kind: type) -> Any:
     return v
 
 
-def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
+MAX_BODY_BYTES = 256 << 20  # a weight-update request carries handles and names, not tensors: far below this
+READ_TIMEOUT_S = 60.0  # a client that stops sending mid-request is dropped (its thread freed) after this
+BACKLOG = 1024  # pending connections the kernel queues (the standard library's 5 reset a burst of clients)
+
+
+class HTTPError(Exception):
+    """A request the server cannot read (framing): answered with `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, daemon threads, a listen backlog sized for many clients at once."""
+
+    daemon_threads = True
+    request_queue_size = BACKLOG
+
+
+def make_handler(server: NativeServer, max_body: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         # Headers and body leave in two writes; with Nagle's algorithm the body then waits for
         # the client's delayed ACK on every keep-alive request (every sync bucket).
         disable_nagle_algorithm = True
+        timeout = READ_TIMEOUT_S  # on the socket: reads and writes, not the engine's work
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("%s " + fmt, self.address_string(), *args)
@@ -434,16 +456,68 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(data)
+
+        def _body(self) -> bytes:
+            """The request body, framed by Content-Length or chunked, at most `max_body` bytes;
+            `HTTPError` otherwise (the connection is then closed: where the next request starts
+            in the stream is unknown)."""
+            if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                return self._chunked()
+            text = self.headers.get("Content-Length")
+            if text is None:
+                return b""
+            text = text.strip()
+            if not text.isdigit():
+                raise HTTPError(HTTPStatus.BAD_REQUEST, f"Content-Length {text[:40]!r} is not a byte count")
+            length = int(text)
+            if length > max_body:
+                raise HTTPError(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"request body of {length} bytes; this server takes at most {max_body} (--max-body-mb)",
+                )
+            data = self.rfile.read(length)
+            if len(data) != length:
+                raise HTTPError(HTTPStatus.BAD_REQUEST, f"request body ended after {len(data)} of {length} bytes")
+            return data
+
+        def _chunked(self) -> bytes:
+            parts, total = [], 0
+            while True:
+                size_text = self.rfile.readline(1024).strip().split(b";", 1)[0]
+                try:
+                    size = int(size_text, 16)
+                except ValueError:
+                    raise HTTPError(HTTPStatus.BAD_REQUEST, f"bad chunk size {size_text[:20]!r}") from None
+                if size < 0:
+                    raise HTTPError(HTTPStatus.BAD_REQUEST, f"negative chunk size {size}")
+                if total + size > max_body:
+                    raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"chunked body over {max_body} bytes")
+                if size == 0:
+                    while self.rfile.readline(1024).strip():  # trailers, up to the blank line
+                        pass
+                    return b"".join(parts)
+                chunk = self.rfile.read(size)
+                if len(chunk) != size or self.rfile.readline(1024).strip():
+                    raise HTTPError(HTTPStatus.BAD_REQUEST, "a chunk ended before its size, or without CRLF")
+                parts.append(chunk)
+                total += size
 
         def _dispatch(self, method: str) -> None:
             t0 = time.perf_counter()
             path = self.path.split("?", 1)[0]
+            try:
+                raw = self._body() if method != "GET" else b""
+            except (HTTPError, OSError) as err:  # (a socket timeout is an OSError)
+                self.close_connection = True
+                status = err.status if isinstance(err, HTTPError) else int(HTTPStatus.REQUEST_TIMEOUT)
+                msg = str(err) or "the request body did not arrive in time"
+                self._send(int(status), {"success": False, "message": msg, "error": {"message": msg}})
+                return
             if not server.authorized(self.headers.get("Authorization")):
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)  # keep the connection usable
                 msg = "missing or wrong API key: send Authorization: Bearer <engine.api_key>"
                 self._send(int(HTTPStatus.UNAUTHORIZED), {"success": False, "message": msg, "error": {"message": msg}})
                 return
@@ -451,14 +525,12 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
                 if method == "GET":
                     status, payload = server.get(path)
                 else:
-                    length = int(self.headers.get("Content-Length") or 0)
-                    raw = self.rfile.read(length) if length else b""
                     try:
                         body = json.loads(raw) if raw.strip() else {}
-                    except json.JSONDecodeError as err:
+                    except (json.JSONDecodeError, UnicodeDecodeError) as err:
                         raise BadRequest(f"request body is not JSON: {err}") from None
                     if not isinstance(body, dict):
-                        raise BadRequest("request body must be a JSON object")
+                        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
                     status, payload = server.post(path, body)
             except (BadRequest, EngineStateError, ValueError, KeyError, FileNotFoundError) as err:
                 msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
@@ -468,9 +540,10 @@ def make_handler(server: NativeServer) -> type[BaseHTTPRequestHandler]:
                 )
             except Exception as err:  # noqa: BLE001 - the client gets the reason, the log the trace
                 log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
+                msg = f"{type(err).__name__}: {err}"
                 status, payload = (
                     HTTPStatus.INTERNAL_SERVER_ERROR,
-                    {"success": False, "message": str(err), "error": {"message": str(err)}},
+                    {"success": False, "message": msg, "error": {"message": msg}},
                 )
             self._send(int(status), payload)
             log.debug("%s %s handled in %.2f ms", method, path, (time.perf_counter() - t0) * 1e3)
@@ -540,6 +613,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="load weight versions only from inside this directory (repeatable; none: anywhere)",
     )
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="prompt + new tokens per sequence (SGLang's flag; 0: the model config's own)",
+    )
+    ap.add_argument("--max-body-mb", type=int, default=MAX_BODY_BYTES >> 20, help="largest request body taken")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
     logging.basicConfig(
@@ -567,12 +647,13 @@ def main(argv: list[str] | None = None) -> int:
         ep_size=args.ep_size,
         ep_rank=args.ep_rank,
         tp_size=args.tp_size,
+        context_length=args.context_length,
     )
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
-    httpd = ThreadingHTTPServer(
-        (args.host, args.port), make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key))
+    httpd = EngineHTTPServer(
+        (args.host, args.port),
+        make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key), args.max_body_mb << 20),
     )
-    httpd.daemon_threads = True
     for sig in (signal.SIGINT, signal.SIGTERM):
         # Started by rltrain's launcher SIGTERM is ignored (the job's stop signal is for its
         # ranks, which stop this server with SIGINT): kept so.
