@@ -52,9 +52,10 @@ class WorldConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     # Every distributed wait (store, bridge, collectives, rebuild) gives up after this long.
     timeout_s: float = 600.0
-    # Tear the default group down between phases and rebuild it (frees NCCL memory).
-    # The environment variable RLTRAIN_RELOAD_WORLD=0 turns this off without editing configs.
-    reload: bool = True
+    # Tear the default group down between phases and rebuild it (frees NCCL memory). auto: with
+    # the nccl backend only (a gloo world holds no accelerator memory: its cycle frees nothing).
+    # The environment variable RLTRAIN_RELOAD_WORLD=0/1 overrides it without editing configs.
+    reload: bool | Literal["auto"] = "auto"
     # Run the teardown in a background thread so it is off the step's critical path;
     # `World.wait_destroyed()` (and `rebuild()`) join it before memory is needed again.
     async_destroy: bool = True
@@ -167,6 +168,13 @@ class AlgoConfig:
     dynamic_sampling_max_batches: int = 4
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
+
+    @property
+    def old_logp_from_training(self) -> bool:
+        """One optimizer step per batch and no reference KL: the old log-probs equal the training
+        forward's own log-probs (same weights, same tokens), so they are taken from it, detached,
+        instead of from a separate pass (the loss and its gradients are the same)."""
+        return self.ppo_epochs == 1 and self.mini_batches == 1 and self.kl_coef == 0
 
     def check(self) -> None:
         if self.dual_clip is not None and self.dual_clip <= 1:
@@ -304,7 +312,9 @@ class SyncConfig:
     # disk: HF safetensors per version; delta: XOR+zstd against the last version, applied next
     # to the engine before a disk load (for slow shared storage, not colocated); distributed:
     # broadcast over a weight-update group made through /init_weights_update_group.
-    transport: Literal["disk", "tensor", "delta", "distributed"] = "disk"
+    # auto: tensor where the engines are colocated with the trainer (nothing is written or copied
+    # twice), disk where they are not (`Config.sync_transport` resolves it; the log says which).
+    transport: Literal["auto", "disk", "tensor", "delta", "distributed"] = "auto"
     bucket_mb: int = 512
     delta_full_every: int = 10  # every K-th version is published in full
     verify: bool = True  # compare the engine's weight checksum with the trainer's after every sync
@@ -368,6 +378,11 @@ class EngineConfig:
     # loopback anyway). The embedded engine gets the key through its environment, SGLang through
     # its --api-key flag (visible in the process list: SGLang takes it no other way).
     api_key: str = ""
+    # Release the engines' memory (weights, KV cache, CUDA graphs) while the trainer trains
+    # (colocated). auto: on GPUs, where that device memory is what the trainer needs; an engine on
+    # the CPU keeps its memory (what it would free is host memory, and release, resume and the
+    # weights' rewrite would cost every step for it). SGLang releases on CUDA only.
+    release: bool | Literal["auto"] = "auto"
     # Keep a host copy of the weights while they are released (SGLang's
     # --enable-weights-cpu-backup; the embedded engine's --weights-backup). Off: released weights
     # are discarded and come back as garbage until the sync rewrites every parameter — the
@@ -411,6 +426,13 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
+    def sync_transport(self) -> str:
+        """sync.transport, with auto resolved: tensor when colocated, else disk."""
+        if self.sync.transport != "auto":
+            return self.sync.transport
+        return "tensor" if self.loop.colocate else "disk"
+
+    @property
     def engine_model_path(self) -> str:
         return self.engine.model_path or self.model.path
 
@@ -421,14 +443,14 @@ class Config:
                 "release.train with release.source=host keeps the released trainer only in RAM: "
                 "set checkpoint.interval >= 1 so it is also written to disk"
             )
-        if self.sync.transport == "delta" and self.loop.colocate:
+        if self.sync_transport == "delta" and self.loop.colocate:
             raise ConfigError(
                 "sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                 "disk, but colocated engines read the trainer's memory directly (use tensor)"
             )
-        if self.sync.transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
+        if self.sync_transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
             raise ConfigError(DISTRIBUTED_COLOCATED)
-        if self.sync.transport == "distributed" and self.engine.backend == "native" and self.engine.gpus_per_engine > 1:
+        if self.sync_transport == "distributed" and self.engine.backend == "native" and self.engine.gpus_per_engine > 1:
             raise ConfigError(
                 f"sync.transport=distributed with engine.backend=native and engine.gpus_per_engine="
                 f"{self.engine.gpus_per_engine}: the embedded engine's TP ranks are one process, which cannot join "
@@ -615,7 +637,10 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
                 return _convert(arg, value, key)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}={value!r} fits none of {tp}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        choices = [_describe(arg) for arg in args if arg is not type(None)]
+        raise ConfigError(f"{key}={value!r}: expected {', or '.join(choices)}")
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         if not isinstance(value, (list, tuple)):
@@ -653,6 +678,15 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r}: expected a string")
         return str(value)
     raise ConfigError(f"{key}: unsupported field type {tp}")  # a programming error in a section
+
+
+def _describe(tp: Any) -> str:
+    """What a value of type `tp` looks like, for an error message."""
+    if tp is bool:
+        return "true or false"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
 
 
 def _check_tree(node: Any) -> None:

@@ -54,6 +54,8 @@ class World(Protocol):
     env: DistEnv
     bridge: Bridge
     device: torch.device
+    backend: str  # of the default group: nccl or gloo
+    reload: bool  # whether destroy/rebuild tear the default group down (world.reload, resolved)
     generation: int
     nccl_bytes: int
     cuda_context: tuple[int | None, int | None]

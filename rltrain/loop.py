@@ -249,7 +249,9 @@ def _prepare(
     """Old/ref log-probs and advantages for this rank's kept groups (an empty batch if none:
     the rank still joins every collective of the train step)."""
     batch, rewards = build_batch(rollout.groups, trainer.pad_id)
-    batch.old_logp, _ = trainer.logprobs(batch)  # collectives: also on a rank without samples
+    fused = cfg.algo.old_logp_from_training  # then the training forward's, detached (rl_update.micro_loss)
+    if not fused:
+        batch.old_logp, _ = trainer.logprobs(batch)  # collectives: also on a rank without samples
     if cfg.algo.kl_coef > 0:
         batch.ref_logp, _ = trainer.logprobs(batch, reference=True)
     algo = cfg.algo
@@ -268,7 +270,7 @@ def _prepare(
         stats["overlong_penalty"] = float(penalty.mean())
     token_kl = None
     if algo.kl_coef > 0:
-        assert batch.ref_logp is not None
+        assert batch.ref_logp is not None and batch.old_logp is not None
         token_kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator) * batch.loss_mask
     in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
     batch.advantages = compute_advantages(
@@ -286,9 +288,11 @@ def _prepare(
         batch.loss_mask[cut] = 0.0
         batch.advantages = batch.advantages * batch.loss_mask
         stats["overlong_filtered"] = float(cut.sum())
+    if fused:  # the distance to the engine's log-probs is measured in the training forward
+        return batch, rewards, stats
     # How far the engine's log-probs are from the trainer's for the same tokens and weights.
     mask = batch.loss_mask.bool()
-    assert batch.rollout_logp is not None
+    assert batch.rollout_logp is not None and batch.old_logp is not None
     diff = float((batch.old_logp - batch.rollout_logp)[mask].abs().mean())
     if cfg.algo.tis_cap is None:
         batch.rollout_logp = None

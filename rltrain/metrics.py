@@ -185,6 +185,7 @@ class MetricsWriter:
         slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
         rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}
+        rec["wall"] = time.time()  # when the step ended (start-up and shutdown are measured from it)
         rec["memory"] = {f"rank{r}": g["memory"] for r, g in enumerate(gathered)}
         line = json.dumps(rec)
         with open(self.path, "a") as f:

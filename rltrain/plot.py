@@ -38,13 +38,10 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.set_title(f"{run_dir.name}: reward")
     out.append(_save(fig, run_dir / "reward.png"))
 
-    phases = [p for p in rows[0]["time"] if p != "step"]
+    phases = list(dict.fromkeys(p for r in rows for p in r["time"] if p != "step"))
     fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(rows)
-    for p in phases:
-        vals = [r["time"].get(p, 0.0) for r in rows]
-        ax.bar(steps, vals, bottom=bottom, label=p, width=1.0)
-        bottom = [b + v for b, v in zip(bottom, vals)]
+    # One filled band per phase (a bar per step and phase is thousands of patches: seconds to draw).
+    ax.stackplot(steps, [[r["time"].get(p, 0.0) for r in rows] for p in phases], labels=phases, step="mid")
     ax.set_xlabel("step")
     ax.set_ylabel("seconds (slowest rank)")
     ax.legend(fontsize=7, ncol=2)

@@ -168,6 +168,15 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         cycle.saved, cycle.saved_step = restored.path, restored.step
 
     sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout)
+    if world.rank == 0:  # what each phase switch does here, decided from the config and the machine
+        log.info(
+            "phase switches: world: %s; engines: %s; sync.transport=%s%s; old log-probs: %s",
+            "torn down and rebuilt" if world.reload else f"stays up ({world.backend}: nothing to free)",
+            "release their memory" if engine.releases else "keep their memory",
+            cfg.sync.transport,
+            f": {cfg.sync_transport}" if cfg.sync.transport == "auto" else "",
+            "from the training forward" if cfg.algo.old_logp_from_training else "a separate pass",
+        )
     initial = None
     if restored is not None:
         # The engine starts from model.path; give it the restored weights under their version.
@@ -197,7 +206,7 @@ INITIAL_VERSION = "0"  # the trainer's weights before its first step, when the s
 def check_placement(cfg: Config) -> None:
     """What the config asks of the engines that cannot work where they run (ConfigError)."""
     check_engine(cfg.engine, cfg.rollout.seeded)
-    if cfg.sync.transport == "distributed" and cfg.loop.colocate and resolve_device(cfg.engine.device) == "cuda":
+    if cfg.sync_transport == "distributed" and cfg.loop.colocate and resolve_device(cfg.engine.device) == "cuda":
         raise ConfigError(DISTRIBUTED_COLOCATED)
 
 

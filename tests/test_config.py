@@ -85,7 +85,7 @@ def test_bad_choice_lists_allowed_values_and_close_match():
     [
         ("run.seed=abc", "run.seed='abc': expected an integer"),
         ("run.seed=1.5", "run.seed=1.5: expected an integer"),
-        ("world.reload=maybe", "world.reload='maybe': expected true or false"),
+        ("world.reload=maybe", "world.reload='maybe': expected true or false, or 'auto'"),
         ("world.timeout_s=-1", "world.timeout_s=-1.0: expected a positive number"),
         ("world.timeout_s=[1]", "world.timeout_s=[1]: expected a number"),
         ("run.name=a/b", "run.name='a/b': expected a non-empty name without '/'"),

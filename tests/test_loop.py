@@ -37,9 +37,14 @@ def run_quickstart(
     )
 
 
+# Every switch taken, as on GPUs: the world torn down and rebuilt, the engine's memory released
+# (weights discarded: every parameter must be rewritten), weights by disk.
+FULL_CYCLE = ["world.reload=true", "engine.release=true", "sync.transport=disk"]
+
+
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])
 def test_quickstart_steps_end_to_end(tmp_path, mode):
-    extra = [] if mode == "colocated" else ["loop.colocate=false", "world.reload=false"]
+    extra = FULL_CYCLE if mode == "colocated" else ["loop.colocate=false", "world.reload=false"]
     r = run_quickstart(tmp_path, *extra)
     assert r.returncode == 0, r.stderr[-4000:]
     # The engines start on GPUs nothing holds yet (SGLang sizes its KV pool from free memory then).
@@ -91,10 +96,31 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         # Run again in the same directory: the quickstart saved at its last step, so the run goes on
         # from there (nothing left to run at 3 of 3) and not one row of its history is lost.
         before = (run_dir / "metrics.jsonl").read_text()
-        r = run_quickstart(tmp_path)
+        r = run_quickstart(tmp_path, *FULL_CYCLE)
         assert r.returncode == 0, r.stderr[-4000:]
         assert "resumed from" in r.stderr and "nothing to run: step 3 of 3 is done" in r.stderr, r.stderr[-4000:]
         assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_on_the_cpu_each_switch_costs_what_it_frees_and_every_sync_is_still_verified(tmp_path):
+    """The quickstart's own settings (auto): on the CPU the gloo world stays up, the engines keep
+    their memory, the weights go by handle (tensor), and the old log-probs come from the training
+    forward; every sync is still checked (version, checksum of every tensor, the probe) and the
+    engine's log-probs still match the trainer's."""
+    r = run_quickstart(tmp_path, "loop.steps=4")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "sync.transport=auto: tensor" in r.stderr and "world: stays up" in r.stderr, r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["sync_bytes"] > 0 and 0 <= row["sync_probe_diff"] < 1e-3
+        assert 0 <= row["logp_diff_engine_trainer"] < 1e-3  # measured in the training forward
+        for switch in ("world_rebuild", "world_destroy", "trainer_onload", "engine_release", "engine_resume_kv"):
+            assert row["time"][switch] < 0.005, (switch, row["time"])
+        assert row["time"]["logprobs"] < row["time"]["train"]  # no separate old-log-prob pass
+    assert not (tmp_path / "quickstart" / "weights").exists() or not list(
+        (tmp_path / "quickstart" / "weights").iterdir()
+    )
 
 
 @pytest.mark.parametrize("transport", ["tensor", "distributed", "delta"])

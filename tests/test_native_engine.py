@@ -279,3 +279,28 @@ def test_the_backup_directory_is_removed_at_stop_and_a_dead_engines_is_removed_a
         srv.client.close()
         srv.process.stop()
     assert not mine[0].exists()
+
+
+def test_a_prompt_sent_as_many_rows_is_prefilled_once_and_each_row_decodes_as_if_alone(discarding, model_a):
+    """Rows with the same prompt (the n samples of a group) share one prefill and its KV cache,
+    copied per row: greedy rows still continue exactly as transformers does for each prompt
+    alone, with the same log-probs across the copies, and seeded rows stay their own samples."""
+    discarding.client.update_weights_from_disk(str(model_a), weight_version="default")
+    prompts = [[3, 4, 5], [9, 8], [3, 4, 5], [3, 4, 5], [7]]
+    out = discarding.client.generate(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    ref = hf_greedy(model_a, prompts, 8)
+    assert [c.output_ids for c in out] == ref
+    # (equal up to float rounding: a row's place in the batch may change a matmul's summation order)
+    assert out[2].logprobs == pytest.approx(out[0].logprobs, abs=1e-5)
+    assert out[3].logprobs == pytest.approx(out[0].logprobs, abs=1e-5)
+    seeded = discarding.client.generate(
+        [[3, 4, 5]], SamplingParams(max_new_tokens=8, temperature=1.0, n=4, sampling_seed=11, ignore_eos=True)
+    )
+    alone = [
+        discarding.client.generate(
+            [[3, 4, 5]], SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=11 + j, ignore_eos=True)
+        )[0]
+        for j in range(4)
+    ]
+    assert [c.output_ids for c in seeded] == [c.output_ids for c in alone]
+    assert len({tuple(c.output_ids) for c in seeded}) > 1

@@ -357,3 +357,34 @@ def test_an_attention_kept_outside_the_compiled_blocks_scores_as_it_does_inside(
     compile_blocks(split)
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=tokens).logits, split(input_ids=tokens).logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "cispo", "gspo"])
+def test_old_log_probs_from_the_training_forward_give_the_separate_pass_loss_and_step_exactly(tmp_path, loss):
+    """With one optimizer step per batch the old log-probs are the training forward's, detached
+    (no separate pass): loss, statistics, gradient norm and the updated weights are the ones the
+    separate old-log-prob pass gives, bit for bit; the engine distance is measured there too."""
+    path = make_model(tmp_path / "m", seed=6)
+    algo = AlgoConfig(
+        entropy_coef=0.01,
+        policy_loss="cispo" if loss == "cispo" else "ppo",
+        importance_level="sequence" if loss == "gspo" else "token",
+    )
+    assert algo.old_logp_from_training
+    batch = fixed_batch()
+    out = []
+    for fused in (False, True):
+        t = FSDPTrainer(TrainerConfig(lr=1e-2, micro_batch_size=3, grad_clip=1e9), algo, str(path), torch.device("cpu"))
+        t.create()
+        b = batch.slice(slice(0, len(batch)))
+        b.rollout_logp = t.logprobs(b)[0] + 0.01 * b.loss_mask  # an engine 0.01 nats off on every loss token
+        if not fused:
+            b.old_logp, _ = t.logprobs(b)
+        stats = t.train_step(b)
+        out.append((stats, dict(t.export_weights())))
+    (sa, wa), (sb, wb) = out
+    for k in ("loss", "pg_loss", "entropy", "grad_norm", "clip_frac", "approx_kl_old"):
+        assert sa[k] == sb[k], (k, sa[k], sb[k])
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    assert "logp_diff_engine_trainer" not in sa and sb["logp_diff_engine_trainer"] == pytest.approx(0.01, abs=1e-5)
+    assert not AlgoConfig(ppo_epochs=2).old_logp_from_training and not AlgoConfig(kl_coef=0.1).old_logp_from_training

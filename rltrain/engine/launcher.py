@@ -329,6 +329,7 @@ class NodeEngine:
         max_restarts: int = 0,
         layout: EngineLayout | None = None,
         releases: bool = True,
+        reports_memory: bool = True,
     ):
         self.client = client
         self.url = url
@@ -340,7 +341,9 @@ class NodeEngine:
         self.releases = colocate and releases
         self._start = start  # () -> a new healthy EngineProcess (the engine's leader)
         self.max_restarts, self.restarts = max_restarts, 0
-        self._reports_memory = True  # False once the engine said it has no /memory (SGLang)
+        # Ask the engine's /memory: on a GPU (the ledger's device parts), until it says it has none
+        # (SGLang). On the CPU the ledger needs its RSS alone, read from the process (no request).
+        self._reports_memory = reports_memory
 
     @classmethod
     def launch(
@@ -368,12 +371,14 @@ class NodeEngine:
                 backend,
                 device,
             )
-        releases = not (backend == "sglang" and device == "cpu")
-        if colocate and not releases and world.rank == 0:
-            log.warning(
-                "SGLang releases memory on CUDA only: on CPU the engines keep their memory through training "
-                "(release and resume are skipped)"
-            )
+        releases = device == "cuda" if cfg.release == "auto" else bool(cfg.release)
+        if releases and backend == "sglang" and device == "cpu":
+            releases = False
+            if colocate and world.rank == 0:
+                log.warning(
+                    "SGLang releases memory on CUDA only: on CPU the engines keep their memory through training "
+                    "(release and resume are skipped)"
+                )
 
         def start() -> EngineProcess:
             return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout)
@@ -389,7 +394,7 @@ class NodeEngine:
             api_key=cfg.api_key,
             vocab_size=vocab_size,
         )
-        return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases)
+        return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases, device == "cuda")
 
     @property
     def name(self) -> str:
@@ -412,20 +417,26 @@ class NodeEngine:
         a release under a slower rank's requests fails them all. What is still in flight (a
         request whose client timed out) is aborted first: SGLang releases only when idle."""
         world = self._world()
+        if not self.releases:  # nothing to let go of: no rank waits for another
+            return
         world.bridge.barrier(phase="rollout done")
-        if self.releases and self.is_leader:
+        if self.is_leader:
             self.client.pause("abort")
             self.client.release(self.REGIONS)
 
     def resume_weights(self) -> None:
         world = self._world()
-        if self.releases and self.is_leader:
+        if not self.releases:
+            return
+        if self.is_leader:
             self.client.resume(["weights"])
         world.bridge.barrier(phase="engine resume weights")
 
     def resume_kv(self) -> None:
         world = self._world()
-        if self.releases and self.is_leader:
+        if not self.releases:
+            return
+        if self.is_leader:
             self.client.resume(["kv_cache", "cuda_graph"])
             self.client.continue_generation()
         world.bridge.barrier(phase="engine resume kv")

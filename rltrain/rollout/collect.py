@@ -178,22 +178,27 @@ def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retrie
 
 
 def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[TrainBatch, torch.Tensor]:
-    """Right-padded [B, L] batch of prompt+response, and rewards [G, n]."""
+    """Right-padded [B, L] batch of prompt+response, and rewards [G, n] (built from Python lists
+    in one tensor each: a tensor op per row costs more than the rows' whole data here)."""
     flat = [s for g in groups for s in g]
     seqs = [s.prompt.input_ids + s.completion.output_ids for s in flat]
     L = max((len(x) for x in seqs), default=1)
     B = len(flat)
-    tokens = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros(B, L, dtype=torch.long)
-    loss_mask = torch.zeros(B, L, dtype=torch.float32)
-    rollout_logp = torch.zeros(B, L, dtype=torch.float32)
-    for b, (s, seq) in enumerate(zip(flat, seqs)):
-        P, R = len(s.prompt.input_ids), len(s.completion.output_ids)
-        tokens[b, : P + R] = torch.tensor(seq)
-        attn[b, : P + R] = 1
-        loss_mask[b, P : P + R] = 1.0
-        if s.completion.logprobs:
-            rollout_logp[b, P : P + R] = torch.tensor(s.completion.logprobs)
+    prompt_len = torch.tensor([len(s.prompt.input_ids) for s in flat], dtype=torch.long).reshape(B, 1)
+    seq_len = torch.tensor([len(x) for x in seqs], dtype=torch.long).reshape(B, 1)
+    tokens = torch.tensor([x + [pad_id] * (L - len(x)) for x in seqs], dtype=torch.long).reshape(B, L)
+    pos = torch.arange(L)
+    attn = (pos < seq_len).long()
+    loss_mask = ((pos >= prompt_len) & (pos < seq_len)).float()
+    rollout_logp = torch.tensor(
+        [
+            [0.0] * len(s.prompt.input_ids)
+            + (list(s.completion.logprobs) if s.completion.logprobs else [0.0] * len(s.completion.output_ids))
+            + [0.0] * (L - len(x))
+            for s, x in zip(flat, seqs)
+        ],
+        dtype=torch.float32,
+    ).reshape(B, L)
     n = len(groups[0]) if groups else 0
     rewards = torch.tensor([[s.reward for s in g] for g in groups], dtype=torch.float32).reshape(len(groups), n)
     return TrainBatch(tokens, attn, loss_mask, rollout_logp=rollout_logp), rewards

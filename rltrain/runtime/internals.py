@@ -86,6 +86,14 @@ REGISTRY: dict[str, Internal] = {
             needs="cuda",
         ),
         Internal(
+            "torch.distributed.tensor.DTensor._local_tensor",
+            "runtime/ledger.py: storage_bytes",
+            "a DTensor's local shard without to_local()'s autograd function (~60 us a call; the ledger reads every "
+            "parameter and optimizer state after every phase)",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
             "torch.nn.Module._parameters",
             "weights/names.py: module_weights",
             "parameters in state_dict order without state_dict()'s FSDP2 hooks",

@@ -146,8 +146,9 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -
     for t in tensors:
         if t is None or t.device.type == "meta":
             continue
-        if hasattr(t, "to_local"):
-            t = t.to_local()
+        if hasattr(t, "to_local"):  # a DTensor: its local shard, read cheaply where this torch keeps it
+            local = getattr(t, "_local_tensor", None)
+            t = local if isinstance(local, torch.Tensor) else t.to_local()
         s = t.untyped_storage()
         key = (str(t.device), s.data_ptr())
         if s.data_ptr() == 0 or key in seen:

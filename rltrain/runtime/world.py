@@ -175,7 +175,7 @@ class World:
         env: DistEnv | None = None,
         backend: str = "auto",
         timeout: timedelta | float = 600.0,
-        reload: bool = True,
+        reload: bool | str = True,
         async_destroy: bool = True,
         keep_cpu_groups: bool = True,
     ):
@@ -186,7 +186,11 @@ class World:
         if backend == "nccl" and not torch.cuda.is_available():
             raise WorldError("world.backend=nccl needs CUDA, and no CUDA device is visible; use gloo or auto")
         self.backend = backend
-        self.reload = reload_setting(reload, os.environ.get(RELOAD_ENV))
+        # auto: tear down and rebuild only what holds accelerator memory (NCCL); a gloo world
+        # frees nothing by going down, and its cycle would cost every step for nothing.
+        self.reload = reload_setting(
+            backend == "nccl" if reload == "auto" else bool(reload), os.environ.get(RELOAD_ENV)
+        )
         self.async_destroy = async_destroy
         # Gloo subgroups hold no accelerator memory: kept across destroy/rebuild (kept_groups.py).
         self.keep_cpu_groups = keep_cpu_groups

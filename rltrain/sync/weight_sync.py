@@ -111,7 +111,7 @@ class WeightSync:
             (len(self.receivers),),
             experts,
             engine_layouts(self.receivers) if experts else (),
-            per_rank_payloads=cfg.sync.transport == "tensor" and tp_size > 1,
+            per_rank_payloads=cfg.sync_transport == "tensor" and tp_size > 1,
         )
         self.plan: SyncPlan = build_plan(weights, topology, cfg.sync.bucket_mb << 20, engine_names, aliases)
         if self.plan.engine_ep_ranks is not None and len(self.plan.engine_ep_ranks) != tp_size:
@@ -131,7 +131,7 @@ class WeightSync:
         self.probe = verify.probe_tokens(model_cfg.vocab_size, cfg.sync.probe_tokens) if cfg.sync.probe_tokens else []
         self.tp_group = tp_group
         self.transport: Transport = make_transport(
-            cfg.sync.transport,
+            cfg.sync_transport,
             SyncContext(
                 cfg=cfg.sync,
                 world=world,
@@ -166,7 +166,7 @@ class WeightSync:
             sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
         except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
             error, sent = (
-                f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync.transport} failed: {e}",
+                f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync_transport} failed: {e}",
                 0,
             )
         errors = self.world.bridge.all_gather_object(error, phase="sync")
@@ -176,7 +176,7 @@ class WeightSync:
         log.debug(
             "synced version %s by %s: %d bytes in %.3fs",
             version,
-            self.cfg.sync.transport,
+            self.cfg.sync_transport,
             sent,
             time.perf_counter() - t0,
         )
@@ -211,14 +211,15 @@ class WeightSync:
         try:
             for r, client in enumerate(self.receivers):
                 name = self._name(r)
-                served = client.weight_version()
+                # The checksum report carries the version it was taken at: one request, not two.
+                rep = client.weights_checksum() if check and self.leader and self.caps.checksums else None
+                served = rep["weight_version"] if rep is not None else client.weight_version()
                 if served != version:
                     stale.append(f"{name} serves weight version {served!r} after loading {version!r}")
                     continue
                 if not (check and self.leader):
                     continue
-                if self.caps.checksums:
-                    rep = client.weights_checksum()
+                if rep is not None:
                     # An engine over several TP ranks checksums each (what that rank holds); one
                     # of one rank, all it owns.
                     for e in rep.get("ranks") or [{"tp_rank": 0, **rep}]:

@@ -56,6 +56,9 @@ from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoin
 log = logging.getLogger("rltrain.trainer")
 
 GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: above a sync bucket (512 MiB)
+# On the CPU a gather's staging buffer is fresh pages, dear per byte, and a gloo call is dear per
+# call: chunks this small keep the pages few and still gather a small model in one call.
+GATHER_BYTES_CPU = 8 << 20
 
 
 class LogprobHead(torch.nn.Linear):
@@ -223,6 +226,9 @@ class FSDPTrainer:
             betas=(self.cfg.beta1, self.cfg.beta2),
             eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
+            # On the CPU the fused kernel: the foreach path dispatches op by op over FSDP2's
+            # DTensors (a quickstart step's clip + optimizer step 19 -> 7 ms). GPUs keep foreach.
+            fused=True if self.device.type == "cpu" else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step)
@@ -468,8 +474,8 @@ class FSDPTrainer:
             if unknown:
                 raise KeyError(f"no trainer weight is named {unknown[:5]}")
             sources = list(dict.fromkeys(source_of[n] for n in names))
-        # On GPUs one all-gather per chunk of parameters; on the CPU one per parameter (full_tensors).
-        budget = GATHER_BYTES if self.device.type == "cuda" else 0
+        # One all-gather per chunk of parameters (full_tensors), smaller chunks on the CPU.
+        budget = GATHER_BYTES if self.device.type == "cuda" else GATHER_BYTES_CPU
         for chunk in _gather_chunks(sources, module_tensors, budget):
             with torch.no_grad():
                 fulls = full_tensors([module_tensors[src] for src in chunk])

@@ -32,7 +32,9 @@ from rltrain.batch import TrainBatch, idle_batch
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.kernels import logprobs_entropy
 
-STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old")  # the order of `micro_loss`'s statistics
+# The order of `micro_loss`'s statistics; engine_diff: |log-prob - engine's| summed over the loss
+# tokens, where the training forward is the old log-probs' (`AlgoConfig.old_logp_from_training`).
+STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "engine_diff", "engine_tokens")
 
 LogProbs = tuple[torch.Tensor, torch.Tensor | None]  # [B, L] log-probs, and entropies when asked
 
@@ -205,9 +207,12 @@ def micro_loss(
     loss_cfg: PolicyLossConfig,
     normalizer: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of one micro-batch and its token-weighted statistics (in `STATS` order)."""
-    assert mb.old_logp is not None and mb.advantages is not None
-    pg, stats = policy_loss(logp, mb.old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
+    """The loss of one micro-batch and its token-weighted statistics (in `STATS` order). Without
+    `mb.old_logp` the old log-probs are this forward's, detached (one optimizer step per batch:
+    the same weights), and the distance to the engine's log-probs is measured here."""
+    assert mb.advantages is not None
+    old_logp = mb.old_logp if mb.old_logp is not None else logp.detach()
+    pg, stats = policy_loss(logp, old_logp, mb.advantages, mb.loss_mask, loss_cfg, mb.rollout_logp, normalizer)
     loss = pg
     kl_sum = torch.zeros((), device=logp.device)
     if algo.entropy_coef:
@@ -218,6 +223,10 @@ def micro_loss(
             loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
         kl_sum = (kl.detach() * mb.loss_mask).sum()
     w = mb.loss_mask.sum()
+    engine_diff = engine_tokens = torch.zeros((), device=logp.device)
+    if mb.old_logp is None and mb.rollout_logp is not None:
+        engine_diff = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum()
+        engine_tokens = w
     acc = torch.stack(
         [
             loss.detach(),
@@ -226,6 +235,8 @@ def micro_loss(
             (ent.detach() * mb.loss_mask).sum(),
             stats["clip_frac"].detach() * w,
             stats["approx_kl_old"].detach() * w,
+            engine_diff,
+            engine_tokens,
         ]
     ).double()
     return loss, acc
@@ -236,8 +247,8 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
     acc = acc.to(device=backend.device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(acc, group=backend.data_group())
-    loss_sum, pg_sum, kl, ent, clip, akl = acc.tolist()
-    return {
+    loss_sum, pg_sum, kl, ent, clip, akl, engine_diff, engine_tokens = acc.tolist()
+    out = {
         "loss": loss_sum,
         "pg_loss": pg_sum,
         "kl": kl / total_tokens,
@@ -246,6 +257,9 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
         "approx_kl_old": akl / total_tokens,
         "grad_norm": float(grad_norm),
     }
+    if engine_tokens:
+        out["logp_diff_engine_trainer"] = engine_diff / engine_tokens
+    return out
 
 
 @torch.no_grad()

@@ -318,13 +318,16 @@ class NativeEngine:
                     seed = None if p.sampling_seed is None else p.sampling_seed + j  # one stream per sample
                     rows.append(_Row(req, prompt, i, j, seed, p))
         B = len(rows)
-        lengths = [len(r.prompt) for r in rows]
-        L = max(lengths)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        mask = torch.zeros(B, L, dtype=torch.long)
-        for b, r in enumerate(rows):
-            ids[b, L - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[b, L - len(r.prompt) :] = 1
+        # Each distinct prompt is prefilled once: the n samples of a prompt (rows of their own,
+        # with their own seeds) then start from its logits and its KV cache, copied per row.
+        unique: dict[tuple[int, ...], int] = {}
+        of_row = [unique.setdefault(tuple(r.prompt), len(unique)) for r in rows]
+        L = max(len(p) for p in unique)
+        ids = torch.zeros(len(unique), L, dtype=torch.long)
+        mask = torch.zeros(len(unique), L, dtype=torch.long)
+        for u, prompt in enumerate(unique):
+            ids[u, L - len(prompt) :] = torch.tensor(prompt)
+            mask[u, L - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         temps = torch.tensor([r.params.temperature for r in rows], device=self.device, dtype=torch.float32)
@@ -336,6 +339,11 @@ class NativeEngine:
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_logits_only)
         past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
+        if len(unique) < B:  # one row per sample again (transformers' public cache reorder, as beam search uses)
+            rows_of = torch.tensor(of_row, device=self.device)
+            logits, mask, pos = logits[rows_of], mask[rows_of], pos[rows_of]
+            if any(m > 1 for m in max_new):
+                past.reorder_cache(rows_of)
         plan = _SamplingPlan(rows, logits.shape[-1], self.device)
         shaper = _LogitShaper(rows, stops, logits.shape[-1], self.device)
         step = 0

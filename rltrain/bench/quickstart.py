@@ -1,0 +1,125 @@
+"""Benchmark: the CPU quickstart end to end — the fixed cost of a step, start-up and shutdown.
+
+    python -m rltrain.bench.quickstart                     # the README's quickstart: 800 steps, 2 ranks
+    python -m rltrain.bench.quickstart --steps 200 trainer.lr=0.003   # overrides after the flags
+
+Runs `torchrun --nproc-per-node=2 -m rltrain --config configs/quickstart.yaml` in a fresh run
+directory (the tiny model built there) and reads its metrics. Per step, medians over the steps
+after the first five:
+  compute        rollout + old log-probs + train: the step's own work, the floor of any step
+  switches       world destroy/rebuild, engine release and resumes, trainer onload/offload and the
+                 weight sync with its checks (version, checksum): what moving between phases costs
+  probe          the awake engines score the probe against the trainer (the sync's last check)
+  rest           the step minus every timed phase: metrics, stop agreement, checkpoint bookkeeping
+  fixed          the step minus its compute
+and once: start-up (launch to the first step's start), shutdown (the last step's end to exit,
+plots included), and the mean reward of the last 20 steps (the quickstart must still learn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+COMPUTE = ("rollout", "logprobs", "train")
+SWITCHES = (
+    "engine_release",
+    "world_rebuild",
+    "trainer_onload",
+    "engine_resume_weights",
+    "sync",
+    "world_destroy",
+    "trainer_offload",
+    "engine_resume_kv",
+)
+
+
+def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float, float]:
+    """The quickstart's metrics rows, and the launch and exit wall times."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "rltrain",
+        "--config",
+        str(repo / "configs" / "quickstart.yaml"),
+        f"run.dir={root}",
+        f"model.path={root / 'base_model'}",
+        f"loop.steps={steps}",
+        "metrics.progress_bar=false",
+        *overrides,
+    ]
+    log = root / "quickstart.log"
+    t0 = time.time()
+    with open(log, "w") as out:
+        r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env={**os.environ})
+    t1 = time.time()
+    if r.returncode != 0:
+        raise SystemExit(
+            f"the quickstart failed (exit {r.returncode}):\n" + "\n".join(log.read_text().splitlines()[-30:])
+        )
+    rows = [json.loads(line) for line in (root / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    return rows, t0, t1
+
+
+def summarize(rows: list[dict], t0: float, t1: float) -> dict[str, float]:
+    steady = rows[5:] if len(rows) > 10 else rows
+    med = lambda f: statistics.median(f(r) for r in steady)  # noqa: E731
+    timed = lambda r: sum(v for k, v in r["time"].items() if k != "step")  # noqa: E731
+    out = {
+        "step": med(lambda r: r["time"]["step"]),
+        **{p: med(lambda r, p=p: r["time"].get(p, 0.0)) for p in COMPUTE},
+        "compute": med(lambda r: sum(r["time"].get(p, 0.0) for p in COMPUTE)),
+        "switches": med(lambda r: sum(r["time"].get(p, 0.0) for p in SWITCHES)),
+        "sync": med(lambda r: r["time"].get("sync", 0.0)),
+        "probe": med(lambda r: r["time"].get("sync_probe", 0.0)),
+        "rest": med(lambda r: r["time"]["step"] - timed(r)),
+        "fixed": med(lambda r: r["time"]["step"] - sum(r["time"].get(p, 0.0) for p in COMPUTE)),
+        "start-up": rows[0]["wall"] - rows[0]["time"]["step"] - t0,
+        "shutdown": t1 - rows[-1]["wall"],
+        "reward, last 20 steps": statistics.mean(r["reward_mean"] for r in rows[-20:]),
+        "wall": t1 - t0,
+    }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--keep", default="", help="run in this directory and keep it")
+    ap.add_argument("overrides", nargs="*", help="key=value config overrides for the quickstart")
+    a = ap.parse_args(argv)
+    root = Path(a.keep or tempfile.mkdtemp(prefix="rltrain-bench-quickstart-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows, t0, t1 = run(root, a.steps, a.overrides)
+    s = summarize(rows, t0, t1)
+    print(
+        f"# rltrain.bench.quickstart  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
+        f"{os.cpu_count()} CPUs; {a.steps} steps, 2 ranks; medians over steps 6..{a.steps}"
+    )
+    print(f"# limit: the step's own compute (rollout + log-probs + train), {s['compute'] * 1e3:.1f} ms")
+    for key in ("step", "compute", *COMPUTE, "switches", "sync", "probe", "rest", "fixed"):
+        share = f"{s[key] / s['step']:6.1%} of the step" if key != "step" else ""
+        print(f"{key:>24s} {s[key] * 1e3:9.1f} ms  {share}")
+    for key in ("start-up", "shutdown", "wall"):
+        print(f"{key:>24s} {s[key]:9.1f} s")
+    print(f"{'reward, last 20 steps':>24s} {s['reward, last 20 steps']:9.3f}")
+    print(f"run directory: {root / 'quickstart'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
