@@ -20,7 +20,7 @@ from test_loop import run_quickstart
 from test_trainer import fixed_batch, make_trainer, one_step
 
 # Metrics that must repeat exactly; timings, rates and memory legitimately differ between runs.
-VARIABLE = {"time", "memory", "rollout_tokens_per_s", "train_tokens_per_s"}
+VARIABLE = {"time", "memory", "wall", "rollout_tokens_per_s", "train_tokens_per_s"}
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -40,7 +40,8 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
-DET = ("engine.deterministic=true", "rollout.max_new_tokens=2", "loop.steps=4")
+# (weights by disk: each version's files are what the runs are compared by)
+DET = ("engine.deterministic=true", "rollout.max_new_tokens=2", "loop.steps=4", "sync.transport=disk")
 
 
 @pytest.fixture(scope="module")
