@@ -30,17 +30,10 @@ from pathlib import Path
 
 import torch
 
+from rltrain.bench import e2e
+
 COMPUTE = ("rollout", "logprobs", "train")
-SWITCHES = (
-    "engine_release",
-    "world_rebuild",
-    "trainer_onload",
-    "engine_resume_weights",
-    "sync",
-    "world_destroy",
-    "trainer_offload",
-    "engine_resume_kv",
-)
+SWITCHES = tuple(p for p in e2e.SWITCHES if p != "sync_probe")  # the probe is reported on its own
 
 
 def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float, float]:

@@ -169,17 +169,13 @@ INT64 = (-(2**63), 2**63 - 1)
 def parse_generate(body: dict[str, Any], limits: Limits) -> Generate:
     """A /generate body, checked field by field (see the module docstring); `BadRequest` names
     the first field that is wrong."""
-    for key, value in body.items():
-        if key in IMPLEMENTED or key in NO_EFFECT:
-            continue
-        if key in AT_DEFAULT_ONLY:
-            if _is_default(value):
-                continue
-            why = AT_DEFAULT_ONLY[key]
-            raise BadRequest(
-                f"not supported by the embedded engine: {key}={_show(value)}" + (f" ({why})" if why else "")
-            )
-        raise BadRequest(f"unknown field {key!r} in a /generate request (SGLang's GenerateReqInput has no such field)")
+    _known_fields(
+        body,
+        "",
+        IMPLEMENTED + NO_EFFECT,
+        AT_DEFAULT_ONLY,
+        "in a /generate request (SGLang's GenerateReqInput has no such field)",
+    )
     prompts, batched = _prompts(body.get("input_ids"), limits.vocab_size)
     params = _sampling(body.get("sampling_params"), len(prompts), limits.vocab_size)
     stated = _states_max_new_tokens(body.get("sampling_params"), len(prompts))
@@ -243,20 +239,26 @@ def _sampling(sp: Any, prompts: int, vocab: int) -> list[SamplingParams]:
     raise BadRequest(f"sampling_params={_show(sp)}: expected an object, or a list of one object per prompt")
 
 
-def _sampling_one(d: dict[str, Any], where: str, vocab: int) -> SamplingParams:
+def _known_fields(
+    d: dict[str, Any], where: str, taken: tuple[str, ...], at_default: dict[str, str], unknown: str
+) -> None:
+    """Every key of `d` is taken, or an SGLang field at its default value; `BadRequest` names the
+    first that is neither (`where`: the object's place in the request, "" for the body)."""
+    prefix = f"{where}." if where else ""
     for key, value in d.items():
-        if key in SAMPLING_IMPLEMENTED or key in SAMPLING_NO_EFFECT:
+        if key in taken or (key in at_default and _is_default(value)):
             continue
-        if key in SAMPLING_AT_DEFAULT_ONLY:
-            if _is_default(value):
-                continue
-            why = SAMPLING_AT_DEFAULT_ONLY[key]
+        if key in at_default:
+            why = at_default[key]
             raise BadRequest(
-                f"not supported by the embedded engine: {where}.{key}={_show(value)}" + (f" ({why})" if why else "")
+                f"not supported by the embedded engine: {prefix}{key}={_show(value)}" + (f" ({why})" if why else "")
             )
-        raise BadRequest(
-            f"unknown field {key!r} in {where}; expected one of {', '.join(SAMPLING_IMPLEMENTED + SAMPLING_NO_EFFECT)}"
-        )
+        raise BadRequest(f"unknown field {key!r} {unknown}")
+
+
+def _sampling_one(d: dict[str, Any], where: str, vocab: int) -> SamplingParams:
+    taken = SAMPLING_IMPLEMENTED + SAMPLING_NO_EFFECT
+    _known_fields(d, where, taken, SAMPLING_AT_DEFAULT_ONLY, f"in {where}; expected one of {', '.join(taken)}")
     # max_new_tokens: SGLang's default 128 when absent; null: as many as the context leaves.
     max_new = SamplingParams().max_new_tokens
     if "max_new_tokens" in d:
