@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from conftest import start_engine
 from models import engine_greedy, hf_greedy
+from rltrain.generation import SamplingParams
 from rltrain.weights import bucket as tensor_payload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -357,3 +358,84 @@ def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_
     assert (ent_a[mask] - ent_b[mask]).abs().mean() < 0.03
     assert sa["grad_norm"] == pytest.approx(sb["grad_norm"], rel=0.05)
     assert sa["entropy"] == pytest.approx(sb["entropy"], rel=0.02)
+
+
+# ---------------------------------------------------------------------- the paged engine (#30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_decode_kernel_matches_the_reference(dtype):
+    from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
+
+    torch.manual_seed(0)
+    B, kvh, groups, D, P, pool = 37, 8, 2, 128, 64, 300
+    k = torch.randn(pool, kvh, P, D, device="cuda", dtype=dtype)
+    v = torch.randn(pool, kvh, P, D, device="cuda", dtype=dtype)
+    lens = torch.randint(1, 6 * P, (B,), device="cuda", dtype=torch.int32)
+    table = torch.randint(1, pool, (B, 8), device="cuda", dtype=torch.int32)
+    q = torch.randn(B, kvh * groups, D, device="cuda", dtype=dtype)
+    out = paged_decode_attention(q, k, v, table, lens, D**-0.5)
+    ref = reference_paged_decode_attention(q.double(), k.double(), v.double(), table, lens, D**-0.5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert (out.double() - ref).abs().max() < tol
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
+    """The paged path on the GPU (CUDA graphs replayed, Triton decode attention, continuous
+    batching) against transformers' own cache in the same engine class: greedy tokens equal
+    (fp32: and transformers' greedy), log-probs equal to float rounding; seeded samples too."""
+    from rltrain.engine.native.engine import NativeEngine
+
+    hf = NativeEngine(str(model_a), device="cuda", dtype=dtype, decode="hf")
+    paged = NativeEngine(str(model_a), device="cuda", dtype=dtype, decode="paged")
+    try:
+        assert paged.decoder is not None and paged.decoder.cuda_graphs
+        prompts = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64, [4, 4]]
+        tol = 1e-4 if dtype == "float32" else 0.05
+        for params in (
+            SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_new_tokens=24, temperature=1.0, n=3, sampling_seed=7, ignore_eos=True),
+        ):
+            a = hf.submit(prompts, params, True).result(timeout=300)
+            b = paged.submit(prompts, params, True).result(timeout=300)
+            if dtype == "float32":
+                assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b]
+            for x, y in zip(a, b):
+                la = [t[0] for t in x["meta_info"]["output_token_logprobs"]]
+                lb = [t[0] for t in y["meta_info"]["output_token_logprobs"]]
+                same = next((i for i, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])) if s != t), len(la))
+                assert same > 0 and lb[:same] == pytest.approx(la[:same], abs=tol)
+        if dtype == "float32":
+            greedy = paged.submit(prompts, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True), False)
+            assert [x["output_ids"] for x in greedy.result(timeout=300)] == hf_greedy(model_a, prompts, 8)
+        assert paged.decoder.stats["graph_captures"] > 0
+        plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        before = [x["output_ids"] for x in paged.submit(prompts, plain, False).result(timeout=300)]
+        m0 = paged.memory_report()
+        paged.release(["kv_cache", "cuda_graph"])
+        m1 = paged.memory_report()
+        assert m0["kv_cache_bytes"] > 0 and m1["kv_cache_bytes"] == 0
+        assert m0["cuda_reserved"] - m1["cuda_reserved"] >= m0["kv_cache_bytes"]
+        paged.resume(["kv_cache", "cuda_graph"])
+        assert [x["output_ids"] for x in paged.submit(prompts, plain, False).result(timeout=300)] == before
+    finally:
+        hf.shutdown()
+        paged.shutdown()
+
+
+def test_cuda_seeded_draw_kernel_picks_what_the_torch_ops_pick():
+    """The fused seeded draw (kernels/triton_sampling.py) against sampling.py's torch ops on the
+    same device: the same token for every row, -inf columns and all-(-inf) rows included."""
+    from rltrain.engine.native.sampling import _row_hash, seeded_uniform
+    from rltrain.kernels.triton_sampling import seeded_argmax
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 151936, device="cuda")
+    x[1, :1000] = float("-inf")
+    x[2] = float("-inf")
+    seeds = torch.randint(-(2**62), 2**62, (64,), device="cuda")
+    steps = torch.randint(0, 4096, (64,), device="cuda")
+    u = seeded_uniform(seeds, steps, x.shape[1])
+    ref = torch.argmax(x - torch.log(-torch.log(u)).float(), dim=-1)
+    assert torch.equal(seeded_argmax(x, _row_hash(seeds, steps)), ref)

@@ -161,7 +161,7 @@ def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
 def test_seeded_sampling_noise_is_uniform_and_samples_the_softmax():
     """The counter-based noise behind seeded sampling: uniform, different per step and seed, and
     its Gumbel-max draws follow the softmax."""
-    from rltrain.engine.native.engine import seeded_uniform
+    from rltrain.engine.native.sampling import seeded_uniform
 
     seeds = torch.arange(40000) * 1_000_003 + 12345
     u = seeded_uniform(seeds, step=3, vocab=8)

@@ -3,14 +3,19 @@
     python -m rltrain.bench.engine                         # CPU: embedded engine, SGLang (if installed), HF
     python -m rltrain.bench.engine --device cuda --hidden 2048 --layers 8 --prompts 256
     python -m rltrain.bench.engine --device cuda --engine sglang native --sglang-args "--attention-backend triton"
+    python -m rltrain.bench.engine --device cuda --shape 1.7b --prompts 512 --prompt-len 24 40 --new-tokens 256 \
+        --engine native native-hf                       # #30's shape: the paged path against the plain one
 
-A Qwen2-shaped model with random weights is built locally (no downloads). Every engine gets
-the same prompts and sampling settings (temperature 1, fixed output length); the baseline is
-transformers' own batched `generate` on the same model and device in the same run (the
-baseline each engine is compared with). On CUDA the decode memory-bandwidth limit of the
-workload is computed from the model and the device's copy bandwidth measured in the same run
-(`rltrain.bench.limits`). Then each engine's release/resume latency, as the loop does it (every
-region, after a pause), and the memory it frees (RSS on CPU; on CUDA the device's, read through
+A Qwen2-shaped model (or with --shape a Qwen3 one of bench.trainers' shapes) with random weights
+is built locally (no downloads). Every engine gets the same prompts and sampling settings
+(temperature 1, fixed output length); the baseline is transformers' own batched `generate` with
+its static KV cache on the same model and device in the same run (the baseline each engine is
+compared with). `native` is the embedded engine as configured by default (on CUDA its paged,
+graph-replayed path), `native-hf` the same engine on transformers' own cache (`--decode hf`).
+On CUDA the decode memory-bandwidth limit of the workload is computed from the model and the
+device's copy bandwidth measured in the same run (`rltrain.bench.limits`).
+Then each engine's release/resume latency, as the loop does it (every region, after a pause),
+and the memory it frees (RSS on CPU; on CUDA the device's, read through
 NVML as the loop's ledger reads it).
 """
 
@@ -56,7 +61,7 @@ def build_model(path: Path, hidden: int, layers: int, vocab: int, dtype: torch.d
 
 
 def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype) -> float:
-    """Tokens/s of transformers' batched sampling on the same prompts (left-padded, KV cache)."""
+    """Tokens/s of transformers' batched sampling on the same prompts (left-padded, static KV cache)."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
@@ -68,6 +73,7 @@ def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: s
         mask[i, L - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     kw = dict(
+        cache_implementation="static",
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=True,
@@ -110,7 +116,7 @@ def _start(
     kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int, a: argparse.Namespace
 ) -> tuple[EngineProcess, EngineClient]:
     cfg = EngineConfig(
-        backend=kind,
+        backend="native" if kind == "native-hf" else kind,
         device=device,
         dtype=dtype,
         max_batch_size=max_batch,
@@ -122,6 +128,8 @@ def _start(
     if kind == "sglang" and device != "cpu":
         cfg.mem_fraction_static = a.mem_fraction
         cfg.extra_args = shlex.split(a.sglang_args)
+    if kind == "native-hf":
+        cfg.extra_args = ["--decode", "hf"]
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
         cfg.extra_args = ["--max-total-tokens", "65536"]
@@ -160,7 +168,7 @@ def release_cycle(kind: str, proc: EngineProcess, client: EngineClient, device: 
         client.pause("abort")
         client.release(NodeEngine.REGIONS)
     else:
-        client.release(["weights", "kv_cache"])
+        client.release(["weights", "kv_cache", "cuda_graph"])
     t_rel = time.perf_counter() - t0
     after = _process_memory(proc.proc.pid, device)
     t0 = time.perf_counter()
@@ -169,7 +177,7 @@ def release_cycle(kind: str, proc: EngineProcess, client: EngineClient, device: 
         client.resume(["kv_cache", "cuda_graph"])
         client.continue_generation()
     else:
-        client.resume(["weights", "kv_cache"])
+        client.resume(["weights", "kv_cache", "cuda_graph"])
     t_res = time.perf_counter() - t0
     return t_rel, t_res, before, after, _process_memory(proc.proc.pid, device)
 
@@ -185,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
-        "--engine", "--engines", dest="engines", nargs="+", default=["native", "sglang"], choices=["native", "sglang"]
+        "--engine",
+        "--engines",
+        dest="engines",
+        nargs="+",
+        default=["native", "sglang"],
+        choices=["native", "native-hf", "sglang"],
     )
+    ap.add_argument("--shape", default=None, choices=["tiny", "0.6b", "1.7b"], help="a Qwen3 shape (bench.trainers)")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static on CUDA")
     a = ap.parse_args(argv)
@@ -195,7 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab, dtype)
+        if a.shape:
+            from rltrain.bench.trainers import SHAPES, build
+
+            a.vocab = SHAPES[a.shape][-1]
+            prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(len(p))] for p in prompts]
+            model = build(Path(tmp) / "model", a.shape, torch.device(a.device))
+            if dtype != torch.bfloat16:
+                import transformers
+
+                transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).save_pretrained(model)
+        else:
+            model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab, dtype)
         n_params = (
             sum(f.stat().st_size for f in model.glob("*.safetensors")) / torch.tensor([], dtype=dtype).element_size()
         )
@@ -204,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
             f"({torch.cuda.get_device_name() if a.device.startswith('cuda') else f'{os.cpu_count()} cpus'})"
         )
         print(
-            f"model: Qwen2-shaped, hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}, "
+            f"model: {f'Qwen3 {a.shape}' if a.shape else f'Qwen2-shaped, hidden {a.hidden}, {a.layers} layers'}, "
+            f"vocab {a.vocab}, "
             f"{n_params / 1e6:.1f}M params, {dtype_name}; {a.prompts} prompts of {a.prompt_len[0]}-{a.prompt_len[1]} "
             f"tokens, {a.new_tokens} new tokens each"
         )
         rows = [
             (
-                "transformers generate (baseline, same run)",
+                "transformers generate, static cache (baseline)",
                 hf_generate(model, prompts, a.new_tokens, a.device, dtype),
                 0,
             )
@@ -227,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
                 rows.append((f"{kind} engine over HTTP", tps, failed))
-                if a.device != "cpu" or kind == "native":  # SGLang releases memory on CUDA only
+                if a.device != "cpu" or kind != "sglang":  # SGLang releases memory on CUDA only
                     release_rows.append((kind, *release_cycle(kind, proc, client, a.device)))
                     engine_rollout(client, prompts[:4], 4, 1)  # and generates after it
             finally:

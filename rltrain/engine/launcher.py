@@ -114,6 +114,10 @@ def server_command(
             "--parent-pid",
             str(os.getpid()),
         ]
+        if device != "cpu":  # the paged KV cache's share of the GPU, as SGLang's
+            cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+            if cfg.compile:
+                cmd.append("--enable-torch-compile")
         if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/native/engine.py)
             cmd += ["--tp-size", str(tp_size)]
         if cfg.deterministic:

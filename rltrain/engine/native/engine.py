@@ -1,15 +1,19 @@
 """The embedded engine's model side: batched sampling with a KV cache, memory release, weight loads.
 
-One scheduler thread owns the model. Requests queue up; the scheduler takes everything queued
-(up to `max_batch_size` sequences, each prompt expanded into its `n` samples), left-pads the
-prompts, prefills once and decodes step by step with the HF KV cache, then answers every request
-of the batch. Per-token log-probs are those of the distribution the token was sampled from
-(log_softmax of logits / temperature; raw logits for greedy), as SGLang returns them.
+One scheduler thread owns the model. Requests queue up, and one of two paths generates:
+- on CUDA (or `decode="paged"`), paged.py: a paged KV cache allocated once, decode steps replayed
+  as CUDA graphs, continuous batching (rows leave when done, queued requests join between steps);
+- otherwise (the CPU default, `decode="hf"`, or a model the paged path cannot run), `_generate`:
+  the scheduler takes everything queued (up to `max_batch_size` sequences, each prompt expanded
+  into its `n` samples), left-pads the distinct prompts, prefills each once and decodes step by
+  step with transformers' own cache, then answers every request of the batch.
+Both sample as sampling.py says; per-token log-probs are those of the distribution the token was
+sampled from (log_softmax of logits / temperature; raw logits for greedy), as SGLang returns them.
 
 Memory. `release(["weights"])` backs the weights up (pinned host memory on GPU, a safetensors
 file on CPU — so the process's RSS really drops), then frees every parameter; `resume` restores
-them. `release(["kv_cache"])` drops the allocator's cached blocks (the KV cache of the last batch)
-and refuses generation until resumed. Generating while released is an error, never garbage.
+them. `release(["kv_cache"])` drops the KV pool (paged) or the allocator's cached blocks (the KV
+cache of the last batch) and refuses generation until resumed. Generating while released is an error, never garbage.
 """
 
 from __future__ import annotations
@@ -21,9 +25,8 @@ import queue
 import shutil
 import threading
 import time
-import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rltrain.engine.native.paged import PagedDecoder, unsupported
+from rltrain.engine.native.rows import GenRequest
+from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
@@ -53,32 +59,6 @@ class EngineStateError(RuntimeError):
     """The request cannot run in the engine's current state (released, paused, no weights)."""
 
 
-@dataclass
-class GenRequest:
-    """Prompts with one `SamplingParams` each (the same n): sample j of prompt i is seeded with
-    `params[i].sampling_seed + j` when seeded. `ids`: each sample's meta_info id, prompt-major."""
-
-    input_ids: list[list[int]]
-    params: list[SamplingParams]
-    return_logprob: bool
-    ids: list[str] | None = None
-    future: Future = field(default_factory=Future)
-    received: float = field(default_factory=time.time)
-
-
-@dataclass
-class _Row:
-    req: GenRequest
-    prompt: list[int]
-    prompt_index: int
-    sample_index: int
-    seed: int | None  # this sample's sampling seed (None: the engine's shared generator)
-    params: SamplingParams
-    out: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-
-
 class NativeEngine:
     """A transformers causal LM behind a batching scheduler thread."""
 
@@ -96,6 +76,11 @@ class NativeEngine:
         ep_rank: int = 0,
         tp_size: int = 1,
         context_length: int = 0,
+        decode: str = "auto",
+        max_total_tokens: int = 0,
+        mem_fraction_static: float = 0.8,
+        cuda_graphs: bool = True,
+        compile: bool = False,
     ):
 
         self.model_path = model_path
@@ -118,6 +103,7 @@ class NativeEngine:
         forward = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._token_hash = token_hash_of(self.config.vocab_size, self.device)  # seeded sampling's, per token
         # The prefill computes logits for the last position only, where the model can.
         self._last_logits_only = {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
         # Released weights: backed up (pinned host memory on GPU, a file on CPU) and restored on
@@ -181,8 +167,51 @@ class NativeEngine:
         self._running.set()
         self._abort_inflight = threading.Event()
         self._stop = threading.Event()
+        self.decoder = self._paged_decoder(decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile)
         self._thread = threading.Thread(target=self._loop, name="rltrain-native-scheduler", daemon=True)
         self._thread.start()
+
+    def _paged_decoder(
+        self, decode: str, max_total_tokens: int, mem_fraction: float, cuda_graphs: bool, compile: bool
+    ) -> PagedDecoder | None:
+        """The paged path (paged.py) where asked for, or by default on CUDA where the model runs on
+        it: it must pass its start-up probe against transformers' own forward. None: the plain
+        transformers path (`_generate`), one batch at a time."""
+        if decode not in ("auto", "paged", "hf"):
+            raise ValueError(f"decode={decode!r}: expected auto, paged or hf")
+        if decode == "hf" or (decode == "auto" and self.device.type != "cuda"):
+            return None
+        why = unsupported(self.config)
+        if why is None:
+            decoder = PagedDecoder(
+                self.model,
+                self.device,
+                self.max_batch_size,
+                self.context_length,
+                max_total_tokens,
+                mem_fraction,
+                cuda_graphs,
+                compile,
+                self._generator,
+                self.token_hash,
+                self.eos_ids,
+                self.deterministic,
+            )
+            try:
+                diff = decoder.verify()
+                log.info(
+                    "paged decode (CUDA graphs %s, compiled blocks %s): probe within %.2g of transformers",
+                    decoder.cuda_graphs,
+                    bool(decoder._compiled),
+                    diff,
+                )
+                return decoder
+            except RuntimeError as e:
+                why = str(e)
+        if decode == "paged":
+            raise ValueError(f"--decode paged: {why}")
+        log.warning("paged decode off (%s): generating with transformers' own cache, one batch at a time", why)
+        return None
 
     # ------------------------------------------------------------------ scheduling
 
@@ -232,6 +261,10 @@ class NativeEngine:
             logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
         return logp.cpu().tolist()
 
+    def token_hash(self, vocab: int) -> torch.Tensor | None:
+        """Seeded sampling's token hash, kept for the model's vocabulary (None: another width)."""
+        return self._token_hash if self._token_hash.numel() == vocab else None
+
     def _check_can_generate(self) -> None:
         if self.released:
             raise EngineStateError(
@@ -243,6 +276,9 @@ class NativeEngine:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            if self.decoder is not None and self.decoder.waiting and self._running.is_set():
+                self._serve_paged()  # requests kept waiting by an abort
+                continue
             try:
                 first = self._queue.get(timeout=0.1)
             except queue.Empty:
@@ -250,6 +286,10 @@ class NativeEngine:
             if first is None:
                 break
             self._running.wait()
+            if self.decoder is not None:
+                self.decoder.waiting.append(first)
+                self._serve_paged()
+                continue
             batch, rows = [first], len(first.input_ids) * first.params[0].n
             while rows < self.max_batch_size and not self.deterministic:
                 try:
@@ -262,6 +302,30 @@ class NativeEngine:
                 batch.append(nxt)
                 rows += len(nxt.input_ids) * nxt.params[0].n
             self._run_batch(batch)
+
+    def _serve_paged(self) -> None:
+        """Continuous batching (paged.py) until nothing runs and nothing waits."""
+        assert self.decoder is not None
+
+        def take() -> GenRequest | None:
+            try:
+                req = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if req is None:
+                self._stop.set()
+            return req
+
+        def can_run(req: GenRequest) -> bool:
+            try:
+                self._check_can_generate()
+                return True
+            except EngineStateError as e:
+                req.future.set_exception(e)
+                return False
+
+        with self._model_lock, torch.no_grad():
+            self.decoder.serve(take, can_run, self._running, self._abort_inflight, lambda: self.weight_version)
 
     def _run_batch(self, batch: list[GenRequest]) -> None:
         """Run one batch; each request's future gets the list of its samples (prompt-major)."""
@@ -311,12 +375,7 @@ class NativeEngine:
     @torch.no_grad()
     def _generate(self, reqs: list[GenRequest]) -> list[list[dict[str, Any]]]:
         """Per request, its samples as SGLang result dicts, prompt-major."""
-        rows: list[_Row] = []
-        for req in reqs:
-            for i, (prompt, p) in enumerate(zip(req.input_ids, req.params)):
-                for j in range(p.n):
-                    seed = None if p.sampling_seed is None else p.sampling_seed + j  # one stream per sample
-                    rows.append(_Row(req, prompt, i, j, seed, p))
+        rows = [row for req in reqs for row in req.rows(self.eos_ids)]
         B = len(rows)
         # Each distinct prompt is prefilled once: the n samples of a prompt (rows of their own,
         # with their own seeds) then start from its logits and its KV cache, copied per row.
@@ -330,22 +389,19 @@ class NativeEngine:
             mask[u, L - len(prompt) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.params.temperature for r in rows], device=self.device, dtype=torch.float32)
-        max_new = [r.params.max_new_tokens or 0 for r in rows]
-        stops = [set(r.params.stop_token_ids or []) | (set() if r.params.ignore_eos else self.eos_ids) for r in rows]
-        for b, r in enumerate(rows):
-            if max_new[b] == 0:
-                r.finish = {"type": "length", "length": 0}
 
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **self._last_logits_only)
         past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
         if len(unique) < B:  # one row per sample again (transformers' public cache reorder, as beam search uses)
             rows_of = torch.tensor(of_row, device=self.device)
             logits, mask, pos = logits[rows_of], mask[rows_of], pos[rows_of]
-            if any(m > 1 for m in max_new):
+            if any(r.max_new > 1 for r in rows):
                 past.reorder_cache(rows_of)
-        plan = _SamplingPlan(rows, logits.shape[-1], self.device)
-        shaper = _LogitShaper(rows, stops, logits.shape[-1], self.device)
+        params = [r.params for r in rows]
+        plan = SamplingPlan(
+            params, [r.seed for r in rows], logits.shape[-1], self.device, self.token_hash(logits.shape[-1])
+        )
+        shaper = LogitShaper(params, [r.stops for r in rows], logits.shape[-1], self.device)
         step = 0
         while any(r.finish is None for r in rows):
             if not self._running.is_set():
@@ -355,18 +411,13 @@ class NativeEngine:
                             r.finish = {"type": "abort", "message": "generation paused with mode=abort"}
                     break
                 self._running.wait()
-            tokens, logps = self._sample(shaper.shape(logits, step), rows, plan, temps, step)
+            tokens, logps = sample(shaper.shape(logits, step), plan, step, self._generator)
             shaper.count(tokens)
             tok_list, lp_list = tokens.tolist(), logps.tolist()
             for b, r in enumerate(rows):
                 if r.finish is not None:
                     continue
-                r.out.append(tok_list[b])
-                r.logprobs.append(lp_list[b])
-                if tok_list[b] in stops[b]:
-                    r.finish = {"type": "stop", "matched": tok_list[b]}
-                elif len(r.out) >= max_new[b]:
-                    r.finish = {"type": "length", "length": len(r.out)}
+                r.append(tok_list[b], lp_list[b])
             step += 1
             if all(r.finish is not None for r in rows):
                 break
@@ -386,64 +437,8 @@ class NativeEngine:
         index = {id(req): k for k, req in enumerate(reqs)}
         now = time.time()
         for r in rows:
-            k = r.prompt_index * r.params.n + r.sample_index
-            # SGLang's meta_info keys, all of them (the contract test compares the key sets): this
-            # engine has no prefix cache, no retractions, no reasoning parser and one DP rank.
-            meta: dict[str, Any] = {
-                "id": r.req.ids[k] if r.req.ids is not None else uuid.uuid4().hex,
-                "finish_reason": r.finish,
-                "prompt_tokens": len(r.prompt),
-                "weight_version": self.weight_version,
-                "num_retractions": 0,
-            }
-            if r.req.return_logprob:
-                meta["input_token_logprobs"] = []  # (filled by the server when logprob_start_len >= 0)
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(r.logprobs, r.out)]
-                meta["output_token_logprobs_length"] = len(r.logprobs)
-            meta.update(
-                reasoning_tokens=0,
-                completion_tokens=len(r.out),
-                cached_tokens=0,
-                weight_versions=[{"version": self.weight_version, "start": 0, "end": len(r.out)}],
-                cached_tokens_details=None,
-                dp_rank=None,
-                e2e_latency=now - r.req.received,
-                response_sent_to_client_ts=now,
-            )
-            results[index[id(r.req)]].append({"output_ids": r.out, "meta_info": meta})
+            results[index[id(r.req)]].append(r.result(self.weight_version, now))
         return results
-
-    def _sample(
-        self, logits: torch.Tensor, rows: list[_Row], plan: _SamplingPlan, temps: torch.Tensor, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row, without a device sync per row: greedy rows take the argmax; seeded
-        rows the Gumbel-max of their filtered logits with noise that is a function of (seed,
-        step, token) alone (`seeded_uniform`), so a sample does not depend on its batch; the
-        rest draw from the shared generator. top-k / top-p / min-p filter only the rows that ask."""
-        scaled = logits / torch.where(temps == 0, torch.ones_like(temps), temps)[:, None]
-        logprobs_all = torch.log_softmax(scaled, dim=-1)
-        filtered = scaled.clone() if plan.filtered else scaled
-        for b in plan.filtered:
-            p = rows[b].params
-            if 0 < p.top_k < filtered.shape[-1]:
-                kth = torch.topk(filtered[b], p.top_k).values[-1]
-                filtered[b][filtered[b] < kth] = float("-inf")
-            if p.top_p < 1.0:
-                sorted_logits, order = torch.sort(filtered[b], descending=True)
-                cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-                drop = cum - torch.softmax(sorted_logits, -1) > p.top_p  # keep the token that crosses top_p
-                filtered[b][order[drop]] = float("-inf")
-            if p.min_p > 0:
-                probs = torch.softmax(filtered[b], -1)
-                filtered[b][probs < p.min_p * probs.max()] = float("-inf")
-        tokens = torch.argmax(logits, dim=-1)  # the greedy rows' answer; the others are overwritten
-        if plan.seeded is not None:
-            u = seeded_uniform(plan.seeds, step, logits.shape[-1], plan.token_hash)
-            tokens[plan.seeded] = torch.argmax(filtered[plan.seeded] - torch.log(-torch.log(u)).float(), dim=-1)
-        if plan.shared is not None:
-            probs = torch.softmax(filtered[plan.shared], dim=-1)
-            tokens[plan.shared] = torch.multinomial(probs, 1, generator=self._generator).squeeze(1)
-        return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
 
     # ------------------------------------------------------------------ memory
 
@@ -452,6 +447,8 @@ class NativeEngine:
         with self._model_lock:
             if "weights" in tags and "weights" not in self.released:
                 self._backup_and_free_weights()
+            if self.decoder is not None:  # graphs hold the weights' and the pool's addresses
+                self.decoder.free_memory(kv_cache="kv_cache" in tags, graphs=True)
             self.released |= set(tags)
             if self.device.type == "cuda":
                 free_cuda_caches()
@@ -543,6 +540,9 @@ class NativeEngine:
             "weight_bytes": weights,
             "rss_bytes": psutil.Process().memory_info().rss,
         }
+        kv = self.decoder.kv_bytes if self.decoder is not None else 0
+        if self.decoder is not None:
+            rep["kv_cache_bytes"] = kv  # the paged pool
         if self.device.type == "cuda":
             rep["host_pinned_bytes"] = all_pinned_host_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
@@ -551,8 +551,8 @@ class NativeEngine:
                 cuda_allocated=allocated,
                 cuda_reserved=reserved,
                 cuda_used=total - free,
-                kv_cache_bytes=reserved - allocated,
-                other_bytes=allocated - weights,
+                kv_cache_bytes=kv if self.decoder is not None else reserved - allocated,
+                other_bytes=allocated - weights - kv,
                 context_bytes=self.context_bytes,
             )
         return rep
@@ -827,8 +827,10 @@ class NativeEngine:
 
 
 def _tags(tags: list[str] | None) -> list[str]:
-    """SGLang's memory regions (None: all). This engine has no CUDA graphs: that region holds
-    nothing here, but is released and resumed like the others (generation waits for it)."""
+    """SGLang's memory regions (None: all). The paged path's CUDA graphs are dropped with any
+    region (they hold the weights' and the KV pool's addresses) and captured again when needed;
+    on the plain path that region holds nothing, but is released and resumed like the others
+    (generation waits for it)."""
     tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
     bad = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
     if bad:
@@ -852,103 +854,3 @@ def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_ptr.setdefault(p.data_ptr(), []).append(n)
     return [names for names in by_ptr.values() if len(names) > 1]
-
-
-class _SamplingPlan:
-    """What sampling a batch needs that stays the same at every decode step: which rows filter,
-    which are seeded (their seeds and the token half of the noise hash), which use the shared
-    generator. Built once per batch, off the per-token path."""
-
-    def __init__(self, rows: list[_Row], vocab: int, device: torch.device):
-        greedy = [r.params.temperature == 0 for r in rows]
-        self.filtered = [
-            b
-            for b, r in enumerate(rows)
-            if not greedy[b] and (0 < r.params.top_k < vocab or r.params.top_p < 1.0 or r.params.min_p > 0)
-        ]
-        seeded = [b for b, r in enumerate(rows) if r.seed is not None and not greedy[b]]
-        shared = [b for b, r in enumerate(rows) if r.seed is None and not greedy[b]]
-        self.seeded = torch.tensor(seeded, device=device) if seeded else None
-        self.seeds = torch.tensor([rows[b].seed for b in seeded], device=device) if seeded else None
-        self.token_hash = _token_hash(vocab, device) if seeded else None
-        self.shared = torch.tensor(shared, device=device) if shared else None
-
-
-class _LogitShaper:
-    """SGLang's logit processing before temperature, per row, for the rows that ask: frequency and
-    presence penalties (subtracted per occurrence / once, over the tokens generated so far),
-    the repetition penalty (a seen token's logit divided by it if positive, multiplied if
-    negative), min_new_tokens (the row's stop tokens at -inf until it has that many), then
-    logit_bias (added). Rows that ask for none of it cost nothing; counts are kept only when a
-    penalty needs them."""
-
-    def __init__(self, rows: list[_Row], stops: list[set[int]], vocab: int, device: torch.device):
-        self.counts = None
-        p = [r.params for r in rows]
-        if any(x.frequency_penalty or x.presence_penalty or x.repetition_penalty != 1 for x in p):
-            self.counts = torch.zeros(len(rows), vocab, device=device)
-        col = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
-        self.frequency = col([r.params.frequency_penalty for r in rows])
-        self.presence = col([r.params.presence_penalty for r in rows])
-        self.repetition = col([r.params.repetition_penalty for r in rows])
-        self.bias = None
-        if any(r.params.logit_bias for r in rows):
-            self.bias = torch.zeros(len(rows), vocab, device=device)
-            for b, r in enumerate(rows):
-                for token, value in (r.params.logit_bias or {}).items():
-                    self.bias[b, token] = value
-        # (row, its stop tokens, its min_new_tokens) for rows that must not stop yet
-        self.hold = [(b, sorted(t for t in stops[b] if t < vocab), r.params.min_new_tokens) for b, r in enumerate(rows)]
-        self.hold = [(b, ids, m) for b, ids, m in self.hold if m > 0 and ids]
-
-    def shape(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        """`logits` [rows, vocab] (float32) with the rows' penalties, holds and biases applied."""
-        out = logits
-        if self.counts is not None:
-            seen = self.counts > 0
-            out = out - self.frequency * self.counts - self.presence * seen
-            scaled = torch.where(out < 0, out * self.repetition, out / self.repetition)
-            out = torch.where(seen, scaled, out)
-        if self.bias is not None:
-            out = out + self.bias
-        held = [(b, ids) for b, ids, m in self.hold if step < m]
-        if held:
-            out = out.clone() if out is logits else out  # (the caller's tensor stays as it was)
-            for b, ids in held:
-                out[b, ids] = float("-inf")
-        return out
-
-    def count(self, tokens: torch.Tensor) -> None:
-        """The tokens just sampled (one per row) join the counts."""
-        if self.counts is not None:
-            self.counts.scatter_add_(1, tokens[:, None], torch.ones_like(tokens[:, None], dtype=self.counts.dtype))
-
-
-_M32 = 0xFFFFFFFF
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap in
-    int64; their low 32 bits, all that is kept, are exact)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
-def _token_hash(vocab: int, device: torch.device) -> torch.Tensor:
-    return _fmix32(torch.arange(vocab, device=device, dtype=torch.int64) * 0x27D4EB2F & _M32)
-
-
-def seeded_uniform(seeds: torch.Tensor, step: int, vocab: int, token_hash: torch.Tensor | None = None) -> torch.Tensor:
-    """[len(seeds), vocab] float64 uniforms in (0, 1), each a hash of (seed, step, token): the
-    counter-based noise of seeded sampling. Vectorised over rows, and independent of which
-    other rows are in the batch. `token_hash`: `_token_hash(vocab, device)`, when the caller
-    keeps it across steps."""
-    seeds = seeds.to(torch.int64)
-    s = _fmix32((seeds & _M32) ^ _fmix32((seeds >> 32) & _M32))
-    s = _fmix32(s ^ ((step * 0x9E3779B1 + 0x7F4A7C15) & _M32))
-    tok = token_hash if token_hash is not None else _token_hash(vocab, seeds.device)
-    h = _fmix32(s[:, None] ^ tok[None, :])
-    return (h.double() + 0.5) / 2.0**32

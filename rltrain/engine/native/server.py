@@ -619,6 +619,28 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="prompt + new tokens per sequence (SGLang's flag; 0: the model config's own)",
     )
+    ap.add_argument(
+        "--decode",
+        default="auto",
+        choices=["auto", "paged", "hf"],
+        help="paged: paged KV cache, CUDA graphs, continuous batching; hf: transformers' own cache, a batch at "
+        "a time; auto: paged on CUDA where the model passes its start-up probe, else hf",
+    )
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=0, help="tokens in the paged KV cache (0: from --mem-fraction-static)"
+    )
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.8,
+        help="share of the GPU for weights + paged KV cache, as SGLang's flag",
+    )
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="paged decode without CUDA graphs")
+    ap.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="paged decode with the transformer blocks torch.compiled (as SGLang's flag; compiles at start-up)",
+    )
     ap.add_argument("--max-body-mb", type=int, default=MAX_BODY_BYTES >> 20, help="largest request body taken")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -648,6 +670,11 @@ def main(argv: list[str] | None = None) -> int:
         ep_rank=args.ep_rank,
         tp_size=args.tp_size,
         context_length=args.context_length,
+        decode=args.decode,
+        max_total_tokens=args.max_total_tokens,
+        mem_fraction_static=args.mem_fraction_static,
+        cuda_graphs=not args.disable_cuda_graph,
+        compile=args.enable_torch_compile,
     )
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
     httpd = EngineHTTPServer(

@@ -1,0 +1,130 @@
+"""Triton kernel of `decode_attention.paged_decode_attention` (see there for the contract).
+
+One program per (sequence, KV head): it loads the G = H / KVH query heads of that KV head once
+(padded to 16 rows, the smallest tl.dot), then walks the sequence's pages in order, one page of
+P tokens per iteration: scores by tl.dot, an online softmax in float32, and the weighted values
+by a second tl.dot. Each key and value of the sequence is read once for all its query heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .decode_attention import interpreted
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_kn,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    P: tl.constexpr,
+    MAX_PAGES: tl.constexpr,
+    DYNAMIC: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    n = tl.arange(0, P)
+    heads = kvh * G + g
+    gmask = g < G
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    length = tl.load(lens_ptr + b)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    s_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    if DYNAMIC:
+        hi = length
+    else:
+        hi = MAX_PAGES * P
+    for start in range(0, hi, P):
+        page = tl.load(table_ptr + b * stride_tb + start // P).to(tl.int64)
+        cols = start + n
+        nmask = cols < length
+        base = page * stride_kp + kvh * stride_kh + n[:, None] * stride_kn + d[None, :]
+        k = tl.load(k_ptr + base, mask=nmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        s_sum = s_sum * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + base, mask=nmask[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / s_sum[:, None]
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=gmask[:, None],
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    B, H, D = q.shape
+    _, KVH, P, Dk = k_pages.shape
+    if Dk != D or H % KVH or k_pages.shape != v_pages.shape or k_pages.stride() != v_pages.stride():
+        raise ValueError(f"q {tuple(q.shape)} does not fit KV pages {tuple(k_pages.shape)} / {tuple(v_pages.shape)}")
+    if D & (D - 1) or P & (P - 1) or P < 16:
+        raise ValueError(f"head dim {D} and page size {P} must be powers of two (page size >= 16)")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    G = H // KVH
+    _paged_decode_kernel[(B, KVH)](
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        seq_lens,
+        out,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        BLOCK_G=max(16, triton.next_power_of_2(G)),
+        D=D,
+        P=P,
+        MAX_PAGES=page_table.shape[1],
+        DYNAMIC=not interpreted(),
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,694 @@
+"""The embedded engine's fast path: a paged KV cache, decode steps replayed as CUDA graphs, and
+continuous batching.
+
+    decoder = PagedDecoder(model, device, max_rows, context_length, pool_tokens, cuda_graphs)
+    decoder.serve(first_request, take_queued, ...)   # until nothing runs and nothing waits
+
+**KV pages.** One pool per engine, allocated once (`KVPool`: every layer's keys and values,
+[layers, pages, kv_heads, page_size, head_dim]); page 0 is scratch, where the padding rows of
+a graph write. A row reserves at admission the pages its prompt plus `max_new_tokens` can fill,
+so decoding never waits for memory; requests that do not fit wait until rows finish. The n
+samples of one prompt share the prompt's full pages (prefilled once) and each gets a copy of
+its last, partial page (copy-on-write at the fork).
+
+**The model.** transformers' own modules run the forward: the layers' attention goes through
+transformers' attention interface to `_paged_attention` (registered under its own name), and
+the cache object the model updates writes each new key and value into its row's page. Prefill
+packs every admitted prompt into one sequence (no padding) and runs causal attention per
+group of equal-length prompts; decode runs `paged_decode_attention` (kernels/), which reads
+each row's pages up to its length. At start-up a probe checks the path against transformers'
+plain forward (`verify`); a model whose attention does not go through the interface fails it.
+
+**CUDA graphs.** A decode step (every layer and the LM head) is captured once per batch-size
+bucket and replayed: its inputs are static tensors (token, position, page table, length, the
+slot each new key goes to) filled before each replay; rows past the batch point at the
+scratch page. Sampling runs after the replay, batched (sampling.py). Graphs hold the weights'
+and the pool's addresses: they are dropped whenever either is released.
+
+**Continuous batching.** Between decode steps, finished rows leave (their requests are answered
+at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+from rltrain.engine.native.rows import GenRequest, Row
+from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample
+from rltrain.kernels.decode_attention import paged_decode_attention
+
+log = logging.getLogger("rltrain.engine.native")
+
+PAGE_SIZE = 64  # tokens per KV page
+ATTENTION = "rltrain_paged"
+PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (SGLang's chunked_prefill_size, larger)
+_BUCKETS = sorted({s for k in range(14) for s in (1 << k, 3 << k >> 1) if s >= 1})
+
+
+def unsupported(config: Any) -> str | None:
+    """Why the paged path cannot run this model (None: it can): sliding windows, cross attention,
+    head sizes the kernel does not take."""
+    types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or getattr(config, "use_sliding_window", False):
+        return "it has sliding-window or other non-full attention layers"
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder"
+    if not hasattr(config, "num_hidden_layers") or not hasattr(config, "num_attention_heads"):
+        return "its config has no num_hidden_layers / num_attention_heads"
+    d = head_dim_of(config)
+    if d & (d - 1) or d < 16:
+        return f"its head dim {d} is not a power of two >= 16"
+    return None
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class KVPool:
+    """Every layer's keys and values in pages of `page_size` tokens, with a free list and
+    reference counts (a prompt's pages are shared by its samples). Page 0 is never handed out."""
+
+    def __init__(self, config: Any, pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        kvh = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        shape = (config.num_hidden_layers, pages, kvh, page_size, head_dim_of(config))
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.pages = pages
+        self._free = list(range(pages - 1, 0, -1))
+        self._refs = [0] * pages
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV pool: {n} pages asked, {len(self._free)} free")  # callers check `free` first
+        got = [self._free.pop() for _ in range(n)]
+        for p in got:
+            self._refs[p] = 1
+        return got
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            self._refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+
+    @staticmethod
+    def page_bytes(config: Any, page_size: int, dtype: torch.dtype) -> int:
+        kvh = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        size = torch.tensor([], dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * kvh * page_size * head_dim_of(config) * size
+
+
+@dataclass
+class _Step:
+    """What one forward's attention and cache read: the slot each new key goes to (page, offset),
+    and for decode each row's page table and length; for prefill the groups of equal-length
+    prompts in the packed sequence (start, count, length), host ints."""
+
+    pool: KVPool
+    page: torch.Tensor
+    offset: torch.Tensor
+    table: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+    groups: list[tuple[int, int, int]] | None = None
+
+
+_current = threading.local()  # the running forward's _Step (each engine's scheduler is its own thread)
+
+
+class _PagedCache:
+    """The cache object transformers' layers update: it writes the new keys and values into the
+    pool and hands them back unchanged (the attention reads the pool itself). Runs eagerly in
+    compiled blocks (it reads the running forward's thread-local step)."""
+
+    @torch.compiler.disable
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        step: _Step = _current.step
+        # k, v [B, kv_heads, L, D] -> one [tokens, kv_heads, D] row per slot
+        kk = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])
+        vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
+        step.pool.k[layer_idx][step.page, :, step.offset] = kk
+        step.pool.v[layer_idx][step.page, :, step.offset] = vv
+        _current.updates += 1
+        return k, v
+
+
+@torch.compiler.disable
+def _paged_attention(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: q [B, H, L, D] -> [B, L, H, D]."""
+    step: _Step = _current.step
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    layer = module.layer_idx  # type: ignore[attr-defined]
+    _current.attentions += 1
+    if step.groups is None:  # decode: one new token per row, over its pages
+        assert step.table is not None and step.lens is not None
+        out = paged_decode_attention(q[:, :, 0], step.pool.k[layer], step.pool.v[layer], step.table, step.lens, scale)
+        return out[:, None], None
+    # prefill: the packed prompts [1, H, T, D], causal within each, one SDPA per length group
+    outs = []
+    for start, count, length in step.groups:
+        end = start + count * length
+        qs, ks, vs = (x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        outs.append(o.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[3]))
+    return torch.cat(outs)[None], None
+
+
+AttentionInterface.register(ATTENTION, _paged_attention)
+
+
+@dataclass
+class _Seq:
+    """A decoding row: its pages (the shared prompt pages first) and its position."""
+
+    row: Row
+    pages: list[int]
+    shared: int  # how many of `pages` are the prompt's shared full pages
+
+
+class _Graph:
+    """One captured decode step for batches of up to `size` rows (static inputs and logits)."""
+
+    def __init__(self, size: int, max_pages: int, device: torch.device):
+        self.size = size
+        self.ids = torch.zeros(size, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(size, 1, dtype=torch.long, device=device)
+        self.table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
+        self.lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.page = torch.zeros(size, dtype=torch.long, device=device)
+        self.offset = torch.zeros(size, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+
+class PagedDecoder:
+    """The paged, graph-replayed, continuously batched generation of one engine (module doc).
+    Its pool is made at the first generation (`allocate`) and dropped by `free_memory`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        max_rows: int,
+        context_length: int,
+        pool_tokens: int,
+        mem_fraction: float,
+        cuda_graphs: bool,
+        compile: bool,
+        generator: torch.Generator,
+        token_hash: Callable[[int], torch.Tensor | None],
+        eos_ids: set[int],
+        deterministic: bool = False,
+    ):
+        self.model = model
+        self.config = model.config
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.max_rows = max_rows
+        self.page_size = PAGE_SIZE
+        self.max_pages = -(-context_length // PAGE_SIZE)
+        self.pool_tokens = pool_tokens
+        self.mem_fraction = mem_fraction
+        self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # Decode steps run the transformer blocks torch.compiled (dynamic batch size: one graph
+        # serves every bucket): inductor fuses the norms, rotary and activation around the
+        # matmuls, which eager runs as ~20 small kernels per block. The attention and the cache
+        # writes stay eager between the compiled halves of a block.
+        if compile:  # (the blocks pass their layer index to the cache: one graph for all of them)
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        blocks = set(getattr(model, "_no_split_modules", None) or [])
+        self._compiled = (
+            [
+                (m, m.forward, torch.compile(m.forward, dynamic=True))
+                for m in model.modules()
+                if type(m).__name__ in blocks
+            ]
+            if compile
+            else []
+        )
+        self.generator = generator
+        self.token_hash = token_hash
+        self.eos_ids = eos_ids
+        self.deterministic = deterministic
+        self.pool: KVPool | None = None
+        self.graphs: dict[int, _Graph] = {}
+        self._graph_pool: Any = None
+        self.waiting: deque[GenRequest] = deque()  # taken from the queue, not yet admitted
+        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0}
+
+    # ------------------------------------------------------------------ memory
+
+    def allocate(self) -> None:
+        """The pool, if released (or never made): `pool_tokens` tokens, or on CUDA what
+        `mem_fraction` of the device leaves after this process's allocations (as SGLang's
+        --mem-fraction-static), within what is free now less a margin for activations and
+        graphs; on CPU 1 GiB. Never more than `max_rows` sequences of the whole context need."""
+        if self.pool is not None:
+            return
+        P = self.page_size
+        page_bytes = KVPool.page_bytes(self.config, P, self.dtype)
+        if self.pool_tokens:
+            pages = self.pool_tokens // P + 1
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = min(
+                self.mem_fraction * total - torch.cuda.memory_allocated(self.device),
+                free - max(2 << 30, 0.05 * total),
+            )
+            pages = int(budget // page_bytes)
+        else:
+            pages = (1 << 30) // page_bytes
+        pages = min(pages, self.max_rows * self.max_pages + 1)
+        if pages < 2:
+            raise RuntimeError(
+                f"no memory left for the KV cache (a page of {P} tokens is {page_bytes / 2**20:.1f} MiB); lower "
+                "what else runs on the device, or raise --mem-fraction-static"
+            )
+        self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
+        log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
+
+    def free_memory(self, kv_cache: bool, graphs: bool) -> None:
+        """Drop the captured graphs (they hold the pool's and the weights' addresses) and, with
+        `kv_cache`, the pool."""
+        if graphs or kv_cache:
+            self._drop_graphs()
+        if kv_cache:
+            self.pool = None
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph and their memory pool (a pool handle outliving all of its
+        graphs must not be captured into again)."""
+        self.graphs.clear()
+        self._graph_pool = None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.pool.nbytes if self.pool is not None else 0
+
+    # ------------------------------------------------------------------ forwards
+
+    def _forward(self, step: _Step, **inputs: Any) -> torch.Tensor:
+        """The model's forward with its attention on the pool; counts that every layer wrote its
+        keys and attended through the interface (`verify` checks the counts)."""
+        _current.step, _current.updates, _current.attentions = step, 0, 0
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = ATTENTION
+        try:
+            return self.model(
+                past_key_values=_PagedCache(),
+                attention_mask={"full_attention": None},
+                use_cache=True,
+                **inputs,
+            ).logits
+        finally:
+            config._attn_implementation = before
+            _current.step = None
+
+    def _prefill_forward(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+        """Packed prefill of `prompts` (written to `tables`' pages): the last position's logits of
+        each, [len(prompts), vocab] float32. Prompts of one length run as one SDPA batch."""
+        assert self.pool is not None
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        ids, pos, page, offset, groups, last = [], [], [], [], [], [0] * len(prompts)
+        P = self.page_size
+        for i in order:
+            n = len(prompts[i])
+            if groups and groups[-1][2] == n:
+                s, c, _ = groups[-1]
+                groups[-1] = (s, c + 1, n)
+            else:
+                groups.append((len(ids), 1, n))
+            ids += prompts[i]
+            pos += range(n)
+            page += [tables[i][t // P] for t in range(n)]
+            offset += [t % P for t in range(n)]
+            last[i] = len(ids) - 1
+        dev = self.device
+        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        step = _Step(self.pool, tensor(page), tensor(offset), groups=groups)
+        logits = self._forward(
+            step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
+        )
+        self.stats["prefills"] += 1
+        return logits[0].float()
+
+    def _decode_eager(self, g: _Graph, n: int) -> torch.Tensor:
+        step = _Step(self.pool, g.page[:n], g.offset[:n], g.table[:n], g.lens[:n])  # type: ignore[arg-type]
+        for block, _, compiled in self._compiled:
+            block.forward = compiled
+        try:
+            return self._forward(step, input_ids=g.ids[:n], position_ids=g.pos[:n])[:, -1]
+        finally:
+            for block, plain, _ in self._compiled:
+                block.forward = plain
+
+    def _graph_for(self, n: int) -> _Graph:
+        size = next((s for s in _BUCKETS if s >= n), n)
+        g = self.graphs.get(size)
+        if g is None:
+            g = self.graphs[size] = _Graph(size, self.max_pages, self.device)
+        if self.cuda_graphs and g.graph is None:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
+                    self._decode_eager(g, size)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                g.logits = self._decode_eager(g, size)
+            g.graph = graph
+            self.stats["graph_captures"] += 1
+        return g
+
+    def _decode(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """One decode step of rows [B] (their last token, its position, their page tables):
+        their logits [B, vocab] float32."""
+        n = tokens.shape[0]
+        g = self._graph_for(n)
+        P = self.page_size
+        g.ids[:n, 0] = tokens
+        g.pos[:n, 0] = pos
+        g.table[:n] = table
+        g.lens[:n] = (pos + 1).to(torch.int32)
+        g.page[:n] = table.gather(1, (pos // P)[:, None])[:, 0]
+        g.offset[:n] = pos % P
+        if g.graph is not None:
+            if n < g.size:  # rows past the batch: one token on the scratch page
+                g.table[n:] = 0
+                g.lens[n:] = 1
+                g.page[n:] = 0
+            g.graph.replay()
+            assert g.logits is not None
+            logits = g.logits[:n]
+        else:
+            logits = self._decode_eager(g, n)
+        self.stats["decode_steps"] += 1
+        return logits.to(torch.float32, copy=True)  # (a graph's logits are overwritten by its next replay)
+
+    # ------------------------------------------------------------------ checks
+
+    @torch.no_grad()
+    def verify(self) -> float:
+        """Run a probe (a prompt across a page boundary, then greedy decode steps) through the
+        paged path and through transformers' plain forward; raise if they disagree or a layer
+        bypassed the attention interface. Returns the largest logit difference."""
+        vocab = self.config.vocab_size
+        prompt = [(7 * i + 3) % vocab for i in range(self.page_size + 3)]
+        kept, self.pool = self.pool, KVPool(self.config, 4, self.page_size, self.dtype, self.device)
+        pages = self.pool.alloc(3)
+        try:
+            layers = self.config.num_hidden_layers
+            got = [self._prefill_forward([prompt], [pages])[0]]
+            if (_current.updates, _current.attentions) != (layers, layers):
+                raise RuntimeError(
+                    f"{type(self.model).__name__}: {_current.updates} of {layers} layers wrote the paged cache and "
+                    f"{_current.attentions} attended through transformers' attention interface"
+                )
+            seq = list(prompt)
+            table = torch.tensor([pages + [0] * (self.max_pages - len(pages))], dtype=torch.int32, device=self.device)
+            for _ in range(3):
+                seq.append(int(got[-1].argmax()))
+                pos = torch.tensor([len(seq) - 1], device=self.device)
+                got.append(self._decode(torch.tensor([seq[-1]], device=self.device), pos, table)[0])
+            ref = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, len(prompt) - 1 :].float()
+            diff = float((torch.stack(got) - ref).abs().max())
+            scale = max(1.0, float(ref.abs().max()))
+            tol = 1e-3 if self.dtype == torch.float32 else 5e-2
+            if not diff <= tol * scale:
+                raise RuntimeError(
+                    f"{type(self.model).__name__}: paged decode differs from transformers' forward by {diff:.3g} "
+                    f"(logits up to {scale:.3g})"
+                )
+            return diff
+        finally:
+            self.pool = kept
+            self._drop_graphs()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def serve(
+        self,
+        take: Callable[[], GenRequest | None],
+        can_run: Callable[[GenRequest], bool],
+        running: threading.Event,
+        abort: threading.Event,
+        weight_version: Callable[[], str],
+    ) -> None:
+        """Generate until nothing runs and nothing waits. `take()`: the next queued request or
+        None; `can_run(req)`: False when the engine's state refuses it (the request has been
+        answered). While `running` is clear: with `abort` set, in-flight rows end now (finish
+        reason abort) and the waiting requests stay for later; else in-flight rows are held.
+        If anything fails, every request in flight or waiting gets the exception."""
+        remaining: dict[int, list[Any]] = {}  # id(request) -> [its rows, how many still run]
+        try:
+            self._serve(take, can_run, running, abort, weight_version, remaining)
+        except BaseException as e:
+            log.exception("generation failed; failing %d requests", len(remaining) + len(self.waiting))
+            for rows, _ in remaining.values():
+                if not rows[0].req.future.done():
+                    rows[0].req.future.set_exception(e)
+            while self.waiting:
+                self.waiting.popleft().future.set_exception(e)
+            self.pool = None  # its pages' owners are gone: a fresh pool next time
+            self._drop_graphs()
+            if not isinstance(e, Exception):
+                raise
+
+    def _serve(
+        self,
+        take: Callable[[], GenRequest | None],
+        can_run: Callable[[GenRequest], bool],
+        running: threading.Event,
+        abort: threading.Event,
+        weight_version: Callable[[], str],
+        remaining: dict[int, list[Any]],
+    ) -> None:
+        seqs: list[_Seq] = []
+        state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when its rows change
+
+        def done(row: Row) -> None:
+            entry = remaining[id(row.req)]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del remaining[id(row.req)]
+                now = time.time()
+                row.req.future.set_result([r.result(weight_version(), now) for r in entry[0]])
+
+        while True:
+            while not running.is_set():
+                if abort.is_set():
+                    for s in seqs:
+                        s.row.finish = {"type": "abort", "message": "generation paused with mode=abort"}
+                        assert self.pool is not None
+                        self.pool.release(s.pages)
+                        done(s.row)
+                    return
+                if not seqs:
+                    return
+                running.wait(0.05)
+            admitted = 0
+            if not (self.deterministic and seqs):
+                joined, admitted = self._admit(take, can_run, len(seqs), remaining, done)
+                if joined:
+                    seqs += joined
+                    state.clear()
+            if not seqs:
+                if admitted or not self.waiting:
+                    if not self.waiting:
+                        return
+                    continue
+                req = self.waiting.popleft()  # it does not fit even with nothing else running
+                assert self.pool is not None
+                need = sum(len(p) + q.max_new_tokens * q.n for p, q in zip(req.input_ids, req.params))
+                req.future.set_exception(
+                    ValueError(
+                        f"the request's {need} tokens (prompts + max_new_tokens x n) do not fit the KV cache "
+                        f"({(self.pool.pages - 1) * self.page_size} tokens); raise --max-total-tokens or "
+                        "--mem-fraction-static, or send fewer samples per request"
+                    )
+                )
+                continue
+            if not state:
+                state = self._batch_state(seqs)
+            logits = self._decode(state["tokens"], state["pos"], state["table"])
+            if "plan" not in state:
+                rows = [s.row for s in seqs]
+                vocab = logits.shape[-1]
+                params = [r.params for r in rows]
+                state["plan"] = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
+                state["shaper"] = LogitShaper(
+                    params, [r.stops for r in rows], vocab, self.device, [r.out for r in rows]
+                )
+            shaper = state["shaper"]
+            shaped = shaper.shape(logits, [len(s.row.out) for s in seqs] if shaper.hold else 0)
+            tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
+            shaper.count(tokens)
+            toks, lps = torch.stack([tokens.double(), logps.double()]).tolist()
+            keep = []
+            for b, s in enumerate(seqs):
+                if s.row.append(int(toks[b]), lps[b]):
+                    assert self.pool is not None
+                    self.pool.release(s.pages)
+                    done(s.row)
+                else:
+                    keep.append(b)
+            if len(keep) == len(seqs):
+                state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
+                continue
+            seqs = [seqs[b] for b in keep]
+            state.clear()
+
+    def _batch_state(self, seqs: list[_Seq]) -> dict[str, Any]:
+        """Device tensors of the rows' next step: last token, its position, page tables, steps."""
+        dev = self.device
+        table = torch.zeros(len(seqs), self.max_pages, dtype=torch.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        return {
+            "tokens": torch.tensor([s.row.out[-1] for s in seqs], device=dev),
+            "pos": torch.tensor([len(s.row.prompt) + len(s.row.out) - 1 for s in seqs], device=dev),
+            "table": table.to(dev),
+            "steps": torch.tensor([len(s.row.out) for s in seqs], device=dev),
+        }
+
+    def _admit(
+        self,
+        take: Callable[[], GenRequest | None],
+        can_run: Callable[[GenRequest], bool],
+        running: int,
+        remaining: dict[int, list[Any]],
+        done: Callable[[Row], None],
+    ) -> tuple[list[_Seq], int]:
+        """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
+        rows that go on decoding, how many requests were admitted). Requests are admitted whole
+        and in order."""
+        while (req := take()) is not None:
+            self.waiting.append(req)
+        P = self.page_size
+        batch: list[tuple[GenRequest, list[Row]]] = []
+        tokens = 0
+        free = -1
+        while self.waiting:
+            req = self.waiting[0]
+            if not can_run(req):
+                self.waiting.popleft()
+                continue
+            if free < 0:
+                self.allocate()
+                assert self.pool is not None
+                free = self.pool.free
+            rows = req.rows(self.eos_ids)
+            pages = 0
+            for prompt in {tuple(r.prompt) for r in rows if r.finish is None}:
+                pages += len(prompt) // P
+            pages += sum(-(-(len(r.prompt) + r.max_new) // P) - len(r.prompt) // P for r in rows if r.finish is None)
+            new_tokens = sum(len(p) for p in {tuple(r.prompt) for r in rows})
+            if running + len(rows) > self.max_rows and (running or batch):
+                break
+            if pages > free or (batch and tokens + new_tokens > PREFILL_TOKENS):
+                break
+            self.waiting.popleft()
+            batch.append((req, rows))
+            free -= pages
+            tokens += new_tokens
+            running += len(rows)
+            if self.deterministic:
+                break
+        if not batch:
+            return [], 0
+        return self._prefill(batch, remaining, done), len(batch)
+
+    def _prefill(
+        self, batch: list[tuple[GenRequest, list[Row]]], remaining: dict[int, list[Any]], done: Callable[[Row], None]
+    ) -> list[_Seq]:
+        assert self.pool is not None
+        P = self.page_size
+        live: list[_Seq] = []
+        prompts: dict[tuple[int, ...], list[_Seq]] = {}
+        for req, rows in batch:
+            remaining[id(req)] = [rows, len(rows)]
+            for r in rows:
+                if r.finish is not None:
+                    continue
+                key = tuple(r.prompt)
+                group = prompts.setdefault(key, [])
+                full = len(r.prompt) // P
+                shared = group[0].pages[:full] if group else self.pool.alloc(full)
+                if group:
+                    self.pool.share(shared)
+                own = self.pool.alloc(-(-(len(r.prompt) + r.max_new) // P) - full)
+                s = _Seq(r, shared + own, full)
+                group.append(s)
+                live.append(s)
+        for rows in [rows for _, rows in batch]:
+            for r in rows:
+                if r.finish is not None:  # max_new_tokens 0
+                    done(r)
+        if not prompts:
+            return []
+        groups = list(prompts.values())
+        logits = self._prefill_forward([list(k) for k in prompts], [g[0].pages for g in groups])
+        # the prompt's last, partial page: copied from the first sample's to the others'
+        src, dst = [], []
+        for g in groups:
+            n = len(g[0].row.prompt)
+            if n % P:
+                for s in g[1:]:
+                    src.append(g[0].pages[n // P])
+                    dst.append(s.pages[n // P])
+        if src:
+            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            self.pool.k[:, di] = self.pool.k[:, si]
+            self.pool.v[:, di] = self.pool.v[:, si]
+        of_seq = [u for u, g in enumerate(groups) for _ in g]
+        seqs = [s for g in groups for s in g]
+        rows = [s.row for s in seqs]
+        row_logits = logits[torch.tensor(of_seq, device=self.device)]
+        vocab = row_logits.shape[-1]
+        params = [r.params for r in rows]
+        plan = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
+        shaper = LogitShaper(params, [r.stops for r in rows], vocab, self.device)
+        tokens, logps = sample(shaper.shape(row_logits, 0), plan, 0, self.generator)
+        toks, lps = torch.stack([tokens.double(), logps.double()]).tolist()
+        going = []
+        for b, s in enumerate(seqs):
+            if s.row.append(int(toks[b]), lps[b]):
+                self.pool.release(s.pages)
+                done(s.row)
+            else:
+                going.append(s)
+        return going

@@ -1,0 +1,186 @@
+"""The embedded engine's paged path (engine/native/paged.py): paged KV cache, continuous batching,
+shared prompt pages, and the decode-attention kernel it reads the cache with.
+
+On CPU the paged path runs when asked for (`decode="paged"`; the CPU default stays on
+transformers' own cache) with the torch reference attention, without CUDA graphs; the Triton
+kernel runs under Triton's interpreter. What only a GPU has (the Triton kernel compiled, CUDA
+graphs, device memory) is tested in test_gpu.py on the H200.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from models import hf_greedy, make_model
+from rltrain.engine.native.engine import NativeEngine
+from rltrain.engine.native.paged import PAGE_SIZE
+from rltrain.generation import SamplingParams
+from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("paged") / "m", 3, arch="qwen3", hidden=64, layers=2)
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    hf = NativeEngine(str(model), decode="hf")
+    paged = NativeEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
+    yield hf, paged
+    hf.shutdown()
+    paged.shutdown()
+
+
+def run(engine, prompts, params, logprob=True):
+    return engine.submit(prompts, params, logprob).result(timeout=120)
+
+
+def logprobs(sample):
+    return [t[0] for t in sample["meta_info"]["output_token_logprobs"]]
+
+
+@pytest.mark.parametrize("groups,pages", [(1, [3, 1, 2]), (2, [1, 2, 3]), (4, [2, 2, 1])])
+def test_decode_kernel_reads_each_row_to_its_length_like_the_reference(groups, pages):
+    torch.manual_seed(groups)
+    kvh, D, P = 2, 32, 16
+    B, H = len(pages), kvh * groups
+    pool = 12
+    k, v = torch.randn(pool, kvh, P, D), torch.randn(pool, kvh, P, D)
+    order = torch.randperm(pool - 1)[: sum(pages)] + 1
+    table = torch.zeros(B, 4, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[at : at + n]
+        at += n
+    lens = torch.tensor([n * P - b * 5 for b, n in enumerate(pages)], dtype=torch.int32)
+    q = torch.randn(B, H, D)
+    out = paged_decode_attention(q, k, v, table, lens, D**-0.5, impl="triton")
+    ref = reference_paged_decode_attention(q, k, v, table, lens, D**-0.5)
+    assert torch.allclose(out, ref, atol=1e-5)
+    for b in range(B):  # and the reference is attention over exactly the row's tokens
+        kk = torch.cat([k[int(p)] for p in table[b, : pages[b]]], dim=1)[:, : lens[b]]
+        vv = torch.cat([v[int(p)] for p in table[b, : pages[b]]], dim=1)[:, : lens[b]]
+        for h in range(H):
+            w = torch.softmax(q[b, h] @ kk[h // groups].T * D**-0.5, -1)
+            assert torch.allclose(ref[b, h], w @ vv[h // groups], atol=1e-5)
+
+
+def test_paged_path_samples_what_the_plain_path_does(engines):
+    """Same tokens, and log-probs equal to float rounding, for every sampling feature: greedy,
+    seeded samples of a shared prompt, stop tokens, min_new_tokens, penalties, logit bias,
+    top-k/top-p/min-p."""
+    hf, paged = engines
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 30, [3] * PAGE_SIZE, [5, 6]]
+    cases = [
+        SamplingParams(max_new_tokens=20, temperature=0.0),
+        SamplingParams(max_new_tokens=24, temperature=1.0, n=3, sampling_seed=5),
+        SamplingParams(max_new_tokens=12, temperature=0.8, sampling_seed=9, top_k=20, top_p=0.9, min_p=0.05),
+        SamplingParams(
+            max_new_tokens=12,
+            temperature=1.0,
+            sampling_seed=1,
+            min_new_tokens=6,
+            stop_token_ids=[17, 40],
+            frequency_penalty=0.5,
+            presence_penalty=0.3,
+            repetition_penalty=1.2,
+            logit_bias={11: 5.0},
+        ),
+    ]
+    for params in cases:
+        a, b = run(hf, prompts, params), run(paged, prompts, params)
+        assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], params
+        assert [x["meta_info"]["finish_reason"] for x in a] == [y["meta_info"]["finish_reason"] for y in b]
+        for x, y in zip(a, b):
+            assert logprobs(y) == pytest.approx(logprobs(x), abs=1e-4)
+    greedy = run(paged, prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
+    assert [x["output_ids"] for x in greedy] == hf_greedy(paged.model_path, prompts, 10)
+
+
+def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
+    """Continuous batching: a short request sent while a long one decodes joins it, finishes
+    first (it does not wait for the long one's batch), and every sample is what it is alone."""
+    _, paged = engines
+    long = SamplingParams(max_new_tokens=300, temperature=1.0, sampling_seed=3, ignore_eos=True)
+    short = SamplingParams(max_new_tokens=4, temperature=1.0, sampling_seed=4, n=2, ignore_eos=True)
+    alone_long, alone_short = run(paged, [[1, 2, 3]], long), run(paged, [[9, 9]], short)
+    prefills = paged.decoder.stats["prefills"]
+    f_long = paged.submit([[1, 2, 3]], long, True)
+    while paged.decoder.stats["prefills"] == prefills:
+        time.sleep(0.005)
+    f_short = paged.submit([[9, 9]], short, True)
+    got_short = f_short.result(timeout=120)
+    assert not f_long.done(), "the short request waited for the long one"
+    assert [x["output_ids"] for x in got_short] == [x["output_ids"] for x in alone_short]
+    assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
+    assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
+
+
+def test_samples_share_their_prompts_pages(model):
+    """A prompt of two full pages and a partial one, 4 samples: 2 shared pages + 4 x 1 own page
+    fit a 7-page pool (4 x 3 unshared pages would not), and the samples equal their lone runs."""
+    engine = NativeEngine(str(model), decode="paged", max_total_tokens=7 * PAGE_SIZE)
+    try:
+        prompt = [(5 * i) % 200 + 1 for i in range(2 * PAGE_SIZE + 10)]
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, sampling_seed=2, ignore_eos=True)
+        got = run(engine, [prompt], params)
+        one = [replace(params, n=1, sampling_seed=2 + j) for j in range(4)]
+        alone = [run(engine, [prompt], p) for p in one]
+        assert [x["output_ids"] for x in got] == [a[0]["output_ids"] for a in alone]
+        assert len({tuple(x["output_ids"]) for x in got}) > 1
+        with pytest.raises(ValueError, match="do not fit the KV cache"):
+            run(engine, [prompt, [p + 1 for p in prompt]], params)
+        assert run(engine, [[1, 2]], SamplingParams(max_new_tokens=3))  # and it serves on
+    finally:
+        engine.shutdown()
+
+
+def test_paged_release_drops_the_pool_and_resume_generates_the_same(engines):
+    _, paged = engines
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    before = run(paged, [[4, 5, 6]], params)
+    assert paged.memory_report()["kv_cache_bytes"] > 0
+    paged.release(["kv_cache", "cuda_graph"])
+    assert paged.memory_report()["kv_cache_bytes"] == 0
+    with pytest.raises(Exception, match="released"):
+        run(paged, [[4, 5, 6]], params)
+    paged.resume(["kv_cache", "cuda_graph"])
+    assert [x["output_ids"] for x in run(paged, [[4, 5, 6]], params)] == [x["output_ids"] for x in before]
+
+
+def test_abort_ends_paged_rows_and_the_engine_serves_after_resume(engines):
+    _, paged = engines
+    steps = paged.decoder.stats["decode_steps"]
+    fut = paged.submit([[1, 2]], SamplingParams(max_new_tokens=1000, temperature=1.0, ignore_eos=True), False)
+    while paged.decoder.stats["decode_steps"] == steps:
+        time.sleep(0.005)
+    paged.pause("abort")
+    out = fut.result(timeout=120)
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < out[0]["meta_info"]["completion_tokens"] < 1000
+    paged.resume_generation()
+    assert run(paged, [[1, 2]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
+    assert paged.decoder.pool.free == paged.decoder.pool.pages - 1
+
+
+def test_a_model_the_paged_path_cannot_run_is_refused_with_the_reason(tmp_path):
+    cfg = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=0,
+    )
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="--decode paged: .*sliding-window"):
+        NativeEngine(str(tmp_path), decode="paged")
