@@ -31,6 +31,7 @@ def run_quickstart(
             "loop.steps=3",
             "data.prompts_per_step=8",
             "metrics.progress_bar=false",
+            "metrics.plot=false",  # (~3 s of CPU a job; the end-to-end test asks for them and checks them)
             *overrides,
         ],
         env=env,
@@ -45,7 +46,7 @@ FULL_CYCLE = ["world.reload=true", "engine.release=true", "sync.transport=disk"]
 @pytest.mark.parametrize("mode", ["colocated", "no-reload"])
 def test_quickstart_steps_end_to_end(tmp_path, mode):
     extra = FULL_CYCLE if mode == "colocated" else ["loop.colocate=false", "world.reload=false"]
-    r = run_quickstart(tmp_path, *extra)
+    r = run_quickstart(tmp_path, *extra, "metrics.plot=true")
     assert r.returncode == 0, r.stderr[-4000:]
     # The engines start on GPUs nothing holds yet (SGLang sizes its KV pool from free memory then).
     assert r.stderr.index("engine healthy at") < r.stderr.index("trainer created")
@@ -189,7 +190,7 @@ def test_samples_from_stale_weights_are_refused():
     ids=["gspo-dapo", "cispo-reinforce++"],
 )
 def test_the_quickstart_runs_with_each_algorithm(tmp_path, algo):
-    r = run_quickstart(tmp_path, "metrics.plot=false", *algo)
+    r = run_quickstart(tmp_path, *algo)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]

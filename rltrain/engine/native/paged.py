@@ -557,15 +557,7 @@ class PagedDecoder:
             shaped = shaper.shape(logits, [len(s.row.out) for s in seqs] if shaper.hold else 0)
             tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
             shaper.count(tokens)
-            toks, lps = torch.stack([tokens.double(), logps.double()]).tolist()
-            keep = []
-            for b, s in enumerate(seqs):
-                if s.row.append(int(toks[b]), lps[b]):
-                    assert self.pool is not None
-                    self.pool.release(s.pages)
-                    done(s.row)
-                else:
-                    keep.append(b)
+            keep = self._take(seqs, tokens, logps, done)
             if len(keep) == len(seqs):
                 state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
                 continue
@@ -683,12 +675,20 @@ class PagedDecoder:
         plan = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
         shaper = LogitShaper(params, [r.stops for r in rows], vocab, self.device)
         tokens, logps = sample(shaper.shape(row_logits, 0), plan, 0, self.generator)
+        return [seqs[b] for b in self._take(seqs, tokens, logps, done)]
+
+    def _take(
+        self, seqs: list[_Seq], tokens: torch.Tensor, logps: torch.Tensor, done: Callable[[Row], None]
+    ) -> list[int]:
+        """Each row takes its sampled token (one host sync for the batch); a row that finishes
+        gives its pages back and is answered. Returns the indices of the rows that go on."""
+        assert self.pool is not None
         toks, lps = torch.stack([tokens.double(), logps.double()]).tolist()
-        going = []
+        keep = []
         for b, s in enumerate(seqs):
             if s.row.append(int(toks[b]), lps[b]):
                 self.pool.release(s.pages)
                 done(s.row)
             else:
-                going.append(s)
-        return going
+                keep.append(b)
+        return keep
