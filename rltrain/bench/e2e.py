@@ -198,7 +198,9 @@ def compare(
             "rollout": f"{rollout_s:.2f} s",
             "response tokens/s": f"{tps:,.0f}",
             "mean response length": f"{m(lambda r: r['response_length']):.0f}",
-            "log-probs MFU (real tokens)": f"{2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
+            "log-probs MFU (real tokens)": "fused into train"
+            if _old_logp_fused(run_dir)
+            else f"{2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
             "train MFU (real tokens)": f"{6 * params * train_tokens / train_s / 1e12 / tflops:.0%}",
             "of the decode limit": f"{tps / limit.tokens_per_s:.1%}",
             "engine GPU while generating": f"{held:.2f} GiB",
@@ -250,8 +252,12 @@ def report(
         f"{'what':>28s} {'value':>14s}  note",
         f"{'step':>28s} {step_s:13.2f}s",
         f"{'rollout':>28s} {rollout_s:13.2f}s  {response / rollout_s:,.0f} response tok/s",
-        f"{'log-probs (old)':>28s} {lp_s:13.2f}s  {train_tokens / lp_s:,.0f} tok/s per GPU, "
-        f"MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}",
+        f"{'log-probs (old)':>28s} {lp_s:13.2f}s  "
+        + (
+            "fused into the training forward (one optimizer step per batch): no pass of its own"
+            if _old_logp_fused(run_dir)
+            else f"{train_tokens / lp_s:,.0f} tok/s per GPU, MFU {2 * params * train_tokens / lp_s / 1e12 / tflops:.0%}"
+        ),
         f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s per GPU, "
         f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}",
     ]
@@ -295,6 +301,14 @@ def report(
 
     lines.append(format_ledger(rows[-1]["memory"], rows[-1]["step"]))
     return lines
+
+
+def _old_logp_fused(run_dir: Path) -> bool:
+    """Whether the run took its old log-probs from the training forward (no separate pass to
+    rate: its log-prob phase is bookkeeping only)."""
+    from rltrain.config import load_config
+
+    return load_config(run_dir / "config.yaml").algo.old_logp_from_training
 
 
 def main(argv: list[str] | None = None) -> int:
