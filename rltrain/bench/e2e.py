@@ -60,7 +60,7 @@ GOALS = (
 
 def _build(path: str, shape: str) -> None:
     """In a child process: the model (on the GPU, then saved) and the task's tokenizer."""
-    from rltrain.bench.trainers import build
+    from rltrain.bench.models import build
     from rltrain.rollout import synthetic
 
     build(Path(path), shape, torch.device("cuda", 0))

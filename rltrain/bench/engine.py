@@ -33,31 +33,12 @@ from pathlib import Path
 import psutil
 import torch
 
+from rltrain.bench.models import SHAPES, build, build_model
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
 from rltrain.generation import SamplingParams
 from rltrain.runtime.net import free_port
-
-
-def build_model(path: Path, hidden: int, layers: int, vocab: int, dtype: torch.dtype) -> Path:
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).to(dtype)
-    model.save_pretrained(path)
-    return path
 
 
 def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: str, dtype: torch.dtype) -> float:
@@ -210,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         if a.shape:
-            from rltrain.bench.trainers import SHAPES, build
-
             a.vocab = SHAPES[a.shape][-1]
             prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(len(p))] for p in prompts]
             model = build(Path(tmp) / "model", a.shape, torch.device(a.device))

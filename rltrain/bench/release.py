@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     from rltrain.batch import TrainBatch
-    from rltrain.bench.engine import build_model
+    from rltrain.bench.models import build_model
     from rltrain.checkpoint import Checkpointer
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World

@@ -30,33 +30,7 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "tiny": (256, 768, 2, 4, 2, 1024),
-    "0.6b": (1024, 3072, 28, 16, 8, 151936),
-    "1.7b": (2048, 6144, 28, 16, 8, 151936),
-}
-
-
-def build(path: Path, shape: str, device: torch.device) -> Path:
-    import transformers
-
-    h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=128 if h >= 1024 else 64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
-    )
-    with device:  # random init on the GPU: seconds instead of a minute on the host
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(path)
-    return path
+from rltrain.bench.models import SHAPES, build
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float:
