@@ -186,7 +186,22 @@ REGISTRY: dict[str, Internal] = {
             _TORCH,
             field=True,
         ),
+        Internal(
+            "torch._dynamo.config",
+            "engine/native/paged.py: PagedDecoder",
+            "allow_unspec_int_on_nn_module: the compiled blocks pass their layer index to the paged cache; "
+            "without it dynamo compiles one graph per layer and stops at its recompile limit",
+            _TORCH,
+        ),
         # transformers
+        Internal(
+            "transformers.PreTrainedConfig._attn_implementation",
+            "engine/native/paged.py: PagedDecoder._forward",
+            "the paged path's attention for its own forwards only (set and restored around each): "
+            "set_attn_implementation would switch the model for every caller",
+            "transformers 5.17, 5.19",
+            field=True,
+        ),
         Internal(
             "transformers.core_model_loading.revert_weight_conversion",
             "weights/names.py",

@@ -13,7 +13,8 @@ sampled from (log_softmax of logits / temperature; raw logits for greedy), as SG
 Memory. `release(["weights"])` backs the weights up (pinned host memory on GPU, a safetensors
 file on CPU — so the process's RSS really drops), then frees every parameter; `resume` restores
 them. `release(["kv_cache"])` drops the KV pool (paged) or the allocator's cached blocks (the KV
-cache of the last batch) and refuses generation until resumed. Generating while released is an error, never garbage.
+cache of the last batch) and refuses generation until resumed. Generating while released is an
+error, never garbage.
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ class NativeEngine:
                 log.info(
                     "paged decode (CUDA graphs %s, compiled blocks %s): probe within %.2g of transformers",
                     decoder.cuda_graphs,
-                    bool(decoder._compiled),
+                    decoder.compiled,
                     diff,
                 )
                 return decoder
@@ -448,7 +449,7 @@ class NativeEngine:
             if "weights" in tags and "weights" not in self.released:
                 self._backup_and_free_weights()
             if self.decoder is not None:  # graphs hold the weights' and the pool's addresses
-                self.decoder.free_memory(kv_cache="kv_cache" in tags, graphs=True)
+                self.decoder.free_memory(kv_cache="kv_cache" in tags)
             self.released |= set(tags)
             if self.device.type == "cuda":
                 free_cuda_caches()

@@ -45,6 +45,7 @@ from transformers import AttentionInterface
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample
 from rltrain.kernels.decode_attention import paged_decode_attention
+from rltrain.runtime import internals
 
 log = logging.getLogger("rltrain.engine.native")
 
@@ -189,11 +190,10 @@ AttentionInterface.register(ATTENTION, _paged_attention)
 
 @dataclass
 class _Seq:
-    """A decoding row: its pages (the shared prompt pages first) and its position."""
+    """A decoding row and its pages (its prompt's shared full pages first, then its own)."""
 
     row: Row
     pages: list[int]
-    shared: int  # how many of `pages` are the prompt's shared full pages
 
 
 class _Graph:
@@ -245,7 +245,7 @@ class PagedDecoder:
         # matmuls, which eager runs as ~20 small kernels per block. The attention and the cache
         # writes stay eager between the compiled halves of a block.
         if compile:  # (the blocks pass their layer index to the cache: one graph for all of them)
-            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+            internals.get("torch._dynamo.config").allow_unspec_int_on_nn_module = True
         blocks = set(getattr(model, "_no_split_modules", None) or [])
         self._compiled = (
             [
@@ -297,11 +297,10 @@ class PagedDecoder:
         self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
         log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
 
-    def free_memory(self, kv_cache: bool, graphs: bool) -> None:
-        """Drop the captured graphs (they hold the pool's and the weights' addresses) and, with
-        `kv_cache`, the pool."""
-        if graphs or kv_cache:
-            self._drop_graphs()
+    def free_memory(self, kv_cache: bool) -> None:
+        """Drop the captured graphs (they hold the pool's and the weights' addresses: any region
+        released invalidates them) and, with `kv_cache`, the pool."""
+        self._drop_graphs()
         if kv_cache:
             self.pool = None
 
@@ -310,6 +309,11 @@ class PagedDecoder:
         graphs must not be captured into again)."""
         self.graphs.clear()
         self._graph_pool = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run the transformer blocks torch.compiled."""
+        return bool(self._compiled)
 
     @property
     def kv_bytes(self) -> int:
@@ -321,6 +325,8 @@ class PagedDecoder:
         """The model's forward with its attention on the pool; counts that every layer wrote its
         keys and attended through the interface (`verify` checks the counts)."""
         _current.step, _current.updates, _current.attentions = step, 0, 0
+        # (transformers reads the attention implementation from the config at every forward; a
+        # private field: runtime/internals.py)
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = ATTENTION
@@ -643,7 +649,7 @@ class PagedDecoder:
                 if group:
                     self.pool.share(shared)
                 own = self.pool.alloc(-(-(len(r.prompt) + r.max_new) // P) - full)
-                s = _Seq(r, shared + own, full)
+                s = _Seq(r, shared + own)
                 group.append(s)
                 live.append(s)
         for rows in [rows for _, rows in batch]:
