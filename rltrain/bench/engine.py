@@ -193,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.shape:
             a.vocab = SHAPES[a.shape][-1]
             prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(len(p))] for p in prompts]
-            model = build(Path(tmp) / "model", a.shape, torch.device(a.device))
-            if dtype != torch.bfloat16:
-                import transformers
-
-                transformers.AutoModelForCausalLM.from_pretrained(model, dtype=dtype).save_pretrained(model)
+            model = build(Path(tmp) / "model", a.shape, torch.device(a.device), dtype)
         else:
             model = build_model(Path(tmp) / "model", a.hidden, a.layers, a.vocab, dtype)
         n_params = (

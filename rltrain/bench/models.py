@@ -1,12 +1,13 @@
 """The benchmarks' models: random weights, built locally (no downloads).
 
-`build(path, shape, device)`: a Qwen3 of one of `SHAPES` (bf16); `build_model(path, hidden,
+`build(path, shape, device)`: a Qwen3 of one of `SHAPES` (bf16 unless asked); `build_model(path, hidden,
 layers, vocab, dtype)`: a small Qwen2 of any width.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -17,24 +18,29 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
 }
 
 
-def build(path: Path, shape: str, device: torch.device) -> Path:
+def qwen3_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Any:
+    """A Qwen3 config of this shape (head dim 128 from width 1024 up, else 64; untied head)."""
     import transformers
 
-    h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = transformers.Qwen3Config(
+    return transformers.Qwen3Config(
         vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=128 if h >= 1024 else 64,
+        num_key_value_heads=kv_heads,
+        head_dim=128 if hidden >= 1024 else 64,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
         eos_token_id=vocab - 1,
     )
+
+
+def build(path: Path, shape: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Path:
+    import transformers
+
     with device:  # random init on the GPU: seconds instead of a minute on the host
-        model = transformers.Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        model = transformers.Qwen3ForCausalLM(qwen3_config(*SHAPES[shape])).to(dtype)
     model.save_pretrained(path)
     return path
 

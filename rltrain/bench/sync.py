@@ -39,22 +39,11 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
     import transformers
 
+    from rltrain.bench.models import qwen3_config
     from rltrain.weights.hf_files import write_checkpoint
     from rltrain.weights.names import module_weights
 
-    h, inter, layers, heads, kv, vocab = SHAPES[shape]
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=128 if h >= 1024 else 64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
-    )
+    cfg = qwen3_config(*SHAPES[shape])
     with device:
         model = transformers.Qwen3ForCausalLM(cfg).to(dtype)
     cfg.save_pretrained(path)
