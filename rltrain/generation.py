@@ -136,7 +136,7 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
             prompt_index=first_prompt + k // n,
             sample_index=k % n,
             output_ids=ids,
-            logprobs=[float(e[0]) for e in lp],
+            logprobs=[logprob(e[0]) for e in lp],
             finish_reason=kind,
             matched_stop=fr.get("matched") if isinstance(fr, dict) and isinstance(fr.get("matched"), int) else None,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
@@ -150,6 +150,11 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
             c.error = f"{len(lp)} logprobs for {len(ids)} output tokens"
         out.append(c)
     return out
+
+
+def logprob(x: Any) -> float:
+    """A log-prob from an answer: null is NaN (SGLang's orjson, and this engine's, write NaN as null)."""
+    return float("nan") if x is None else float(x)
 
 
 class ProtocolError(RuntimeError):

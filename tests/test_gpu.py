@@ -439,3 +439,28 @@ def test_cuda_seeded_draw_kernel_picks_what_the_torch_ops_pick():
     u = seeded_uniform(seeds, steps, x.shape[1])
     ref = torch.argmax(x - torch.log(-torch.log(u)).float(), dim=-1)
     assert torch.equal(seeded_argmax(x, _row_hash(seeds, steps)), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_cuda_one_pass_sampling_matches_the_torch_ops(dtype, temperature):
+    """The one-pass sampling kernel (what decode steps sample with on CUDA) against sampling.py's
+    unfused ops on the same device, at the RL rollout's size: the same token for seeded and
+    greedy rows, log-probs to float32 rounding; bf16 logits are read as they are."""
+    from rltrain.engine.native.sampling import SamplingPlan, sample
+    from rltrain.generation import SamplingParams
+
+    torch.manual_seed(0)
+    rows, vocab = 512, 151936
+    x = (torch.randn(rows, vocab, device="cuda") * 3).to(dtype)
+    x[1, :100000] = float("-inf")
+    params = [SamplingParams(temperature=0.0 if b % 7 == 3 else temperature) for b in range(rows)]
+    seeds = [None if b % 7 == 3 else b * 7919 - 2**40 for b in range(rows)]
+    steps = torch.randint(0, 4096, (rows,), device="cuda")
+    plan = SamplingPlan(params, seeds, vocab, torch.device("cuda"))
+    assert plan.fused
+    got, got_lp = sample(x, plan, steps, torch.Generator(device="cuda"))
+    plan.fused = False  # the torch ops (and the tested one-program-per-row draw)
+    want, want_lp = sample(x, plan, steps, torch.Generator(device="cuda"))
+    assert torch.equal(got, want)
+    assert torch.allclose(got_lp, want_lp, atol=1e-4)

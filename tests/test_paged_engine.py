@@ -92,6 +92,17 @@ def test_paged_path_samples_what_the_plain_path_does(engines):
             repetition_penalty=1.2,
             logit_bias={11: 5.0},
         ),
+        # rows that finish at different steps leave a batch whose next step is already queued
+        # (the overlapped schedule): its sampling plan and penalty counts follow the rows left
+        SamplingParams(
+            max_new_tokens=16,
+            temperature=1.0,
+            n=3,
+            sampling_seed=7,
+            stop_token_ids=list(range(0, 200, 3)),
+            frequency_penalty=0.4,
+            repetition_penalty=1.1,
+        ),
     ]
     for params in cases:
         a, b = run(hf, prompts, params), run(paged, prompts, params)
@@ -101,6 +112,37 @@ def test_paged_path_samples_what_the_plain_path_does(engines):
             assert logprobs(y) == pytest.approx(logprobs(x), abs=1e-4)
     greedy = run(paged, prompts, SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))
     assert [x["output_ids"] for x in greedy] == hf_greedy(paged.model_path, prompts, 10)
+
+
+@pytest.mark.parametrize("temperature,margin", [(1.0, None), (0.7, None), (1.0, float("inf"))])
+def test_fused_sampling_kernel_picks_the_torch_ops_tokens(temperature, margin):
+    """kernels/triton_sampling.sample_tokens (the CUDA path's one pass; here under Triton's
+    interpreter) against sampling.sample's torch ops: the same token for greedy and seeded
+    rows over several vocabulary chunks, -inf columns included, and the same log-prob."""
+    from rltrain.engine.native.sampling import SamplingPlan, sample
+    from rltrain.kernels.triton_sampling import CHUNK, sample_tokens
+
+    torch.manual_seed(0)
+    from rltrain.kernels.triton_sampling import MARGIN
+
+    margin = MARGIN if margin is None else margin  # (inf: the exact draw over every chunk)
+    rows, vocab = 6, 2 * CHUNK + 123
+    x = torch.randn(rows, vocab) * 3
+    x[1, : CHUNK + 5] = float("-inf")
+    x[2, 7] = 40.0  # (a clear winner in the first chunk)
+    params = [SamplingParams(temperature=0.0 if b == 3 else temperature) for b in range(rows)]
+    seeds = [None if b == 3 else 1000 * b - 2**40 for b in range(rows)]
+    steps = torch.tensor([0, 5, 9, 2, 300, 7])
+    plan = SamplingPlan(params, seeds, vocab, torch.device("cpu"))
+    want, want_lp = sample(x, plan, steps, torch.Generator())
+    temps = None if temperature == 1.0 else torch.where(plan.temps == 0, 1.0, plan.temps)
+    drawn = torch.tensor([b != 3 for b in range(rows)], dtype=torch.int8)
+    got, got_lp = sample_tokens(x, temps, torch.tensor([s or 0 for s in seeds]), steps, drawn, margin)
+    assert torch.equal(got, want)
+    assert torch.allclose(got_lp, want_lp, atol=1e-5)
+    got_bf16, _ = sample_tokens(x.bfloat16(), temps, torch.tensor([s or 0 for s in seeds]), steps, drawn, margin)
+    want_bf16, _ = sample(x.bfloat16(), plan, steps, torch.Generator())
+    assert torch.equal(got_bf16, want_bf16)  # (bf16 logits are read as they are)
 
 
 def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import shlex
 import sys
 import tempfile
@@ -86,6 +87,13 @@ def engine_rollout(client: EngineClient, prompts: list[list[int]], new_tokens: i
         failed += sum(not c.ok for c in out)
         best = max(best, sum(len(c.output_ids) for c in out if c.ok) / dt)
     return best, failed
+
+
+def _engine_side(log: Path) -> float | None:
+    """Tokens/s of the embedded engine's paged scheduler over its last run (its own log line:
+    from taking the request to answering it, without HTTP or JSON), or None."""
+    found = re.findall(r"decoded \d+ tokens in [\d.]+ s \((\d+) tokens/s\)", log.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 def _sync(device: str) -> None:
@@ -228,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
                 rows.append((f"{kind} engine over HTTP", tps, failed))
+                inside = _engine_side(Path(tmp) / f"{kind}.log")
+                if inside is not None:  # the embedded engine's scheduler, from its log
+                    rows.append((f"  {kind}: its scheduler, no HTTP", inside, 0))
                 if a.device != "cpu" or kind != "sglang":  # SGLang releases memory on CUDA only
                     release_rows.append((kind, *release_cycle(kind, proc, client, a.device)))
                     engine_rollout(client, prompts[:4], 4, 1)  # and generates after it

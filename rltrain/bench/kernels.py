@@ -1,6 +1,7 @@
 """Fused log-prob/entropy kernels against the naive torch versions (needs a CUDA device).
 
     python -m rltrain.bench.kernels [--tokens 16384,32768,65536] [--vocab 151936] [--hidden 4096]
+                                    [--sample-rows 64,512]
 
 Per token count, forward + backward (upstream gradients for log-prob and entropy):
 
@@ -13,6 +14,11 @@ what the inputs (and for `linear` the weight) already hold. The logits kernels s
 logits three times (forward read, backward read + gradient write): their bandwidth is shown next
 to a device-to-device copy measured in the same run (bytes read + written per second), and the
 linear path's matmul rate next to a plain bf16 matmul's.
+
+Then the embedded engine's per-step sampling (a seeded draw and its log-prob per row from a
+decode step's bf16 logits [rows, V]): the torch ops of before (a float32 copy, the one-program-
+per-row draw, a gather and logsumexp) against the one-pass kernel (`sample_tokens`), with the
+bytes of logits read per second next to the same copy.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--sample-rows", default="64,512", help="rows of the sampling comparison ('' skips it)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("rltrain.bench.kernels needs a CUDA device (the kernels' CPU path is the torch reference)")
@@ -96,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'path':>7s} {'tokens':>7s} | {'naive s':>8s} {'naive GiB':>9s} | {'fused s':>8s} {'fused GiB':>9s} | "
         f"{'time':>6s} {'memory':>7s} | {'fused GB/s':>10s} {'of copy':>7s}"
     )
-    for n in (int(x) for x in a.tokens.split(",")):
+    for n in (int(x) for x in a.tokens.split(",") if x):
         g = torch.Generator(device="cuda").manual_seed(n)
         targets = torch.randint(0, V, (n,), device="cuda", generator=g)
         glogp = torch.randn(n, device="cuda", generator=g)
@@ -141,7 +148,36 @@ def main(argv: list[str] | None = None) -> int:
                 f"{path:>7s} {n:>7d} | {fmt(ns):>8s} {gib(nm):>9s} | {fmt(fs):>8s} {gib(fm):>9s} | "
                 f"{ratio_t:>6s} {ratio_m:>7s} | {bw}"
             )
+    if a.sample_rows:
+        sampling(V, [int(x) for x in a.sample_rows.split(",")], a.repeats, copy)
     return 0
+
+
+def sampling(vocab: int, row_counts: list[int], repeats: int, copy: float) -> None:
+    """The engine's per-step seeded draw + log-prob: the unfused torch path vs `sample_tokens`."""
+    from rltrain.engine.native.sampling import _row_hash
+    from rltrain.kernels.triton_sampling import sample_tokens, seeded_argmax
+
+    print(f"\nsampling one token + its log-prob per row from bf16 logits [rows x {vocab}] (seeded, temperature 1)")
+    print(f"{'rows':>5s} | {'unfused s':>9s} | {'fused s':>8s} | {'time':>6s} | {'fused GB/s':>10s} {'of copy':>7s}")
+    for rows in row_counts:
+        g = torch.Generator(device="cuda").manual_seed(rows)
+        logits = (torch.randn(rows, vocab, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        seeds = torch.randint(0, 2**62, (rows,), device="cuda", generator=g)
+        steps = torch.randint(0, 1024, (rows,), device="cuda", generator=g)
+        drawn = torch.ones(rows, dtype=torch.int8, device="cuda")
+
+        def unfused() -> None:
+            x = logits.to(torch.float32, copy=True)
+            tokens = seeded_argmax(x, _row_hash(seeds, steps))
+            x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+        def fused() -> None:
+            sample_tokens(logits, None, seeds, steps, drawn)
+
+        (us, _), (fs, _) = _timed(unfused, repeats), _timed(fused, repeats)
+        gbs = rows * vocab * 2 / fs / 1e9
+        print(f"{rows:>5d} | {us:9.5f} | {fs:8.5f} | {fs / us:5.2f}x | {gbs:10.0f} {gbs / copy:7.0%}")
 
 
 if __name__ == "__main__":

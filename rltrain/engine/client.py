@@ -20,8 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 
-from rltrain.generation import Completion, ProtocolError, SamplingParams, generate_body, parse_generate_response
+from rltrain.generation import (
+    Completion,
+    ProtocolError,
+    SamplingParams,
+    generate_body,
+    logprob,
+    parse_generate_response,
+)
 
 log = logging.getLogger("rltrain.engine")
 
@@ -158,7 +166,7 @@ class EngineClient:
             with self._lean_lock:
                 self._lean.append(conn)
             try:
-                payload = json.loads(raw) if raw else None
+                payload = loads(raw) if raw else None
             except ValueError:
                 payload = raw.decode(errors="replace")
             if status >= 400:
@@ -402,7 +410,7 @@ class EngineClient:
         lps = meta.get("input_token_logprobs")
         if not isinstance(lps, list) or len(lps) != len(input_ids):
             raise EngineError("/generate", f"no input_token_logprobs for {len(input_ids)} tokens: {str(data)[:200]}")
-        return [float(e[0]) for e in lps[1:]]
+        return [logprob(e[0]) for e in lps[1:]]
 
     def memory_report(self) -> dict:
         """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""
@@ -443,11 +451,20 @@ class EngineClient:
                 self._lean.pop().close()
 
 
+def loads(raw: bytes) -> Any:
+    """JSON of an answer: orjson (a rollout's answer is megabytes), json where orjson refuses what
+    json reads (NaN, integers past 64 bits); ValueError if neither can."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
 def _json_or_text(resp: httpx.Response) -> Any:
     if not resp.content:
         return None
     try:
-        return resp.json()
+        return loads(resp.content)
     except ValueError:
         return resp.text
 

@@ -43,7 +43,7 @@ import torch
 from transformers import AttentionInterface
 
 from rltrain.engine.native.rows import GenRequest, Row
-from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample
+from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, device_tensor, sample
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.runtime import internals
 
@@ -196,6 +196,28 @@ class _Seq:
     pages: list[int]
 
 
+@dataclass
+class _Launched:
+    """A decode step queued on the device: its rows, and their sampled tokens and log-probs
+    ([2, rows] float64) being copied to the host, there once `ready` has passed (None: there)."""
+
+    seqs: list[_Seq]
+    host: torch.Tensor
+    ready: Any
+
+
+def _to_host(tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying (tokens, log-probs) to the host: (the host tensor, the event after which it
+    holds them; None on CPU)."""
+    both = torch.stack([tokens.double(), logps.double()])
+    if not both.is_cuda:
+        return both, None
+    host = both.to("cpu", non_blocking=True)  # (pinned, from the caching host allocator)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 class _Graph:
     """One captured decode step for batches of up to `size` rows (static inputs and logits)."""
 
@@ -234,6 +256,8 @@ class PagedDecoder:
         self.config = model.config
         self.device = device
         self.dtype = next(model.parameters()).dtype
+        head = model.get_output_embeddings()
+        self.vocab = head.weight.shape[0] if head is not None else model.config.vocab_size
         self.max_rows = max_rows
         self.page_size = PAGE_SIZE
         self.max_pages = -(-context_length // PAGE_SIZE)
@@ -264,7 +288,7 @@ class PagedDecoder:
         self.graphs: dict[int, _Graph] = {}
         self._graph_pool: Any = None
         self.waiting: deque[GenRequest] = deque()  # taken from the queue, not yet admitted
-        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0}
+        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0, "tokens": 0}
 
     # ------------------------------------------------------------------ memory
 
@@ -402,7 +426,8 @@ class PagedDecoder:
 
     def _decode(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """One decode step of rows [B] (their last token, its position, their page tables):
-        their logits [B, vocab] float32."""
+        their logits [B, vocab], in the model's dtype. A graph's logits are its output buffer:
+        read them (queue what reads them) before the next step, which overwrites them."""
         n = tokens.shape[0]
         g = self._graph_for(n)
         P = self.page_size
@@ -423,7 +448,7 @@ class PagedDecoder:
         else:
             logits = self._decode_eager(g, n)
         self.stats["decode_steps"] += 1
-        return logits.to(torch.float32, copy=True)  # (a graph's logits are overwritten by its next replay)
+        return logits
 
     # ------------------------------------------------------------------ checks
 
@@ -449,7 +474,8 @@ class PagedDecoder:
             for _ in range(3):
                 seq.append(int(got[-1].argmax()))
                 pos = torch.tensor([len(seq) - 1], device=self.device)
-                got.append(self._decode(torch.tensor([seq[-1]], device=self.device), pos, table)[0])
+                logits = self._decode(torch.tensor([seq[-1]], device=self.device), pos, table)
+                got.append(logits[0].to(torch.float32, copy=True))
             ref = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, len(prompt) - 1 :].float()
             diff = float((torch.stack(got) - ref).abs().max())
             scale = max(1.0, float(ref.abs().max()))
@@ -503,8 +529,20 @@ class PagedDecoder:
         weight_version: Callable[[], str],
         remaining: dict[int, list[Any]],
     ) -> None:
+        """The scheduling loop. Decode steps overlap the host: step t+1 is launched (its inputs
+        are step t's sampled tokens, on the device) before the host reads step t's tokens,
+        appends them to the rows and answers the rows that finished, so the device never waits
+        for Python between steps. A row that finishes at step t has had step t+1 computed for
+        it too: that token is dropped, its key written to the row's own (reserved) page, which
+        is handed out again only after (the stream orders the writes). The host syncs with the
+        step in flight (`settle`) only where it must: before admitting queued requests, when
+        paused, and at every step where sampling reads host state (a min_new_tokens hold) or
+        the engine runs `deterministic`."""
         seqs: list[_Seq] = []
-        state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when its rows change
+        state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
+        pending: _Launched | None = None  # the step in flight, its tokens not yet read
+        freed = True  # rows finished (or none ran) since the last try to admit
+        t0, tokens0 = time.perf_counter(), self.stats["tokens"]
 
         def done(row: Row) -> None:
             entry = remaining[id(row.req)]
@@ -514,8 +552,23 @@ class PagedDecoder:
                 now = time.time()
                 row.req.future.set_result([r.result(weight_version(), now) for r in entry[0]])
 
+        def settle() -> None:
+            """Read the step in flight; drop the rows that finished from the batch (and from its
+            device tensors: the next step's inputs stay on the device)."""
+            nonlocal pending, seqs, freed
+            if pending is not None:
+                self._collect(pending, done)
+                pending = None
+            keep = [b for b, s in enumerate(seqs) if s.row.finish is None]
+            if len(keep) < len(seqs):
+                freed = True
+                seqs = [seqs[b] for b in keep]
+                if state:
+                    self._subset(state, seqs, keep)
+
         while True:
             while not running.is_set():
+                settle()
                 if abort.is_set():
                     for s in seqs:
                         s.row.finish = {"type": "abort", "message": "generation paused with mode=abort"}
@@ -526,16 +579,28 @@ class PagedDecoder:
                 if not seqs:
                     return
                 running.wait(0.05)
+            while (req := take()) is not None:
+                self.waiting.append(req)
+                freed = True
             admitted = 0
-            if not (self.deterministic and seqs):
-                joined, admitted = self._admit(take, can_run, len(seqs), remaining, done)
+            if self.waiting and freed and not (self.deterministic and seqs):
+                settle()
+                freed = False
+                joined, admitted = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
                     state.clear()
             if not seqs:
                 if admitted or not self.waiting:
                     if not self.waiting:
+                        log.info(
+                            "decoded %d tokens in %.2f s (%.0f tokens/s)",
+                            self.stats["tokens"] - tokens0,
+                            time.perf_counter() - t0,
+                            (self.stats["tokens"] - tokens0) / max(time.perf_counter() - t0, 1e-9),
+                        )
                         return
+                    freed = True
                     continue
                 req = self.waiting.popleft()  # it does not fit even with nothing else running
                 assert self.pool is not None
@@ -547,45 +612,81 @@ class PagedDecoder:
                         "--mem-fraction-static, or send fewer samples per request"
                     )
                 )
+                freed = True
                 continue
             if not state:
-                state = self._batch_state(seqs)
-            logits = self._decode(state["tokens"], state["pos"], state["table"])
-            if "plan" not in state:
-                rows = [s.row for s in seqs]
-                vocab = logits.shape[-1]
-                params = [r.params for r in rows]
-                state["plan"] = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
-                state["shaper"] = LogitShaper(
-                    params, [r.stops for r in rows], vocab, self.device, [r.out for r in rows]
-                )
-            shaper = state["shaper"]
-            shaped = shaper.shape(logits, [len(s.row.out) for s in seqs] if shaper.hold else 0)
-            tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
-            shaper.count(tokens)
-            keep = self._take(seqs, tokens, logps, done)
-            if len(keep) == len(seqs):
-                state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
+                state.update(self._batch_state(seqs))
+            launched = self._launch(seqs, state)
+            settle()  # the step before it, read while this one runs
+            pending = launched
+            if self.deterministic or state["shaper"].hold:
+                settle()
+
+    def _launch(self, seqs: list[_Seq], state: dict[str, Any]) -> _Launched:
+        """Queue one decode step and its sampling for the rows; advance the batch's device
+        tensors to the next step (its input tokens are this step's samples) and start copying
+        the samples to the host."""
+        logits = self._decode(state["tokens"], state["pos"], state["table"])
+        shaper = state["shaper"]
+        shaped = shaper.shape(logits, [len(s.row.out) for s in seqs] if shaper.hold else 0)
+        tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
+        shaper.count(tokens)
+        state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
+        return _Launched(seqs, *_to_host(tokens, logps))
+
+    def _collect(self, launched: _Launched, done: Callable[[Row], None]) -> None:
+        """The launched step's tokens join their rows (rows that finished before it drop
+        theirs); a row that finishes gives its pages back and is answered."""
+        assert self.pool is not None
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        toks, lps = launched.host.tolist()
+        for b, s in enumerate(launched.seqs):
+            if s.row.finish is not None:
                 continue
-            seqs = [seqs[b] for b in keep]
-            state.clear()
+            self.stats["tokens"] += 1
+            if s.row.append(int(toks[b]), lps[b]):
+                self.pool.release(s.pages)
+                done(s.row)
+
+    def _subset(self, state: dict[str, Any], seqs: list[_Seq], keep: list[int]) -> None:
+        """The batch's device tensors for the rows `keep` (indices into the batch before), with
+        no host sync (the step in flight may still be running)."""
+        index = device_tensor(keep, torch.long, self.device)
+        for key in ("tokens", "pos", "table", "steps"):
+            state[key] = state[key][index]
+        rows = [s.row for s in seqs]
+        state["plan"] = SamplingPlan(
+            [r.params for r in rows],
+            [r.seed for r in rows],
+            state["vocab"],
+            self.device,
+            self.token_hash(state["vocab"]),
+        )
+        state["shaper"] = state["shaper"].subset(index, keep)
 
     def _batch_state(self, seqs: list[_Seq]) -> dict[str, Any]:
-        """Device tensors of the rows' next step: last token, its position, page tables, steps."""
+        """Device tensors of the rows' next step: last token, its position, page tables, steps;
+        their sampling plan and logit shaper."""
         dev = self.device
         table = torch.zeros(len(seqs), self.max_pages, dtype=torch.int32)
         for b, s in enumerate(seqs):
             table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        rows = [s.row for s in seqs]
+        vocab = self.vocab
+        params = [r.params for r in rows]
         return {
-            "tokens": torch.tensor([s.row.out[-1] for s in seqs], device=dev),
-            "pos": torch.tensor([len(s.row.prompt) + len(s.row.out) - 1 for s in seqs], device=dev),
+            "tokens": torch.tensor([r.out[-1] for r in rows], device=dev),
+            "pos": torch.tensor([len(r.prompt) + len(r.out) - 1 for r in rows], device=dev),
             "table": table.to(dev),
-            "steps": torch.tensor([len(s.row.out) for s in seqs], device=dev),
+            "steps": torch.tensor([len(r.out) for r in rows], device=dev),
+            "vocab": vocab,
+            "plan": SamplingPlan(params, [r.seed for r in rows], vocab, dev, self.token_hash(vocab)),
+            "shaper": LogitShaper(params, [r.stops for r in rows], vocab, dev, [r.out for r in rows]),
         }
 
     def _admit(
         self,
-        take: Callable[[], GenRequest | None],
         can_run: Callable[[GenRequest], bool],
         running: int,
         remaining: dict[int, list[Any]],
@@ -594,8 +695,6 @@ class PagedDecoder:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
         rows that go on decoding, how many requests were admitted). Requests are admitted whole
         and in order."""
-        while (req := take()) is not None:
-            self.waiting.append(req)
         P = self.page_size
         batch: list[tuple[GenRequest, list[Row]]] = []
         tokens = 0
@@ -676,25 +775,10 @@ class PagedDecoder:
         seqs = [s for g in groups for s in g]
         rows = [s.row for s in seqs]
         row_logits = logits[torch.tensor(of_seq, device=self.device)]
-        vocab = row_logits.shape[-1]
+        vocab = self.vocab
         params = [r.params for r in rows]
         plan = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
         shaper = LogitShaper(params, [r.stops for r in rows], vocab, self.device)
         tokens, logps = sample(shaper.shape(row_logits, 0), plan, 0, self.generator)
-        return [seqs[b] for b in self._take(seqs, tokens, logps, done)]
-
-    def _take(
-        self, seqs: list[_Seq], tokens: torch.Tensor, logps: torch.Tensor, done: Callable[[Row], None]
-    ) -> list[int]:
-        """Each row takes its sampled token (one host sync for the batch); a row that finishes
-        gives its pages back and is answered. Returns the indices of the rows that go on."""
-        assert self.pool is not None
-        toks, lps = torch.stack([tokens.double(), logps.double()]).tolist()
-        keep = []
-        for b, s in enumerate(seqs):
-            if s.row.append(int(toks[b]), lps[b]):
-                self.pool.release(s.pages)
-                done(s.row)
-            else:
-                keep.append(b)
-        return keep
+        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done)
+        return [s for s in seqs if s.row.finish is None]

@@ -17,10 +17,18 @@ rows: no host sync, no per-row kernel.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from rltrain.generation import SamplingParams
+
+
+def device_tensor(values: Sequence[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`; on CUDA copied from pinned memory without a host sync,
+    so a step in flight keeps running while the next one is prepared."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 class SamplingPlan:
@@ -36,35 +44,51 @@ class SamplingPlan:
         device: torch.device,
         token_hash: torch.Tensor | None = None,
     ):
-        self.temps = torch.tensor([p.temperature for p in params], device=device, dtype=torch.float32)
+        self.temps = device_tensor([p.temperature for p in params], torch.float32, device)
         self.unit_temps = all(p.temperature in (0, 1) for p in params)  # nothing to divide by
         greedy = [p.temperature == 0 for p in params]
         self.greedy = any(greedy)
         filtered = [
             b for b, p in enumerate(params) if not greedy[b] and (0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0)
         ]
-        self.filtered = torch.tensor(filtered, device=device) if filtered else None
+        self.filtered = device_tensor(filtered, torch.long, device) if filtered else None
         if filtered:
             f = [params[b] for b in filtered]
-            self.top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in f], device=device)
-            self.top_p = torch.tensor([p.top_p for p in f], device=device, dtype=torch.float32)
-            self.min_p = torch.tensor([p.min_p for p in f], device=device, dtype=torch.float32)
+            self.top_k = device_tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in f], torch.long, device)
+            self.top_p = device_tensor([p.top_p for p in f], torch.float32, device)
+            self.min_p = device_tensor([p.min_p for p in f], torch.float32, device)
         seeded = [b for b, s in enumerate(seeds) if s is not None and not greedy[b]]
         shared = [b for b, s in enumerate(seeds) if s is None and not greedy[b]]
-        self.seeded = torch.tensor(seeded, device=device) if seeded else None
-        self.seeds = torch.tensor([seeds[b] for b in seeded], device=device) if seeded else None
+        self.seeded = device_tensor(seeded, torch.long, device) if seeded else None
+        self.seeds = device_tensor([seeds[b] for b in seeded], torch.long, device) if seeded else None
         self.token_hash = (token_hash if token_hash is not None else token_hash_of(vocab, device)) if seeded else None
-        self.shared = torch.tensor(shared, device=device) if shared else None
+        self.shared = device_tensor(shared, torch.long, device) if shared else None
+        # the fused pass (CUDA; rows that filter nothing and draw from no shared generator)
+        self.fused = device.type == "cuda" and not filtered and not shared
+        if self.fused:
+            self.safe_temps = None if self.unit_temps else torch.where(self.temps == 0, 1.0, self.temps)
+            drawn = [s is not None and not g for s, g in zip(seeds, greedy)]
+            self.all_seeds = device_tensor([s if d else 0 for s, d in zip(seeds, drawn)], torch.long, device)
+            self.drawn = device_tensor(drawn, torch.int8, device)
 
 
 def sample(
     logits: torch.Tensor, plan: SamplingPlan, steps: torch.Tensor | int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, its log-prob) per row of `logits` [rows, vocab] (float32). `steps`: each row's
+    """(token, its log-prob) per row of `logits` [rows, vocab] (float). `steps`: each row's
     token index (a [rows] tensor, or one int for all), the step half of seeded noise. Work that
     changes nothing is skipped (division by temperature 1, gathers of every row); on CUDA the
     seeded draw is one fused pass and the log-prob is read through logsumexp, not a whole
-    log-softmax written out."""
+    log-softmax written out; rows that filter nothing and use no shared generator (greedy and
+    seeded rows) take one pass in all (`kernels/triton_sampling.sample_tokens`), reading `logits`
+    in their own dtype."""
+    if plan.fused:
+        from rltrain.kernels.triton_sampling import sample_tokens  # noqa: PLC0415 - CUDA only
+
+        if isinstance(steps, int):
+            steps = torch.full((logits.shape[0],), steps, dtype=torch.int64, device=logits.device)
+        return sample_tokens(logits, plan.safe_temps, plan.all_seeds, steps, plan.drawn)
+    logits = logits.float()
     scaled = logits
     if not plan.unit_temps:
         temps = plan.temps
@@ -150,6 +174,18 @@ class LogitShaper:
         # (row, its stop tokens, its min_new_tokens) for rows that must not stop yet
         hold = [(b, sorted(t for t in stops[b] if t < vocab), p.min_new_tokens) for b, p in enumerate(params)]
         self.hold = [(b, ids, m) for b, ids, m in hold if m > 0 and ids]
+
+    def subset(self, index: torch.Tensor, keep: Sequence[int]) -> LogitShaper:
+        """The shaper of rows `keep` of this one (`index`: them on the device), counts included."""
+        out = LogitShaper.__new__(LogitShaper)
+        out.counts = None if self.counts is None else self.counts[index]
+        out.frequency, out.presence, out.repetition = (
+            x[index] for x in (self.frequency, self.presence, self.repetition)
+        )
+        out.bias = None if self.bias is None else self.bias[index]
+        where = {b: i for i, b in enumerate(keep)}
+        out.hold = [(where[b], ids, m) for b, ids, m in self.hold if b in where]
+        return out
 
     def shape(self, logits: torch.Tensor, steps: Sequence[int] | int) -> torch.Tensor:
         """`logits` [rows, vocab] (float32) with the rows' penalties, holds and biases applied;

@@ -24,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import orjson
 import torch
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
@@ -385,6 +386,16 @@ class NativeServer:
         return {"success": True, "message": f"loaded {count} tensors"}
 
 
+def dumps(payload: Any) -> bytes:
+    """JSON of an answer: orjson (~15x json's speed on a rollout's answer of 512 x 256 tokens with
+    log-probs, where the encoding is on the request's critical path), json where orjson refuses
+    (integers past 64 bits)."""
+    try:
+        return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:
+        return json.dumps(payload).encode()
+
+
 def _version(body: dict[str, Any]) -> str | None:
     """The request's weight_version: a string, or absent (the engine's stays)."""
     v = body.get("weight_version")
@@ -452,7 +463,7 @@ def make_handler(server: NativeServer, max_body: int = MAX_BODY_BYTES) -> type[B
             elif isinstance(payload, str):
                 data, ctype = payload.encode(), "text/plain; charset=utf-8"
             else:
-                data, ctype = json.dumps(payload).encode(), "application/json"
+                data, ctype = dumps(payload), "application/json"
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
