@@ -145,6 +145,16 @@ def test_fused_sampling_kernel_picks_the_torch_ops_tokens(temperature, margin):
     assert torch.equal(got_bf16, want_bf16)  # (bf16 logits are read as they are)
 
 
+def test_overlapped_steps_end_with_the_rows(engines):
+    """The schedule queues step t+1 before reading step t, yet no step runs past a request whose
+    rows all end by length (nothing left queued for a release that follows to race), and rows
+    that stop early leave the batch: as many decode steps as the longest row needs."""
+    _, paged = engines
+    before = paged.decoder.stats["decode_steps"]
+    run(paged, [[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=9, temperature=1.0, sampling_seed=1, ignore_eos=True))
+    assert paged.decoder.stats["decode_steps"] - before == 8  # (the prefill samples the first token)
+
+
 def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     """Continuous batching: a short request sent while a long one decodes joins it, finishes
     first (it does not wait for the long one's batch), and every sample is what it is alone."""

@@ -446,6 +446,8 @@ class NativeEngine:
     def release(self, tags: list[str] | None) -> dict[str, Any]:
         tags = _tags(tags)
         with self._model_lock:
+            if self.device.type == "cuda":  # (nothing queued may run on what is freed)
+                torch.cuda.synchronize(self.device)
             if "weights" in tags and "weights" not in self.released:
                 self._backup_and_free_weights()
             if self.decoder is not None:  # graphs hold the weights' and the pool's addresses

@@ -330,7 +330,9 @@ class PagedDecoder:
 
     def _drop_graphs(self) -> None:
         """Forget every captured graph and their memory pool (a pool handle outliving all of its
-        graphs must not be captured into again)."""
+        graphs must not be captured into again), once no replay runs."""
+        if self.graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self._graph_pool = None
 
@@ -404,7 +406,11 @@ class PagedDecoder:
                 block.forward = plain
 
     def _graph_for(self, n: int) -> _Graph:
-        size = next((s for s in _BUCKETS if s >= n), n)
+        """The graph for `n` rows: a captured one of up to 4x as many rows (its extra rows cost
+        little next to a capture, which every bucket would need after each release), else the
+        smallest bucket's, captured now."""
+        near = [s for s in self.graphs if n <= s <= 4 * n and self.graphs[s].graph is not None]
+        size = min(near) if near else next((s for s in _BUCKETS if s >= n), n)
         g = self.graphs.get(size)
         if g is None:
             g = self.graphs[size] = _Graph(size, self.max_pages, self.device)
@@ -591,6 +597,7 @@ class PagedDecoder:
                     seqs += joined
                     state.clear()
             if not seqs:
+                settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
                     if not self.waiting:
                         log.info(
@@ -613,6 +620,9 @@ class PagedDecoder:
                     )
                 )
                 freed = True
+                continue
+            if pending is not None and all(len(s.row.out) + 1 >= s.row.max_new for s in seqs):
+                settle()  # every row ends with the step in flight: none after it
                 continue
             if not state:
                 state.update(self._batch_state(seqs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import hmac
 import json
 import logging
@@ -655,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-body-mb", type=int, default=MAX_BODY_BYTES >> 20, help="largest request body taken")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    faulthandler.enable()  # a crash in native code (CUDA, a driver) leaves its Python stack in the log
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s native-engine %(levelname)s: %(message)s",
