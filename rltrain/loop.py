@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -129,6 +130,11 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason is None:
                 train_stats.update(_to_rollout(clock.phase, parts, world, version))
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
+            if step == parts.start_step:
+                # What the first step built (compiled code, the trainer's state, the libraries'
+                # caches) lives to the end: frozen, Python's full collections, triggered by each
+                # rollout's many small objects, no longer walk it.
+                gc.freeze()
             if reason is not None:
                 _stopped(cfg, world, step + 1, cycle.saved, reason)
                 break

@@ -22,11 +22,15 @@ plain forward (`verify`); a model whose attention does not go through the interf
 **CUDA graphs.** A decode step (every layer and the LM head) is captured once per batch-size
 bucket and replayed: its inputs are static tensors (token, position, page table, length, the
 slot each new key goes to) filled before each replay; rows past the batch point at the
-scratch page. Sampling runs after the replay, batched (sampling.py). Graphs hold the weights'
+scratch page; a captured graph serves batches down to a quarter of its size. Sampling runs after
+the replay, batched, in one pass over the logits on CUDA (sampling.py). Graphs hold the weights'
 and the pool's addresses: they are dropped whenever either is released.
 
 **Continuous batching.** Between decode steps, finished rows leave (their requests are answered
 at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
+
+**Overlap.** Step t+1 is queued (its input tokens are step t's samples, on the device) before the
+host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
 """
 
 from __future__ import annotations

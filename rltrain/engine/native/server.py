@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import faulthandler
+import gc
 import hmac
 import json
 import logging
@@ -708,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.dtype,
         time.perf_counter() - t0,
     )
+    gc.freeze()  # (the model's and the libraries' objects: no full collection walks them again)
     try:
         httpd.serve_forever(poll_interval=0.2)
     finally:
