@@ -33,18 +33,21 @@ def current_group() -> Any:
 
 def shard(model: torch.nn.Module, device: torch.device) -> None:
     """`fully_shard` every transformer block (HF `_no_split_modules`) and then the root, over a
-    1-D mesh of the current default group. Gradients are *summed* over ranks: the loss is
-    already normalised by the global token count, so a mean would divide twice."""
+    1-D mesh of the current default group; on the CPU the root alone. Gradients are *summed*
+    over ranks: the loss is already normalised by the global token count, so a mean would
+    divide twice."""
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
-    # On the CPU a block keeps its gathered parameters from its forward to its backward: each
-    # gloo all-gather costs more than the bytes it saves (measured: a quickstart train step 85 ->
-    # 68 ms); on GPUs they are freed, for memory.
-    keep = device.type == "cpu"
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, mesh=mesh, reshard_after_forward=not keep)
+    # On the CPU the whole model is one unit: one gloo all-gather per forward and one
+    # reduce-scatter per backward, where per-block units cost one of each per block (a gloo
+    # collective costs more there than the memory it saves; blocks kept gathered from forward to
+    # backward took a quickstart train step from 85 to 68 ms). On GPUs each block is a unit
+    # whose parameters are freed after its forward, for memory.
+    if device.type != "cpu":
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
