@@ -331,8 +331,8 @@ class NativeEngine:
             self.decoder.serve(take, can_run, self._running, self._abort_inflight, lambda: self.weight_version)
         if self.decoder.stats["graph_captures"] != captures:
             # Compiling and capturing leave ~millions of long-lived objects: frozen, a full
-            # collection (triggered by the rows' results) no longer walks them, which stalled an
-            # answer of 512 x 256 tokens for ~0.5 s on the H200.
+            # collection (triggered by the rows' results) no longer walks them (the suspected
+            # cause of answers of 512 x 256 tokens arriving up to 0.5 s late on the H200).
             gc.freeze()
 
     def _run_batch(self, batch: list[GenRequest]) -> None:

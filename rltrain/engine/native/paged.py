@@ -604,12 +604,8 @@ class PagedDecoder:
                 settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
                     if not self.waiting:
-                        log.info(
-                            "decoded %d tokens in %.2f s (%.0f tokens/s)",
-                            self.stats["tokens"] - tokens0,
-                            time.perf_counter() - t0,
-                            (self.stats["tokens"] - tokens0) / max(time.perf_counter() - t0, 1e-9),
-                        )
+                        n, dt = self.stats["tokens"] - tokens0, time.perf_counter() - t0
+                        log.info("decoded %d tokens in %.2f s (%.0f tokens/s)", n, dt, n / max(dt, 1e-9))
                         return
                     freed = True
                     continue
@@ -669,15 +665,14 @@ class PagedDecoder:
         index = device_tensor(keep, torch.long, self.device)
         for key in ("tokens", "pos", "table", "steps"):
             state[key] = state[key][index]
-        rows = [s.row for s in seqs]
-        state["plan"] = SamplingPlan(
-            [r.params for r in rows],
-            [r.seed for r in rows],
-            state["vocab"],
-            self.device,
-            self.token_hash(state["vocab"]),
-        )
+        state["plan"] = self._plan([s.row for s in seqs])
         state["shaper"] = state["shaper"].subset(index, keep)
+
+    def _plan(self, rows: list[Row]) -> SamplingPlan:
+        """The rows' sampling plan (what stays the same at every step of this set of rows)."""
+        return SamplingPlan(
+            [r.params for r in rows], [r.seed for r in rows], self.vocab, self.device, self.token_hash(self.vocab)
+        )
 
     def _batch_state(self, seqs: list[_Seq]) -> dict[str, Any]:
         """Device tensors of the rows' next step: last token, its position, page tables, steps;
@@ -687,16 +682,15 @@ class PagedDecoder:
         for b, s in enumerate(seqs):
             table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
         rows = [s.row for s in seqs]
-        vocab = self.vocab
-        params = [r.params for r in rows]
         return {
             "tokens": torch.tensor([r.out[-1] for r in rows], device=dev),
             "pos": torch.tensor([len(r.prompt) + len(r.out) - 1 for r in rows], device=dev),
             "table": table.to(dev),
             "steps": torch.tensor([len(r.out) for r in rows], device=dev),
-            "vocab": vocab,
-            "plan": SamplingPlan(params, [r.seed for r in rows], vocab, dev, self.token_hash(vocab)),
-            "shaper": LogitShaper(params, [r.stops for r in rows], vocab, dev, [r.out for r in rows]),
+            "plan": self._plan(rows),
+            "shaper": LogitShaper(
+                [r.params for r in rows], [r.stops for r in rows], self.vocab, dev, [r.out for r in rows]
+            ),
         }
 
     def _admit(
@@ -789,10 +783,7 @@ class PagedDecoder:
         seqs = [s for g in groups for s in g]
         rows = [s.row for s in seqs]
         row_logits = logits[torch.tensor(of_seq, device=self.device)]
-        vocab = self.vocab
-        params = [r.params for r in rows]
-        plan = SamplingPlan(params, [r.seed for r in rows], vocab, self.device, self.token_hash(vocab))
-        shaper = LogitShaper(params, [r.stops for r in rows], vocab, self.device)
-        tokens, logps = sample(shaper.shape(row_logits, 0), plan, 0, self.generator)
+        shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
+        tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
         self._collect(_Launched(seqs, *_to_host(tokens, logps)), done)
         return [s for s in seqs if s.row.finish is None]
