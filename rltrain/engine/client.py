@@ -89,9 +89,7 @@ class EngineClient:
         """Talk to a restarted server at `url` from now on (the same object: what holds this
         client keeps it). Idle connections to the old server are closed."""
         self._http.close()
-        with self._lean_lock:
-            while self._lean:
-                self._lean.pop().close()
+        self._close_idle()
         self.url = url.rstrip("/")
         self._http = self._new_http(self._timeouts[1], self._timeouts[0])
 
@@ -132,15 +130,25 @@ class EngineClient:
             return resp
         raise AssertionError("unreachable")
 
+    def _close_idle(self) -> None:
+        """Close the idle keep-alive connections of `_lean_post`."""
+        with self._lean_lock:
+            idle, self._lean = self._lean, []
+        for conn in idle:
+            conn.close()
+
     def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
         """POST on a plain keep-alive `http.client` connection: for calls made once per weight bucket,
         where httpx's own overhead is a large share of a bucket's time. Concurrent callers each get
         a connection. A request on a reused connection that the server had closed (idle keep-alive
-        timeout: nothing was read) is sent once more on a fresh one; nothing else is retried."""
+        timeout: nothing was read) is sent once more on a fresh one, and the other idle connections,
+        no younger, are dropped; nothing else is retried."""
         data = json.dumps(body).encode()
         for attempt in range(2):
-            with self._lean_lock:
-                conn = self._lean.pop() if self._lean else None
+            conn = None
+            if attempt == 0:
+                with self._lean_lock:
+                    conn = self._lean.pop() if self._lean else None
             reused = conn is not None
             if conn is None:
                 url = httpx.URL(self.url)
@@ -155,6 +163,7 @@ class EngineClient:
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 conn.close()
                 if reused and attempt == 0:
+                    self._close_idle()
                     continue
                 raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
             except TimeoutError as e:
@@ -446,9 +455,7 @@ class EngineClient:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
-        with self._lean_lock:
-            while self._lean:
-                self._lean.pop().close()
+        self._close_idle()
 
 
 def loads(raw: bytes) -> Any:
