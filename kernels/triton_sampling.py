@@ -102,6 +102,17 @@ def _gumbel_approx(s32, cols):
 
 
 @triton.jit
+def _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V: tl.constexpr, UNIT: tl.constexpr):
+    """A block of one row's logits at `cols` in float32 (-inf past the vocabulary) and the same
+    divided by the row's temperature (IEEE division; UNIT: every temperature is 1)."""
+    x = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    xs = x
+    if not UNIT:
+        xs = tl.div_rn(x, tl.load(temp_ptr + row))
+    return x, xs
+
+
+@triton.jit
 def _sample_chunks_kernel(
     x_ptr,
     stride,
@@ -137,14 +148,9 @@ def _sample_chunks_kernel(
     acc = tl.zeros([BLOCK_V], tl.float32)
     for start in tl.range(0, CHUNK_V, BLOCK_V):
         cols = (first + start + tl.arange(0, BLOCK_V)).to(tl.int64)
-        inside = cols < V
-        x = tl.load(x_ptr + row * stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        if UNIT:
-            xs = x
-        else:
-            xs = tl.div_rn(x, tl.load(temp_ptr + row))
+        x, xs = _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V, UNIT)
         val = tl.where(drawn, xs - _gumbel_approx(s32, cols), x)
-        val = tl.where(inside, val, float("-inf"))
+        val = tl.where(cols < V, val, float("-inf"))
         better = val > best
         second = tl.where(better, best, tl.maximum(second, val))
         best = tl.where(better, val, best)
@@ -167,11 +173,8 @@ def _sample_chunks_kernel(
             exact_idx = tl.zeros([BLOCK_V], tl.int64)
             for start in tl.range(0, CHUNK_V, BLOCK_V):
                 cols = (first + start + tl.arange(0, BLOCK_V)).to(tl.int64)
-                inside = cols < V
-                x = tl.load(x_ptr + row * stride + cols, mask=inside, other=float("-inf")).to(tl.float32)
-                if not UNIT:
-                    x = tl.div_rn(x, tl.load(temp_ptr + row))
-                val = tl.where(inside, x - _gumbel(s, cols), float("-inf"))
+                _, xs = _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V, UNIT)
+                val = tl.where(cols < V, xs - _gumbel(s, cols), float("-inf"))
                 better = val > exact
                 exact = tl.where(better, val, exact)
                 exact_idx = tl.where(better, cols, exact_idx)

@@ -481,10 +481,11 @@ class PagedDecoder:
                 )
             seq = list(prompt)
             table = torch.tensor([pages + [0] * (self.max_pages - len(pages))], dtype=torch.int32, device=self.device)
-            for _ in range(3):
+            for rows in (1, 2, 2):  # one row, then two copies of it: compiled blocks trace both
+                # the batch of one and the dynamic batch size here, not at the first rollout
                 seq.append(int(got[-1].argmax()))
-                pos = torch.tensor([len(seq) - 1], device=self.device)
-                logits = self._decode(torch.tensor([seq[-1]], device=self.device), pos, table)
+                pos = torch.full((rows,), len(seq) - 1, device=self.device)
+                logits = self._decode(torch.full((rows,), seq[-1], device=self.device), pos, table.expand(rows, -1))
                 got.append(logits[0].to(torch.float32, copy=True))
             ref = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, len(prompt) - 1 :].float()
             diff = float((torch.stack(got) - ref).abs().max())
