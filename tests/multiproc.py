@@ -3,6 +3,11 @@
 Each rank's return value (or exception text) is written to a file; the parent waits with a
 deadline, kills whatever is still alive after it, and reports per-rank outcomes. Used by every
 multi-process test: the processes and the gloo groups are real, nothing is mocked.
+
+The ranks are forked from a fork server (multiprocessing's "forkserver" start method) that has
+imported torch, transformers and rltrain once: a spawned rank spent ~5-10 s of CPU on those
+imports (2 cores in CI), more than most tests' own work. The server forks before any thread or
+OpenMP pool exists in it; each rank gets the parent's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -42,7 +47,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the fork server (failures are ignored there: a rank then imports it itself).
+PRELOAD = ["torch", "torch.distributed", "transformers", "safetensors.torch", "rltrain.loop", "models", "multiproc"]
+
+
 def _entry(fn: Callable, rank: int, world_size: int, port: int, out: str, env: dict, args: tuple) -> None:
+    os.environ.clear()  # the fork server's is the parent's when the server started
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -69,13 +79,20 @@ def run_ranks(
     *args: Any,
     deadline_s: float = 120.0,
     env: dict[str, str] | None = None,
+    fresh: bool = False,
 ) -> list[RankOutcome]:
-    """Start `fn(rank, world_size, *args)` on `world_size` processes; wait at most `deadline_s`."""
-    ctx = mp.get_context("spawn")
+    """Start `fn(rank, world_size, *args)` on `world_size` processes; wait at most `deadline_s`.
+    `fresh`: spawned interpreters instead of forks of the preloaded server, for a test that
+    measures its process's own memory (a fork's RSS grows as it first touches the libraries'
+    pages, which a spawned process counts in its baseline)."""
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        ctx.set_forkserver_preload(PRELOAD)
     port = free_port()
+    env = {**os.environ, **(env or {})}
     with tempfile.TemporaryDirectory() as out:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, port, out, env or {}, args), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, port, out, env, args), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
