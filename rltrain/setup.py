@@ -138,9 +138,19 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     )
 
     check_placement(cfg)
-    # The engines start first, on GPUs nothing else holds yet: SGLang sizes its KV pool from the
-    # free memory it sees at start-up. Colocated, they then let go of their memory for the trainer.
-    # The embedded engine loads weight versions only from the sync directory (and its own model).
+    trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+    # On GPUs the engines start first, on devices nothing else holds yet: SGLang sizes its KV pool
+    # from the free memory it sees at start-up, and the engine and the trainer at once could need
+    # more than the device has. Colocated, the engines then let go of their memory for the
+    # trainer. On the CPU the trainer is built while the engines start (their start-up, mostly
+    # imports, and the trainer's overlap). The embedded engine loads weight versions only from the
+    # sync directory (and its own model).
+    overlap = resolve_device(cfg.engine.device) == "cpu"
+
+    def create_trainer() -> None:
+        trainer.create()
+        log.info("trainer created (%s), %s the engines start", cfg.trainer.backend, "while" if overlap else "after")
+
     engine = NodeEngine.launch(
         cfg.engine,
         cfg.engine_model_path,
@@ -149,11 +159,11 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         weights_roots=[str(cfg.weights_dir)],
         colocate=cfg.loop.colocate,
         vocab_size=model_cfg.vocab_size,
+        meanwhile=create_trainer if overlap else None,
     )
     engine.release_memory()
-    trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-    trainer.create()
-    log.info("trainer created (%s), after the engines started", cfg.trainer.backend)
+    if not overlap:
+        create_trainer()
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler, resume_from)
     cycle = TrainerCycle(

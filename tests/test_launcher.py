@@ -108,6 +108,22 @@ def test_engine_that_cannot_start_reports_why(tmp_path):
         NodeEngine._start_healthy(cfg, str(tmp_path / "does-not-exist"), tmp_path / "engine.log")
 
 
+def test_set_up_failing_while_the_engine_starts_stops_the_engine(tmp_path, model_a):
+    """The rank's own set-up runs while its engine starts (the trainer, on the CPU); if it fails,
+    the engine it started is stopped, not left running without its rank."""
+    before = {c.pid for c in psutil.Process().children()}
+    started: list[int] = []
+
+    def set_up() -> None:
+        started.extend(c.pid for c in psutil.Process().children() if c.pid not in before)
+        raise RuntimeError("the trainer could not be built")
+
+    with pytest.raises(RuntimeError, match="could not be built"):
+        NodeEngine._start_healthy(engine_config("native"), str(model_a), tmp_path / "engine.log", meanwhile=set_up)
+    assert len(started) == 1, started  # the engine's process was running during the set-up ...
+    assert not psutil.pid_exists(started[0])  # ... and is gone (stopped and reaped)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sglang_command_places_the_server_on_the_configured_device(deterministic):
     from rltrain.config import EngineConfig

@@ -359,10 +359,13 @@ class NodeEngine:
         weights_roots: list[str] | tuple[str, ...] = (),
         colocate: bool = True,
         vocab_size: int | None = None,
+        meanwhile: Callable[[], None] | None = None,
     ) -> NodeEngine:
         """Collective over the bridge: each engine's leader starts and health-checks its engine,
         every rank connects to its own. `vocab_size`: the model's, so that the client refuses
-        token ids outside it. The layout is checked against the node first (ConfigError)."""
+        token ids outside it. The layout is checked against the node first (ConfigError).
+        `meanwhile`: the rank's own set-up, run on every rank while the engines start (between
+        starting the process and waiting for its health)."""
         backend, device = resolve_backend(cfg.backend), resolve_device(cfg.device)
         visible = torch.cuda.device_count() if device == "cuda" else None
         layout = EngineLayout.of(cfg, backend, world.env, visible)
@@ -387,7 +390,14 @@ class NodeEngine:
         def start() -> EngineProcess:
             return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout)
 
-        process, url = _started_everywhere(world, layout, start if layout.is_engine_leader else None, "engine launch")
+        def first_start() -> EngineProcess:
+            return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout, meanwhile=meanwhile)
+
+        if meanwhile is not None and not layout.is_engine_leader:
+            meanwhile()
+        process, url = _started_everywhere(
+            world, layout, first_start if layout.is_engine_leader else None, "engine launch"
+        )
         assert url is not None
         client = EngineClient(
             url,
@@ -519,7 +529,10 @@ class NodeEngine:
         weights_roots: list[str] | tuple[str, ...] = (),
         layout: EngineLayout | None = None,
         attempts: int = 2,
+        meanwhile: Callable[[], None] | None = None,
     ) -> EngineProcess:
+        """Start the engine and wait until it is healthy; `meanwhile` runs once, after its
+        process started and before the wait (the engine is stopped if it raises)."""
         for attempt in range(attempts):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -529,6 +542,13 @@ class NodeEngine:
                 log_path,
                 env=server_environment(cfg, layout),
             )
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException:
+                    proc.stop()
+                    raise
+                meanwhile = None
             probe = EngineClient(url, retries=0, api_key=cfg.api_key)
             try:
                 waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
