@@ -141,10 +141,9 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     # On GPUs the engines start first, on devices nothing else holds yet: SGLang sizes its KV pool
     # from the free memory it sees at start-up, and the engine and the trainer at once could need
-    # more than the device has. Colocated, the engines then let go of their memory for the
-    # trainer. On the CPU the trainer is built while the engines start (their start-up, mostly
-    # imports, and the trainer's overlap). The embedded engine loads weight versions only from the
-    # sync directory (and its own model).
+    # more than the device has; colocated, the engines then let go of their memory for the
+    # trainer. On the CPU the trainer is built while the engines start (mostly their imports).
+    # The embedded engine loads weight versions only from the sync directory (and its own model).
     overlap = resolve_device(cfg.engine.device) == "cpu"
 
     def create_trainer() -> None:

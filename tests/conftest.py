@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -126,3 +130,37 @@ def native(big_model, tmp_path_factory):
     yield srv
     srv.client.close()
     srv.process.stop()
+
+
+@contextlib.contextmanager
+def answering_server(
+    answer: Callable[[bytes], tuple[int, bytes]], idle_timeout_s: float | None = None
+) -> Iterator[EngineClient]:
+    """A real HTTP/1.1 server on loopback answering every POST with `answer(body)` -> (status,
+    JSON bytes), as an engine would, and a client talking to it (no retries). `idle_timeout_s`:
+    the server closes a keep-alive connection idle this long."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        timeout = idle_timeout_s
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            status, out = answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    client = EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}", request_timeout_s=10, retries=0)
+    try:
+        yield client
+    finally:
+        client.close()
+        httpd.shutdown()
+        httpd.server_close()

@@ -3,6 +3,7 @@ count and time): every good request answered, every bad one a 4xx, never a 5xx o
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
@@ -12,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from conftest import start_engine
+from conftest import answering_server, start_engine
 from rltrain.generation import SamplingParams
 
 
@@ -155,35 +156,14 @@ def test_per_bucket_requests_survive_a_server_that_closed_every_idle_connection(
     timeout is 0.3 s; the embedded engine's is 60 s, uvicorn's 5 s) has closed every connection
     the client kept from the last sync's concurrent bucket requests. Each request is sent again
     once, on a fresh connection (not another stale one), and nothing is sent twice to the server."""
-    import json
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from rltrain.engine.client import EngineClient
-
     seen: list[str] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = 0.3  # idle keep-alive connections are closed after this
+    def answer(body: bytes) -> tuple[int, bytes]:
+        seen.append(json.loads(body)["weight_version"])
+        time.sleep(0.05)  # concurrent requests hold separate connections
+        return 200, b'{"success": true, "message": "ok"}'
 
-        def do_POST(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append(body["weight_version"])
-            time.sleep(0.05)  # concurrent requests hold separate connections
-            out = b'{"success": true, "message": "ok"}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}", retries=0)
-    try:
+    with answering_server(answer, idle_timeout_s=0.3) as client:
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(lambda v: client.update_weights_from_tensor(["x"], weight_version=v), ["a", "b", "c"]))
         assert len(client._lean) == 3  # three idle keep-alive connections kept
@@ -191,7 +171,3 @@ def test_per_bucket_requests_survive_a_server_that_closed_every_idle_connection(
         for v in ["d", "e"]:
             assert client.update_weights_from_tensor(["x"], weight_version=v)["success"]
         assert sorted(seen) == ["a", "b", "c", "d", "e"]
-    finally:
-        client.close()
-        httpd.shutdown()
-        httpd.server_close()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import start_engine
+from conftest import answering_server, start_engine
 from models import engine_greedy, hf_greedy, make_model, make_moe_model
 from multiproc import run_ranks, values
 from rltrain.sync.plan import EngineTopology, SyncPlanError, WeightSpec, build_plan
@@ -706,30 +706,8 @@ def test_weights_checker_capability_is_the_endpoint_not_one_answer(status, has):
     """A colocated SGLang is probed while its weights are released: its /weights_checker answers
     an error (it cannot hash released memory) but exists, and is used after each sync. Only a
     missing endpoint means the engine has none. (A real HTTP server answering as such an engine.)"""
-    import threading  # noqa: PLC0415
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: PLC0415
-
-    from rltrain.engine.client import EngineClient  # noqa: PLC0415
     from rltrain.sync.transport import _has_weights_checker  # noqa: PLC0415
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server's name
-            self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            body = b'{"error": "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"}'
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    client = EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}", request_timeout_s=10, retries=0)
-    try:
+    error = b'{"error": "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"}'
+    with answering_server(lambda _: (status, error)) as client:
         assert _has_weights_checker(client) is has
-    finally:
-        client.close()
-        httpd.shutdown()

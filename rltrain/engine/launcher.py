@@ -387,17 +387,13 @@ class NodeEngine:
                     "(release and resume are skipped)"
                 )
 
-        def start() -> EngineProcess:
-            return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout)
-
-        def first_start() -> EngineProcess:
+        def start(meanwhile: Callable[[], None] | None = None) -> EngineProcess:
             return cls._start_healthy(cfg, model_path, log_path, weights_roots, layout, meanwhile=meanwhile)
 
         if meanwhile is not None and not layout.is_engine_leader:
             meanwhile()
-        process, url = _started_everywhere(
-            world, layout, first_start if layout.is_engine_leader else None, "engine launch"
-        )
+        first = (lambda: start(meanwhile)) if layout.is_engine_leader else None  # restarts run no set-up
+        process, url = _started_everywhere(world, layout, first, "engine launch")
         assert url is not None
         client = EngineClient(
             url,
