@@ -151,7 +151,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
                 "children": len(me.children(recursive=True)),
             }
             if engine.process is not None:
-                row["engine_rss_mib"] = psutil.Process(engine.process.proc.pid).memory_info().rss / 2**20
+                row["engine_rss_mib"] = (engine.process.rss() or 0) / 2**20
             if device.type == "cuda":
                 row["cuda_used_mib"] = device_used(device) / 2**20  # NVML: every process on the GPU
                 row["cuda_low_mib"] = low

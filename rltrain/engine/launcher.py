@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +239,7 @@ class EngineProcess:
     proc: subprocess.Popen
     url: str
     log_path: Path
+    _ps: psutil.Process | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str | None] | None = None) -> EngineProcess:
@@ -263,6 +264,16 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def rss(self) -> int | None:
+        """The server process's resident memory (bytes; None once it is gone). Read after every
+        phase: the process handle is made once."""
+        try:
+            if self._ps is None:
+                self._ps = psutil.Process(self.proc.pid)
+            return int(self._ps.memory_info().rss)
+        except psutil.Error:
+            return None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -347,7 +358,7 @@ class NodeEngine:
         self.max_restarts, self.restarts = max_restarts, 0
         # Ask the engine's /memory: on a GPU (the ledger's device parts), until it says it has none
         # (SGLang). On the CPU the ledger needs its RSS alone, read from the process (no request).
-        self._reports_memory = reports_memory
+        self._reports_memory = self._asks_memory = reports_memory
 
     @classmethod
     def launch(
@@ -469,11 +480,8 @@ class NodeEngine:
                 log.debug("engine memory report unavailable: %s", e)
         if not isinstance(rep, dict):
             rep = {}
-        if "rss_bytes" not in rep:
-            try:
-                rep["rss_bytes"] = psutil.Process(self.process.proc.pid).memory_info().rss
-            except psutil.Error:
-                pass
+        if "rss_bytes" not in rep and (rss := self.process.rss()) is not None:
+            rep["rss_bytes"] = rss
         return rep
 
     def recover(self) -> bool:
@@ -511,7 +519,7 @@ class NodeEngine:
         if self.name in dead:
             if died:
                 self.process = process
-                self._reports_memory = True
+                self._reports_memory = self._asks_memory
             assert url is not None
             self.url = url
             self.client.repoint(url)

@@ -139,22 +139,28 @@ def measure_cuda_context(device: torch.device) -> tuple[int | None, int | None]:
     return context, before
 
 
-def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[str, int]]) -> dict[str, int]:
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -> dict[str, int]:
     """Bytes of the distinct storages behind `tensors`, by where they live (device / pinned /
-    host); storages in `seen` are skipped and added to it (a view or a tied weight counts once)."""
+    host); storages in `seen` are skipped and added to it (a view or a tied weight counts once).
+    Read after every phase of every step: a few attribute reads per tensor, nothing more."""
     out = {"device": 0, "pinned": 0, "host": 0}
     for t in tensors:
-        if t is None or t.device.type == "meta":
+        if t is None:
             continue
-        if hasattr(t, "to_local"):  # a DTensor: its local shard, read cheaply where this torch keeps it
-            local = getattr(t, "_local_tensor", None)
-            t = local if isinstance(local, torch.Tensor) else t.to_local()
+        local = getattr(t, "_local_tensor", None)  # a DTensor: its local shard, where this torch keeps it
+        if isinstance(local, torch.Tensor):
+            t = local
+        elif hasattr(t, "to_local"):
+            t = t.to_local()
         s = t.untyped_storage()
-        key = (str(t.device), s.data_ptr())
-        if s.data_ptr() == 0 or key in seen:
+        ptr = s.data_ptr()
+        if ptr == 0:  # an emptied storage (offloaded in place), or a meta tensor
+            continue
+        key = (t.get_device(), ptr)  # -1 on the host
+        if key in seen:
             continue
         seen.add(key)
-        where = "device" if t.device.type != "cpu" else ("pinned" if t.is_pinned() else "host")
+        where = "device" if not t.is_cpu else ("pinned" if t.is_pinned() else "host")
         out[where] += s.nbytes()
     return out
 
@@ -184,7 +190,7 @@ class MemoryLedger:
     def read(self) -> dict[str, float]:
         parts: dict[str, float] = {}
         held = self.trainer() if self.trainer is not None else {}
-        seen: set[tuple[str, int]] = set()
+        seen: set[tuple[int, int]] = set()
         sizes = {kind: storage_bytes(held.get(kind, ()), seen) for kind in ("weights", "grads", "optimizer")}
         cuda = self.device.type == "cuda"
         if cuda:
