@@ -352,3 +352,29 @@ def test_the_megatron_group_plan_is_the_set_megatron_core_creates():
     assert len(mine) == len(theirs), (len(mine), len(theirs), theirs)
     assert [r for r, _ in mine] == [r for r, _ in theirs]
     assert [b == "gloo" for _, b in mine] == [b == "gloo" for _, b in theirs]
+
+
+def _gather_sizes_rank(rank: int, world_size: int) -> list[list[int]]:
+    world = World(backend="gloo", timeout=60)
+    bridge = world.bridge
+    out, slots = [], []
+    # Small, then one rank far past the slot (a second collective, the slot widened), then past
+    # the widest slot, then small again: every rank gets every object whole, in rank order.
+    for size in (10, 5000 * (rank == 1), 300_000 * (rank == 2), 3):
+        got = bridge.all_gather_object(b"x" * size + bytes([rank]))
+        assert [g[-1] for g in got] == list(range(world_size))
+        out.append([len(g) - 1 for g in got])
+        slots.append(bridge._slot)  # the same on every rank: the next call's single collective
+    assert slots == [1024, 8192, 65536, 65536]
+    # A subgroup keeps its own slot: rank 1's big object above did not widen it.
+    sub = bridge.subgroup([0, 2], "gather") if rank != 1 else None
+    if sub is not None:
+        assert sub.all_gather_object(rank) == [0, 2]
+        sub.close()
+    world.close()
+    return out
+
+
+def test_bridge_gathers_objects_of_any_size_in_one_collective_while_they_fit():
+    got = values(run_ranks(_gather_sizes_rank, 3, deadline_s=120))
+    assert got == [[[10, 10, 10], [0, 5000, 0], [0, 0, 300_000], [3, 3, 3]]] * 3

@@ -26,6 +26,11 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+# all_gather_object's slot: an 8-byte size, then the object; it starts at 1 KiB and widens to
+# the largest object gathered so far, up to 64 KiB (beyond, a second collective per call).
+_HEADER, _SLOT_MIN, _SLOT_MAX = 8, 1 << 10, 1 << 16
+
+
 class BridgeError(RuntimeError):
     """A bridge operation failed or timed out; names the phase and the rank."""
 
@@ -41,6 +46,7 @@ class Bridge:
         self.timeout = timeout
         self._base_store = base_store
         self._name = name
+        self._slot = _SLOT_MIN  # all_gather_object's, agreed by every rank (the same sizes seen)
         # Per torchrun attempt: a restarted job shares the agent's store with the attempt that
         # died, whose peer addresses would otherwise be read back (a restarted rank would
         # connect to the dead rank 0's port).
@@ -101,17 +107,29 @@ class Bridge:
     # ------------------------------------------------------------------ objects
 
     def all_gather_object(self, obj: Any, phase: str = "all_gather_object") -> list[Any]:
-        """Every rank's object, in rank order."""
+        """Every rank's object, in rank order. One collective while every object fits the slot
+        (each rank's size travels in its slot's header); a larger one is sent in a second, as
+        wide as the largest, and widens the slot for the next calls. Every rank sees the same
+        sizes, so all agree on the slot without a word."""
         payload = _to_bytes(obj)
-        sizes = torch.zeros(self.world_size, dtype=torch.int64)
-        sizes[self.rank] = payload.numel()
-        self.all_reduce(sizes, phase=phase)
-        width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: payload.numel()] = payload
-        out = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+        n = payload.numel()
+        width = self._slot
+        mine = torch.zeros(_HEADER + width, dtype=torch.uint8)
+        mine[:_HEADER] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+        if n <= width:
+            mine[_HEADER : _HEADER + n] = payload
+        out = [torch.empty(_HEADER + width, dtype=torch.uint8) for _ in range(self.world_size)]
         self._wait(self.pg.allgather([out], [mine]), "all_gather_object", phase)
-        return [_from_bytes(t[: int(n)]) for t, n in zip(out, sizes)]
+        sizes = [int(t[:_HEADER].view(torch.int64)) for t in out]
+        biggest = max(sizes)
+        if biggest <= width:
+            return [_from_bytes(t[_HEADER : _HEADER + k]) for t, k in zip(out, sizes)]
+        self._slot = min(max(width, 1 << (biggest - 1).bit_length()), _SLOT_MAX)
+        mine = torch.zeros(biggest, dtype=torch.uint8)
+        mine[:n] = payload
+        out = [torch.empty(biggest, dtype=torch.uint8) for _ in range(self.world_size)]
+        self._wait(self.pg.allgather([out], [mine]), "all_gather_object", phase)
+        return [_from_bytes(t[:k]) for t, k in zip(out, sizes)]
 
     def broadcast_object(self, obj: Any, src: int = 0, phase: str = "broadcast_object") -> Any:
         """`obj` from rank `src` on every rank."""
