@@ -252,6 +252,32 @@ def test_probe_scores_are_the_models_log_softmax_and_tell_other_weights_apart(se
         server.client.update_weights_from_disk(str(model_a), weight_version=before)
 
 
+def test_a_prefill_only_request_scores_the_prompt_and_generates_nothing(server, model_a):
+    """max_new_tokens 0 (the probe's request): SGLang's prefill-only answer, the input log-probs
+    and no output token, on both servers."""
+    prompt = PROMPTS[2]
+    status, out = post(
+        server,
+        {
+            "input_ids": prompt,
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    )
+    assert status == 200, out
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    scored = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in scored] == prompt and scored[0][0] is None
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1].float(), -1)
+    ref = logp.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert [lp for lp, _, _ in scored[1:]] == pytest.approx(ref.tolist(), abs=1e-3)
+
+
 def test_sglang_weights_checker_digests_follow_the_weights(server, model_a, model_b):
     """SGLang's /weights_checker, as the sync's agreement check uses it: one digest per TP rank,
     the same for the same weights (across calls and reloads), different for other weights — so

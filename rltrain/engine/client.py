@@ -407,10 +407,11 @@ class EngineClient:
 
     def score(self, input_ids: list[int]) -> list[float]:
         """The engine's log-probs of `input_ids[1:]`, each given the tokens before it, at
-        temperature 1 (SGLang's input_token_logprobs: untempered)."""
+        temperature 1 (SGLang's input_token_logprobs: untempered). A prefill only: nothing is
+        generated (max_new_tokens 0, SGLang's prefill-only request)."""
         body = {
             "input_ids": input_ids,
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
             "return_logprob": True,
             "logprob_start_len": 0,
         }

@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rltrain.engine.native.paged import PagedDecoder, unsupported
-from rltrain.engine.native.rows import GenRequest
+from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
@@ -383,7 +383,19 @@ class NativeEngine:
     @torch.no_grad()
     def _generate(self, reqs: list[GenRequest]) -> list[list[dict[str, Any]]]:
         """Per request, its samples as SGLang result dicts, prompt-major."""
-        rows = [row for req in reqs for row in req.rows(self.eos_ids)]
+        every = [row for req in reqs for row in req.rows(self.eos_ids)]
+        rows = [r for r in every if r.finish is None]  # max_new_tokens=0 (a prefill-only score): done
+        if rows:
+            self._decode(rows)
+        results: list[list[dict[str, Any]]] = [[] for _ in reqs]
+        index = {id(req): k for k, req in enumerate(reqs)}
+        now = time.time()
+        for r in every:
+            results[index[id(r.req)]].append(r.result(self.weight_version, now))
+        return results
+
+    def _decode(self, rows: list[Row]) -> None:
+        """Prefill the rows' prompts and sample until every row has finished."""
         B = len(rows)
         # Each distinct prompt is prefilled once: the n samples of a prompt (rows of their own,
         # with their own seeds) then start from its logits and its KV cache, copied per row.
@@ -440,13 +452,6 @@ class NativeEngine:
             )
             past, logits = getattr(out, self._cache_kw), out.logits[:, -1, :].float()
         del past, out
-
-        results: list[list[dict[str, Any]]] = [[] for _ in reqs]
-        index = {id(req): k for k, req in enumerate(reqs)}
-        now = time.time()
-        for r in rows:
-            results[index[id(r.req)]].append(r.result(self.weight_version, now))
-        return results
 
     # ------------------------------------------------------------------ memory
 
