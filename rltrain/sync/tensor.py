@@ -48,7 +48,9 @@ class TensorTransport:
         self.timings: dict[str, float] = {}
         self.rank_bytes: dict[int, int] = {}  # engine TP rank -> bytes its payloads held, last push
         self._timing_lock = threading.Lock()
-        self._ring: list[torch.Tensor | None] = []  # the buffers refilled in turn (this push)
+        # The buffers refilled in turn: this push's on a GPU; on the CPU (shared host memory, as
+        # large as the largest bucket) kept for the next push, whose handles go out again.
+        self._ring: list[torch.Tensor | None] = []
         self._sent: set[tuple[int, int]] = set()  # (receiver, slot): holds the slot's buffer, this push
         # By plan index: the bucket's layout, its BucketViews, its handle-less payloads by slot.
         self._layouts: dict[int, tuple[tuple[list[Any], int], BucketViews, dict[int, str]]] = {}
@@ -66,7 +68,9 @@ class TensorTransport:
         for client in ctx.receivers:  # SGLang requires a weight-update session around tensor updates
             client.begin_weight_update()
         sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
-        self._ring = [None] * (self.depth + 1 if self.reuse_buffers else 0)
+        ring = self.depth + 1 if self.reuse_buffers else 0
+        if len(self._ring) != ring:
+            self._ring = [None] * ring
         self.slotted = bool(self._ring) and ctx.caps.slots >= len(self._ring)
         self._sent = set()
         in_flight: collections.deque[Future[None]] = collections.deque()
@@ -110,7 +114,8 @@ class TensorTransport:
                 for client in ctx.receivers:
                     client.end_weight_update()  # the embedded engine unmaps the reused buffers here
             finally:
-                self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
+                if ctx.device.type != "cpu":
+                    self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
                 _collect_shared(ctx.device)
         if failure is not None:
             raise RuntimeError(str(failure)) from failure

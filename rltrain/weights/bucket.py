@@ -24,7 +24,9 @@ range, or a slot outside a session is a 400. Ending the session forgets every sl
 the buffers. Who keeps what, and why (each cache is bounded and dropped with what it refers to):
 
     sender (sync/tensor.py)
-      ring           the refilled buffers, by slot          freed at the session's end
+      ring           the refilled buffers, by slot          freed at the session's end (on
+                                                            the CPU kept for the next session,
+                                                            whose handles are sent again)
       layouts        per plan bucket: its metadata, its     the plan is fixed: a bucket's layout
                      BucketViews and its handle-less        is computed and checked once
                      payload strings, by slot
