@@ -176,7 +176,9 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     if restored is not None:
         cycle.saved, cycle.saved_step = restored.path, restored.step
 
-    sync = WeightSync(cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout)
+    sync = WeightSync(
+        cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout, awake=not engine.releases
+    )
     if world.rank == 0:  # what each phase switch does here, decided from the config and the machine
         log.info(
             "phase switches: world: %s; engines: %s; sync.transport=%s%s; old log-probs: %s",

@@ -115,11 +115,16 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_
             rep = native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
             mapped.append(rep["mapped"])
     finally:
-        native.client.end_weight_update()
+        # The session's end can carry the engine's checksum report (the sync asks so).
+        ended = native.client.end_weight_update(checksum=True)
     assert mapped == [True, True, False]
     expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
     rep = native.client.weights_checksum()
     assert rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    assert ended["weights_checksum"] == rep and rep["weight_version"] == "reuse"
+    with pytest.raises(EngineError, match="weights_checksum must be true or false") as bad:
+        native.client._checked("/end_weight_update", {"weights_checksum": "yes"})
+    assert bad.value.status == 400
     native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
     assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 

@@ -64,3 +64,20 @@ def test_sums_are_the_same_when_rows_are_widened_in_several_blocks(monkeypatch):
     )
     monkeypatch.setattr(integrity, "ROWS", 2)  # 7 rows in blocks of 2, 2, 2, 1
     assert tensor_sums(t) == _reference(t)
+
+
+def test_host_and_torch_paths_give_the_definitions_sums(monkeypatch):
+    """A small host tensor is summed by numpy, a large one (or a device one) by torch ops:
+    both are the definition, the numpy one also in several blocks (wrapping in each)."""
+    from rltrain.weights import checksum as integrity
+
+    g = torch.Generator().manual_seed(2)
+    for n in (1, 5, COLS + 3, integrity.HOST_WORDS, integrity.HOST_WORDS + 1):
+        t = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+        ref = _reference(t)
+        assert tensor_sums(t) == ref
+        assert tuple(integrity._torch_sums(t).tolist()) == ref
+        assert integrity._host_sums(t.numpy()) == ref
+    monkeypatch.setattr(integrity, "HOST_BLOCK", 7)  # 3 * COLS + 2 words in blocks of 7
+    extreme = torch.full((3 * COLS + 2,), -(2**31), dtype=torch.int32)
+    assert integrity._host_sums(extreme.numpy()) == _reference(extreme)

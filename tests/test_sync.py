@@ -510,6 +510,64 @@ def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_pa
         eng.process.stop()
 
 
+def _probe_rank(rank: int, world_size: int, trainer_model: str, url: str, engine_model: str, awake: bool) -> dict:
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from rltrain.weights.checksum import WeightMismatchError
+
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={trainer_model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
+    t.create()
+    sync = WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], engine_model, awake=awake)
+    out: dict = {}
+    try:
+        try:
+            out["push"] = sync.push("1")
+        except WeightMismatchError as e:
+            out["push_error"] = str(e)
+        try:
+            out["probe"] = sync.probe_engines()
+        except WeightMismatchError as e:
+            out["probe_error"] = str(e)
+        out["end_report"] = sync.transport.end_reports  # consumed by the verification
+        return out
+    finally:
+        sync.close()
+        world.close()
+
+
+@pytest.mark.parametrize("awake", [True, False], ids=["probed-in-the-push", "probed-once-awake"])
+def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_path, big_a, awake):
+    """The engine holds exactly the trainer's weights (the checksum agrees) but runs another
+    model (its config's norm epsilon): the probe fails the sync on every rank. Engines that keep
+    their memory score it in the push, while the trainer does; the others once awake."""
+    import json
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(big_a, served)
+    config = json.loads((served / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (served / "config.json").write_text(json.dumps(config))
+    eng = start_engine("native", served, tmp_path)
+    try:
+        ranks = values(run_ranks(_probe_rank, 2, str(big_a), eng.process.url, str(served), awake, deadline_s=240))
+    finally:
+        eng.client.close()
+        eng.process.stop()
+    for r in ranks:
+        error = r["push_error"] if awake else r["probe_error"]
+        assert "log-probs of the probe sequence differ" in error and "node0-engine0" in error, r
+        assert ("probe_error" not in r and r["probe"] == {}) if awake else "push_error" not in r, r
+        assert r["end_report"] == {}
+    # The checksum passed: the weights were right, the model around them was not.
+    assert "checksum" not in (ranks[0]["push_error"] if awake else ranks[0]["probe_error"])
+
+
 def test_shards_written_here_read_back_by_safetensors_with_the_digest_of_their_bytes(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file

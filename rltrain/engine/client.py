@@ -304,8 +304,10 @@ class EngineClient:
         """Open a weight-update session (SGLang requires one around tensor updates)."""
         return self._checked("/begin_weight_update", {})
 
-    def end_weight_update(self) -> dict:
-        return self._checked("/end_weight_update", {})
+    def end_weight_update(self, checksum: bool = False) -> dict:
+        """Close the weight-update session. `checksum`: the embedded engine's extension, its
+        /weights_checksum report in the answer (`weights_checksum`), taken as the session ends."""
+        return self._checked("/end_weight_update", {"weights_checksum": True} if checksum else {})
 
     @contextlib.contextmanager
     def weight_update_session(self) -> Iterator[None]:

@@ -39,6 +39,7 @@ class DiskTransport:
         self.ctx, self.delta = ctx, delta
         self.root = ctx.weights_dir
         self.timings: dict[str, float] = {}
+        self.end_reports: dict[int, dict[str, Any]] = {}  # no sessions: the engines are asked after
         world = ctx.world
         self.publisher = DeltaPublisher(ctx.cfg.delta_full_every) if world.rank == 0 and delta else None
         if world.rank == 0:  # versions whose publication a dead job cut short (never loaded: not renamed)

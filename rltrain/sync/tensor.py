@@ -27,13 +27,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
 
 from rltrain.engine.client import EngineError
-from rltrain.sync.transport import Named, SyncContext, WeightStream
+from rltrain.sync.transport import Named, SyncContext, WeightStream, end_session
 from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, serialize
 
 DEPTH = 2  # requests in flight against an engine that answers after its copies
@@ -46,6 +46,8 @@ class TensorTransport:
         self.depth = DEPTH if self.reuse_buffers else 1
         self.slotted = False  # this push: buffers go to the engines by slot number
         self.timings: dict[str, float] = {}
+        self.end_reports: dict[int, dict[str, Any]] = {}
+        self._sender: ThreadPoolExecutor | None = None  # the request threads (`send`)
         self.rank_bytes: dict[int, int] = {}  # engine TP rank -> bytes its payloads held, last push
         self._timing_lock = threading.Lock()
         # The buffers refilled in turn: this push's on a GPU; on the CPU (shared host memory, as
@@ -58,6 +60,7 @@ class TensorTransport:
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
         self.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
+        self.end_reports = {}
         if ctx.tp_group is not None:
             return self._send_across_tp(version, weights)
         if not ctx.sender:
@@ -67,7 +70,9 @@ class TensorTransport:
         sent, failure = 0, None
         for client in ctx.receivers:  # SGLang requires a weight-update session around tensor updates
             client.begin_weight_update()
-        sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
+        if self._sender is None:  # kept for every push: threads started per push cost ~1 ms on a busy CPU
+            self._sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
+        sender = self._sender
         ring = self.depth + 1 if self.reuse_buffers else 0
         if len(self._ring) != ring:
             self._ring = [None] * ring
@@ -109,10 +114,10 @@ class TensorTransport:
         except (EngineError, OSError, RuntimeError, ValueError) as e:
             failure = e
         finally:
-            sender.shutdown(wait=True)
+            wait(in_flight)  # every request has returned (a failed push too) before the session ends
             try:
-                for client in ctx.receivers:
-                    client.end_weight_update()  # the embedded engine unmaps the reused buffers here
+                for r in range(len(ctx.receivers)):
+                    end_session(ctx, r, self.end_reports)  # the embedded engine unmaps the reused buffers here
             finally:
                 if ctx.device.type != "cpu":
                     self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
@@ -223,9 +228,9 @@ class TensorTransport:
                 del flat
         finally:
             if ctx.sender:
-                for client in ctx.receivers:
+                for r in range(len(ctx.receivers)):
                     try:
-                        client.end_weight_update()
+                        end_session(ctx, r, self.end_reports)
                     except EngineError as e:
                         failure = failure or e
             _collect_shared(ctx.device)
@@ -237,7 +242,9 @@ class TensorTransport:
         self._layouts.clear()  # the payload strings were the dead engine's slots
 
     def close(self) -> None:
-        pass
+        if self._sender is not None:
+            self._sender.shutdown(wait=True)
+            self._sender = None
 
 
 def _collect_shared(device: torch.device) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -130,10 +130,23 @@ class WeightStream:
             yield i, bucket, named
 
 
+def end_session(ctx: SyncContext, receiver: int, reports: dict[int, dict[str, Any]]) -> None:
+    """End receiver `receiver`'s weight-update session. Where the engines report checksums and
+    syncs are verified, the answer carries the engine's report, kept in `reports` for the
+    verification (one request fewer than asking after)."""
+    ask = ctx.caps.checksums and ctx.cfg.verify
+    rep = ctx.receivers[receiver].end_weight_update(checksum=ask).get("weights_checksum")
+    if ask and isinstance(rep, dict):
+        reports[receiver] = rep
+
+
 class Transport(Protocol):
     """One way of moving a weight version to this node's engines."""
 
     timings: dict[str, float]  # seconds per part of the last send (benchmarks)
+    # Receiver index -> its checksum report as its weight-update session ended, last send (an
+    # engine that reports checksums, asked in the session's last request); {}: none taken.
+    end_reports: dict[int, dict[str, Any]]
 
     def send(self, version: str, weights: WeightStream) -> int:
         """Deliver every planned tensor to the engines that own it, as `version` (the last

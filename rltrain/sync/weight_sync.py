@@ -21,7 +21,13 @@ failed one), and the verification afterwards (`sync.verify`; the checks are in v
     every engine     a fixed probe sequence's log-probs (the engine's at temperature 1) match
                      the trainer's within `sync.probe_tolerance`: the trainer's are taken in
                      `push` (it is on the device), the engines' by `probe_engines` once they
-                     are awake again (a forward needs the KV cache the engines get back last)
+                     are awake again (a forward needs the KV cache the engines get back last),
+                     or, where the engines keep their memory through the sync (`awake`: on the
+                     CPU, or not colocated), in `push` too, while the trainer scores it
+
+An engine that reports checksums sends its report with the end of the weight-update session
+(`end_weight_update(checksum=True)`) where the transport has sessions, instead of a request of
+its own after.
 
 A failed check fails the step on every rank (`WeightMismatchError`, `StaleWeightsError`) naming
 the engine.
@@ -32,6 +38,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -84,7 +91,8 @@ class WeightSync:
     with several and a MoE model, experts are routed, plan.py). `engine`: this rank's place in
     its engine (`engine/layout.py`): its leader sends, its TP ranks build their payloads (None:
     one engine of TP size 1 per node, sent to by the node's leader). Every rank of an engine
-    holds the same list (each checks the served version)."""
+    holds the same list (each checks the served version). `awake`: the engines keep their memory
+    through the sync (`NodeEngine.releases` false), so the probe is scored in `push`."""
 
     def __init__(
         self,
@@ -94,8 +102,13 @@ class WeightSync:
         receivers: list[EngineClient],
         engine_model_path: str,
         engine: EngineLayout | None = None,
+        awake: bool = False,
     ):
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
+        # The engines keep their memory through the sync (they release none): they score the
+        # probe in `push`, while the trainer does; otherwise in `probe_engines`, once awake.
+        self.awake = awake
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rltrain-probe")
         env = world.env
         self.engine_name = engine.name if engine is not None else f"node{env.node_rank}-engine0"
         self.leader = engine.is_engine_leader if engine is not None else env.is_node_leader
@@ -211,8 +224,11 @@ class WeightSync:
         try:
             for r, client in enumerate(self.receivers):
                 name = self._name(r)
-                # The checksum report carries the version it was taken at: one request, not two.
-                rep = client.weights_checksum() if check and self.leader and self.caps.checksums else None
+                # The checksum report carries the version it was taken at: one request, not two
+                # (none where it came with the end of the weight-update session).
+                rep = None
+                if check and self.leader and self.caps.checksums:
+                    rep = self.transport.end_reports.pop(r, None) or client.weights_checksum()
                 served = rep["weight_version"] if rep is not None else client.weight_version()
                 if served != version:
                     stale.append(f"{name} serves weight version {served!r} after loading {version!r}")
@@ -239,54 +255,81 @@ class WeightSync:
                     digests.append(verify.EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks), shard))
         except EngineError as e:
             wrong.append(f"cannot verify weight version {version} on {self.engine_name}: {e}")
+        probed: tuple[list[str], float] | None = None  # (errors, largest difference) where probed now
         if check and self.probe:
-            # A collective (a sharded trainer): every rank scores the probe; `probe_engines` compares.
-            self._probe_due = (
-                version,
-                self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:],
-            )
-        gathered = self.world.bridge.all_gather_object((stale, wrong, digests), phase="sync verify")
-        wrong = [f"rank {r}: {e}" for r, (_, w, _) in enumerate(gathered) for e in w]
-        wrong += verify.disagreements([d for _, _, ds in gathered for d in ds])
-        stale = [f"rank {r}: {e}" for r, (st, _, _) in enumerate(gathered) for e in st]
+            # Engines that stay awake score the probe now, while the trainer does (a collective
+            # on a sharded trainer: every rank scores it); the others once awake (`probe_engines`).
+            scores = self._pool.submit(self._engine_scores, version) if self.awake and self.leader else None
+            trainer_logp = self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
+            if self.awake:
+                probed = self._compare(version, scores.result() if scores is not None else [], trainer_logp)
+            else:
+                self._probe_due = (version, trainer_logp)
+        gathered = self.world.bridge.all_gather_object((stale, wrong, digests, probed), phase="sync verify")
+        wrong = [f"rank {r}: {e}" for r, (_, w, _, _) in enumerate(gathered) for e in w]
+        wrong += verify.disagreements([d for _, _, ds, _ in gathered for d in ds])
+        wrong += [f"rank {r}: {e}" for r, (_, _, _, p) in enumerate(gathered) if p is not None for e in p[0]]
+        stale = [f"rank {r}: {e}" for r, (st, _, _, _) in enumerate(gathered) for e in st]
         if wrong:
             raise WeightMismatchError("; ".join(stale + wrong))
         if stale:
             raise StaleWeightsError("; ".join(stale))
         self.verify_seconds = time.perf_counter() - t0
-        return {"sync_digests": float(sum(len(ds) for _, _, ds in gathered))}
+        stats = {"sync_digests": float(sum(len(ds) for _, _, ds, _ in gathered))}
+        if probed is not None:
+            stats["sync_probe_diff"] = max(p[1] for *_, p in gathered if p is not None)
+        return stats
 
     def probe_engines(self) -> dict[str, float]:
         """The probe of the last push, on the engines (awake: weights and KV cache back), against
         the trainer's log-probs taken then. Collective over the bridge; a mismatch anywhere raises
         WeightMismatchError on every rank, naming the engine. Returns the largest mean absolute
-        difference seen ({} when no probe is due)."""
+        difference seen ({} when no probe is due: none pushed, or probed in the push itself)."""
         due, self._probe_due = self._probe_due, None
         if due is None:
             return {}
         version, trainer_logp = due
-        errors: list[str] = []
-        diff = 0.0
-        if self.leader:
-            tol = verify.probe_tolerance(self.cfg.sync.probe_tolerance, self.caps.dtype, self.plan.weights[0].dtype)
-            for r, client in enumerate(self.receivers):
-                try:
-                    logp = client.score(self.probe)
-                except EngineError as e:
-                    if e.status is None:  # gone: the next rollout's recover() restarts it and syncs again
-                        log.warning("%s did not answer the probe of version %s: %s", self._name(r), version, e)
-                    else:
-                        errors.append(f"{self._name(r)} could not score the probe of version {version}: {e}")
-                    continue
-                error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
-                if error is not None:
-                    errors.append(f"version {version}: {error}")
-                diff = max(diff, verify.probe_diff(logp, trainer_logp))
+        errors, diff = self._compare(version, self._engine_scores(version) if self.leader else [], trainer_logp)
         gathered = self.world.bridge.all_gather_object((errors, diff), phase="sync probe")
         found = [f"rank {r}: {e}" for r, (errs, _) in enumerate(gathered) for e in errs]
         if found:
             raise WeightMismatchError("; ".join(found))
         return {"sync_probe_diff": max(d for _, d in gathered)}
+
+    def _engine_scores(self, version: str) -> list[tuple[int, list[float] | str | None]]:
+        """Each receiver's log-probs of the probe (the engine's leader asks): an error text where it
+        refused, None where it did not answer (gone: the next rollout's recover() restarts it and
+        syncs again)."""
+        out: list[tuple[int, list[float] | str | None]] = []
+        for r, client in enumerate(self.receivers):
+            try:
+                out.append((r, client.score(self.probe)))
+            except EngineError as e:
+                if e.status is None:
+                    log.warning("%s did not answer the probe of version %s: %s", self._name(r), version, e)
+                    out.append((r, None))
+                else:
+                    out.append((r, f"{self._name(r)} could not score the probe of version {version}: {e}"))
+        return out
+
+    def _compare(
+        self, version: str, scores: list[tuple[int, list[float] | str | None]], trainer_logp: torch.Tensor
+    ) -> tuple[list[str], float]:
+        """(errors, largest mean absolute difference) of the engines' probe log-probs against the trainer's."""
+        errors: list[str] = []
+        diff = 0.0
+        if not scores:
+            return errors, diff
+        tol = verify.probe_tolerance(self.cfg.sync.probe_tolerance, self.caps.dtype, self.plan.weights[0].dtype)
+        for r, logp in scores:
+            if isinstance(logp, str):
+                errors.append(logp)
+            elif logp is not None:
+                error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
+                if error is not None:
+                    errors.append(f"version {version}: {error}")
+                diff = max(diff, verify.probe_diff(logp, trainer_logp))
+        return errors, diff
 
     def _name(self, receiver: int) -> str:
         return self.engine_name if len(self.receivers) == 1 else f"{self.engine_name} (EP rank {receiver})"
@@ -296,6 +339,7 @@ class WeightSync:
         self.transport.engine_restarted()
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
         self.transport.close()
         if self.tp_group is not None:
             self.tp_group.close()

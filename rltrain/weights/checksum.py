@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 import xxhash
 
 COLS = 4096  # int32 words per row of the reduction
 ROWS = 4096  # rows widened to int64 at a time: 128 MiB
+HOST_WORDS = 1 << 16  # a host tensor up to this many words is summed by numpy (`_host_sums`)
+HOST_BLOCK = HOST_WORDS
+_POSITIONS = np.arange(1, HOST_BLOCK + 1, dtype=np.int64)
 
 
 @torch.no_grad()
@@ -37,8 +41,15 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     words = flat.view(torch.int32)
+    if words.device.type == "cpu" and words.numel() <= HOST_WORDS:
+        return torch.tensor(_host_sums(words.numpy()), dtype=torch.int64)
+    return _torch_sums(words)
+
+
+def _torch_sums(words: torch.Tensor) -> torch.Tensor:
+    """`_device_sums` of int32 `words` by torch ops on their device."""
     rows = words.numel() // COLS
-    dev = t.device
+    dev = words.device
     body = words[: rows * COLS].view(rows, COLS)
     row = torch.empty(rows, dtype=torch.int64, device=dev)
     col = torch.zeros(COLS, dtype=torch.int64, device=dev)
@@ -53,6 +64,25 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
     plain = row.sum() + tail.sum()
     weighted = (r * row).sum() * COLS + (c * col).sum() + (p * tail).sum()
     return torch.stack([plain, weighted])
+
+
+def _host_sums(words: np.ndarray) -> tuple[int, int]:
+    """The same two sums of host memory by numpy, for a small tensor (the ~20 torch calls of the
+    device path cost more than its work there). Array sums and dot products wrap in int64 as
+    torch's do; the per-block parts are added as Python ints and wrapped once. Blocks of
+    HOST_BLOCK words: sum_j (start + j + 1) w_j = start * sum_j w_j + sum_j (j + 1) w_j."""
+    plain = weighted = 0
+    for start in range(0, words.size, HOST_BLOCK):
+        block = words[start : start + HOST_BLOCK].astype(np.int64)
+        s = int(block.sum(dtype=np.int64))
+        plain += s
+        weighted += start * s + int(np.dot(block, _POSITIONS[: block.size]))
+    return _wrap(plain), _wrap(weighted)
+
+
+def _wrap(x: int) -> int:
+    """`x` modulo 2**64 as a signed int64."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def tensor_sums(t: torch.Tensor) -> tuple[int, int]:

@@ -162,11 +162,17 @@ class NativeServer:
                 "new_version": e.weight_version,
             }
         if path in ("/begin_weight_update", "/end_weight_update"):
+            report = body.get("weights_checksum", False)
+            if not isinstance(report, bool):
+                raise BadRequest(f"weights_checksum must be true or false, got {report!r}")
             self.in_update = path == "/begin_weight_update"
             with self.mapped_lock:
                 self.mapped.clear()  # unmaps the sender's buffers
                 self.slots.clear()
-            return 200, {"success": True, "message": "no quantized weights to repack"}
+            out: dict[str, Any] = {"success": True, "message": "no quantized weights to repack"}
+            if report and path == "/end_weight_update":  # the sync's check, without a request of its own
+                out["weights_checksum"] = e.weights_checksum()
+            return 200, out
         return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
 
     def _allowed(self, model_path: str) -> str:
