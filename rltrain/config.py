@@ -392,6 +392,11 @@ class EngineConfig:
     # post-sync verification is what proves it did — and no step pays a device->host->device
     # copy of the whole model.
     weights_backup: bool = False
+    # How the embedded engine's process starts on the CPU. auto: forked from its rank, which has
+    # imported torch and transformers already (~7 s of CPU less per engine), where a fork is
+    # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;
+    # exec: always a new interpreter. SGLang and engines on GPUs always start as new programs.
+    start: Literal["auto", "exec"] = "auto"
 
     def check(self) -> None:
         if self.gpus_per_engine < 0:

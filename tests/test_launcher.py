@@ -73,16 +73,87 @@ def _wait_gone(pid: int, seconds: float = 60.0) -> bool:
     return False
 
 
+@pytest.mark.parametrize("start", ["forked", "new interpreter"])
 @pytest.mark.parametrize("mode", ["sigkill", "raise"])
-def test_engine_dies_with_a_crashing_job(model_a, tmp_path, mode):
-    script = JOB.format(tests=str(HERE), model=str(model_a), log=str(tmp_path / "engine.log"), mode=mode)
-    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_engine_dies_with_a_crashing_job(model_a, tmp_path, mode, start):
+    """Whether the engine was forked from its rank (one torch thread, as under torchrun) or
+    started as a new interpreter (several: an OpenMP pool does not survive a fork)."""
+    log = tmp_path / "engine.log"
+    script = JOB.format(tests=str(HERE), model=str(model_a), log=str(log), mode=mode)
+    env = {**os.environ, "OMP_NUM_THREADS": "1" if start == "forked" else "2"}
+    job = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     engine_pid = int(job.stdout.readline())
     assert psutil.pid_exists(engine_pid)
+    assert f"({'forked from its rank' if start == 'forked' else 'a new interpreter'})" in log.read_text()
     if mode == "sigkill":
         os.kill(job.pid, signal.SIGKILL)  # no atexit, no finally: only the kernel can clean up
     job.wait(60)
     assert _wait_gone(engine_pid), f"engine {engine_pid} outlived its job ({mode})"
+
+
+FORKED = """
+import os, signal, sys, threading, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from conftest import engine_config
+from rltrain.engine import forked
+from rltrain.engine.launcher import EngineCrashed, NodeEngine
+from rltrain.engine.client import EngineClient
+from rltrain.generation import SamplingParams
+
+cfg = engine_config("native")
+first = NodeEngine._start_healthy(cfg, {model!r}, Path({log!r}))
+os.kill(first.proc.pid, signal.SIGKILL)
+first.proc.wait(30)
+try:
+    NodeEngine(None, first.url, first).check_alive()
+except EngineCrashed as e:
+    print("crashed", str(e).splitlines()[0], flush=True)
+proc = NodeEngine._start_healthy(cfg, {model!r}, Path({log!r}))  # still one thread here: forked again
+client = EngineClient(proc.url)
+out = client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+print("greedy", out[0].output_ids, flush=True)
+print("pid", proc.proc.pid, type(proc.proc).__name__, flush=True)
+proc.stop()  # SIGINT: the server shuts down cleanly
+print("stopped", proc.proc.poll(), flush=True)
+busy = threading.Thread(target=time.sleep, args=(5,))
+busy.start()
+cmd = ["python", "-m", "rltrain.engine.native", "--device", "cpu"]
+print("blocked", forked.blocker(cmd), flush=True)
+print("gpu", forked.blocker(["python", "-m", "rltrain.engine.native", "--device", "cuda:0"]), flush=True)
+"""
+
+
+def test_a_forked_engine_serves_stops_and_is_reported_as_a_new_one_is(model_a, tmp_path):
+    """Forked from a one-thread process: the same answers as a new interpreter's engine (greedy,
+    the same model), a clean stop on SIGINT, a SIGKILL reported with its exit code and log tail;
+    a process with another thread running, or an engine on a GPU, is never forked."""
+    log = tmp_path / "engine.log"
+    script = FORKED.format(tests=str(HERE), model=str(model_a), log=str(log))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    srv = start_engine("native", model_a, tmp_path)  # a new interpreter (this process runs threads)
+    try:
+        want = srv.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        srv.process.stop()
+    assert lines["greedy"] == str(want[0].output_ids)
+    assert lines["pid"].endswith("ForkedProcess")
+    assert lines["stopped"] == "0"  # exited by itself on SIGINT, not killed
+    assert "exited (exit code -9)" in lines["crashed"]
+    assert lines["blocked"].endswith("Python threads run in this process")  # the client's and the sleeper
+    assert lines["gpu"] == "not on the CPU"
+    text = log.read_text()
+    assert text.count("(forked from its rank)") == 2 and text.count("serving") == 2
 
 
 def test_crashed_engine_is_reported_with_its_log_tail(model_a, tmp_path):

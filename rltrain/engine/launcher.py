@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from rltrain.config import ConfigError, EngineConfig
+from rltrain.engine import forked
 from rltrain.engine.client import EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
 from rltrain.interfaces import World
@@ -236,29 +237,51 @@ def _engine_preexec(parent_pid: int) -> None:
 class EngineProcess:
     """A running engine server owned by this process."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forked.ForkedProcess
     url: str
     log_path: Path
     _ps: psutil.Process | None = field(default=None, repr=False)
 
     @classmethod
-    def start(cls, cmd: list[str], url: str, log_path: Path, env: dict[str, str | None] | None = None) -> EngineProcess:
+    def start(
+        cls,
+        cmd: list[str],
+        url: str,
+        log_path: Path,
+        env: dict[str, str | None] | None = None,
+        fork: bool = False,
+    ) -> EngineProcess:
         """`env`: added to this process's environment (without torchrun's variables); a None
-        value removes the variable."""
+        value removes the variable. `fork`: the embedded CPU engine is forked from this process
+        where that is safe (`engine/forked.py`), else started as a new interpreter."""
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None}
+        parent = os.getpid()
+        why_not = forked.blocker(cmd) if fork else "engine.start=exec"
         with open(log_path, "ab") as out:
-            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
+            how = "forked from its rank" if why_not is None else "a new interpreter"
+            out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ({how}) {' '.join(cmd)}\n".encode())
             out.flush()
-            proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None},
-                start_new_session=True,
-                preexec_fn=lambda pid=os.getpid(): _engine_preexec(pid),  # noqa: B008 - this process's pid, now
-            )
-        log.info("engine started: pid %d, %s, log %s", proc.pid, url, log_path)
+            proc: subprocess.Popen | forked.ForkedProcess
+            if why_not is None:
+                proc = forked.fork_engine(cmd, str(log_path), full_env, lambda: _engine_preexec(parent))
+            else:
+                proc = subprocess.Popen(
+                    cmd,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=full_env,
+                    start_new_session=True,
+                    preexec_fn=lambda: _engine_preexec(parent),
+                )
+        log.info(
+            "engine started: pid %d, %s, log %s (%s)",
+            proc.pid,
+            url,
+            log_path,
+            "forked from this rank" if why_not is None else f"a new interpreter: {why_not}",
+        )
         return cls(proc, url, log_path)
 
     @property
@@ -545,6 +568,7 @@ class NodeEngine:
                 url,
                 log_path,
                 env=server_environment(cfg, layout),
+                fork=cfg.start == "auto",
             )
             if meanwhile is not None:
                 try:
