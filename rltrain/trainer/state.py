@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -48,17 +47,6 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [inner] if isinstance(inner, torch.optim.Optimizer) else [optimizer]
 
 
-_TREES: weakref.WeakKeyDictionary[Any, list[torch.nn.Module]] = weakref.WeakKeyDictionary()
-
-
-def _submodules(module: Any) -> list[torch.nn.Module]:
-    """`module` and every module under it (kept while `module` lives: its tree does not change)."""
-    tree = _TREES.get(module)
-    if tree is None:
-        tree = _TREES[module] = list(torch.nn.Module.modules(module))
-    return tree
-
-
 def held(
     modules: Iterable[Any],
     optimizer: Any,
@@ -74,15 +62,10 @@ def held(
     optim: list[torch.Tensor] = []
     for module in modules:
         if module is not None:
-            # Each submodule's own tensors, read afresh (a parameter swapped in place is seen); the
-            # tree is walked once per module (read after every phase). nn.Module's own dicts:
-            # megatron's DDP has a `buffers` list of its own.
-            for sub in _submodules(module):
-                for p in sub._parameters.values():
-                    if p is not None:
-                        weights.append(p)
-                        grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
-                weights += [b for b in sub._buffers.values() if b is not None]
+            # (nn.Module's own methods: megatron's DDP has a `buffers` list of its own)
+            weights += [*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module)]
+            for p in torch.nn.Module.parameters(module):
+                grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
     for opt in torch_optimizers(optimizer):
         optim += [p for group in opt.param_groups for p in group["params"]]
         tensors_in(list(opt.state.values()), optim)
