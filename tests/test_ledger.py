@@ -38,3 +38,21 @@ def test_the_ledger_sizes_the_trainers_weights_and_optimizer_state(model_a):
     assert "trainer_host" in table and "rank0" in table and f"{after['rss']:.3f}" in table
     trainer.release()
     assert ledger.read()["trainer_host"] == 0
+
+
+def test_reading_the_ledger_keeps_nothing_of_a_released_trainer_alive(model_a):
+    """What the ledger reads after every phase must not hold the trainer's modules or tensors:
+    a released trainer's model is freed (a cache of its module tree once kept it, and its
+    25 MiB, on the H200's device after the release)."""
+    import gc
+    import weakref
+
+    trainer = make_trainer(model_a, micro=4)
+    one_step(trainer, fixed_batch())
+    ledger = MemoryLedger(torch.device("cpu"), trainer.held_tensors)
+    ledger.read()
+    model, first = weakref.ref(trainer.model), weakref.ref(next(iter(trainer.model.parameters())))
+    trainer.release()
+    ledger.read()
+    gc.collect()
+    assert model() is None and first() is None

@@ -51,7 +51,7 @@ SWITCHES = (
 )
 PROMPT_TOKENS = 8  # room for the synthetic task's prompts (5 tokens) in a packed micro-batch's budget
 TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
-ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other")
+ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other", "engine_cached")
 GOALS = (
     "phase switches <= 10% of the step; offload/onload >= 80% of pinned copy; trainer while generating and "
     "engine while training <= 1 GiB beyond their CUDA contexts"

@@ -14,8 +14,10 @@ Every figure is measured, none is assumed:
     device_baseline    what the device had in use before that and no process held (the driver's
                        own reservation; with any other process that was there where NVML cannot
                        tell processes apart)
-    engine_*           the engine's own report (weights, KV cache, other, its context), on the rank
-                       whose GPU the engine uses
+    engine_*           the engine's own report (weights, KV cache, other, the blocks its allocator
+                       holds free, its context), on the rank whose GPU the engine uses
+    engine_outside     what NVML sees of that engine's process beyond its report: CUDA graphs,
+                       kernel code, library workspaces outside its allocator (with NVML per process)
     other_processes    every other process's device memory on this GPU, read per process through
                        NVML (an engine without its own report, as SGLang: its scheduler's
                        context, weights, KV cache and allocator cache, its other processes'
@@ -56,10 +58,15 @@ DEVICE_PARTS = (
     "engine_weights",
     "engine_kv_cache",
     "engine_other",
+    "engine_cached",
     "engine_context",
+    "engine_outside",
     "other_processes",
     "device_baseline",
 )
+
+
+ENGINE_REPORTED = ("engine_weights", "engine_kv_cache", "engine_other", "engine_cached", "engine_context")
 
 
 def device_used(device: torch.device) -> int:
@@ -210,6 +217,7 @@ class MemoryLedger:
             parts["engine_weights"] = engine.get("weight_bytes", 0)
             parts["engine_kv_cache"] = engine.get("kv_cache_bytes", 0)
             parts["engine_other"] = engine.get("other_bytes", 0)
+            parts["engine_cached"] = engine.get("cached_bytes", 0)
             parts["engine_context"] = engine.get("context_bytes") or 0
         if cuda:
             per_process = process_device_bytes(self.device)
@@ -217,6 +225,11 @@ class MemoryLedger:
                 mine = {os.getpid()}
                 if "weight_bytes" in engine:  # the engine's own report has its process already
                     mine.add(engine.get("pid", -1))
+                    if "engine_weights" in parts and engine.get("pid", -1) in per_process:
+                        # What NVML sees of the engine beyond its report: its CUDA graphs, kernel
+                        # code and library workspaces, outside its allocator.
+                        reported = sum(parts[k] for k in ENGINE_REPORTED)
+                        parts["engine_outside"] = max(0, per_process[engine["pid"]] - reported)
                 parts["other_processes"] = sum(b for pid, b in per_process.items() if pid not in mine)
         out = {k: v / GIB for k, v in parts.items()}
         if cuda:

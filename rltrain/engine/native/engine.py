@@ -568,6 +568,9 @@ class NativeEngine:
                 cuda_used=total - free,
                 kv_cache_bytes=kv if self.decoder is not None else reserved - allocated,
                 other_bytes=allocated - weights - kv,
+                # Blocks its allocator holds free (the CUDA graphs' pool among them); without the
+                # paged pool they are the KV cache of the last batch, counted above.
+                cached_bytes=reserved - allocated if self.decoder is not None else 0,
                 context_bytes=self.context_bytes,
             )
         return rep
