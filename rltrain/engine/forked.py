@@ -16,7 +16,9 @@ engine is a new interpreter, as always. The child is what `python -m rltrain.eng
 be: its own session, its log on stdout and stderr, stdin from /dev/null, the environment the
 launcher gives it, `sitecustomize` run again under that environment (as a new interpreter would
 run it), the same signal set-up and parent-death signal, and `os._exit` at the end (the rank's
-exit handlers are not the engine's).
+exit handlers are not the engine's). It keeps the rank's other open descriptors (the world's
+sockets among them; torch's shared-memory client is one the engine uses): the parent-death
+signal ends it with its rank, so none of them outlives the rank.
 """
 
 from __future__ import annotations
