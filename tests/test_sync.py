@@ -568,6 +568,48 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
     assert "checksum" not in (ranks[0]["push_error"] if awake else ranks[0]["probe_error"])
 
 
+def _stale_rank(rank: int, world_size: int, model: str, url: str) -> str:
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from rltrain.weights.checksum import entry
+
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
+    t.create()
+    sync = WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], model, awake=True)
+    try:
+        sync.push("1")
+        with torch.no_grad():  # the trainer moves on; version 2 never reaches the engine
+            t.model.get_input_embeddings().weight.to_local().view(-1)[::100] += 0.5
+        sums = {n: entry(x) for n, x in t.export_weights()}
+        try:
+            sync._verify("2", sums)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            return f"{type(e).__name__}: {e}"
+        return "verified"
+    finally:
+        sync.close()
+        world.close()
+
+
+def test_a_stale_engine_is_reported_stale_even_where_the_probe_runs_in_the_push(tmp_path, big_a):
+    """An engine at the previous version also scores the probe otherwise: the sync names the
+    stale version (StaleWeightsError), as where the probe runs once the engines are awake."""
+    eng = start_engine("native", big_a, tmp_path)
+    try:
+        ranks = values(run_ranks(_stale_rank, 2, str(big_a), eng.process.url, deadline_s=240))
+    finally:
+        eng.client.close()
+        eng.process.stop()
+    for r in ranks:
+        assert r.startswith("StaleWeightsError") and "serves weight version '1' after loading '2'" in r, r
+        assert "probe" not in r
+
+
 def test_shards_written_here_read_back_by_safetensors_with_the_digest_of_their_bytes(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
