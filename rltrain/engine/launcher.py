@@ -258,8 +258,8 @@ class EngineProcess:
         full_env = {k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None}
         parent = os.getpid()
         why_not = forked.blocker(cmd) if fork else "engine.start=exec"
+        how = "forked from its rank" if why_not is None else "a new interpreter"
         with open(log_path, "ab") as out:
-            how = "forked from its rank" if why_not is None else "a new interpreter"
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ({how}) {' '.join(cmd)}\n".encode())
             out.flush()
             proc: subprocess.Popen | forked.ForkedProcess
@@ -280,7 +280,7 @@ class EngineProcess:
             proc.pid,
             url,
             log_path,
-            "forked from this rank" if why_not is None else f"a new interpreter: {why_not}",
+            how + (f": {why_not}" if why_not else ""),
         )
         return cls(proc, url, log_path)
 
