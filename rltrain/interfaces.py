@@ -16,6 +16,7 @@ the type checker where `setup.py` wires them together:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -101,6 +102,9 @@ class Trainer(Protocol):
     @property
     def released(self) -> bool: ...
 
+    @property
+    def sharded(self) -> bool: ...  # whether a forward is a collective (every rank must run it)
+
     # lifecycle (the loop)
     def create(self, load_weights: bool = True) -> None: ...
 
@@ -133,6 +137,10 @@ class Trainer(Protocol):
     def export_weights(
         self, names: list[str] | None = None, needs: Needs | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    # A context in which export_weights and logprobs share one gathering of the weights, where
+    # the trainer's sharding allows it (a sync exports every weight, then scores its probe).
+    def gathered(self) -> AbstractContextManager[None]: ...
 
     # checkpoints
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]: ...

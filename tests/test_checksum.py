@@ -81,3 +81,25 @@ def test_host_and_torch_paths_give_the_definitions_sums(monkeypatch):
     monkeypatch.setattr(integrity, "HOST_BLOCK", 7)  # 3 * COLS + 2 words in blocks of 7
     extreme = torch.full((3 * COLS + 2,), -(2**31), dtype=torch.int32)
     assert integrity._host_sums(extreme.numpy()) == _reference(extreme)
+
+
+def test_reading_weights_for_a_checksum_a_file_or_a_delta_leaves_their_storage_resizable(tmp_path):
+    """The sync reads the trainer's own parameters (gathered once, then freed by FSDP2 resizing
+    their storage to 0): a reader that claims the storage (as `Tensor.numpy()` does) breaks
+    that free. Each reader's bytes stay right, and every storage stays resizable."""
+    from rltrain.weights.delta import DeltaPublisher
+    from rltrain.weights.hf_files import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    weights = {"a": torch.randn(64, 33, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16)}
+    sums = {n: tensor_sums(t) for n, t in weights.items()}
+    assert sums == {n: _reference(t) for n, t in weights.items()}
+    write_safetensors(tmp_path / "w.safetensors", weights)
+    publisher = DeltaPublisher(full_every=2)
+    publisher.write(tmp_path / "v1", "1", weights.items(), config_from="")
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(load_file(tmp_path / "w.safetensors")[n], t) for n, t in weights.items())
+    for t in weights.values():
+        assert t.untyped_storage().resizable()
+        t.untyped_storage().resize_(0)  # what FSDP2's reshard does

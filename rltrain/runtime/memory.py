@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from rltrain.runtime import internals
@@ -28,3 +29,19 @@ def trim_host_heap() -> None:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray:
+    """The bytes of host tensor `t` (made contiguous) as a numpy uint8 array, without a copy where
+    it is contiguous, leaving its storage as it was: `Tensor.numpy()` marks a storage not
+    resizable for good, and a reader must not change what it reads (FSDP2 frees the gathered
+    parameters a sync exports by resizing their storage). The array keeps the tensor alive."""
+    t = t.detach().contiguous()
+    if t.device.type != "cpu":
+        raise ValueError(f"host_bytes reads host memory; this tensor is on {t.device}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return np.zeros(0, dtype=np.uint8)
+    memory = (ctypes.c_char * n).from_address(t.data_ptr())
+    memory.tensor = t  # type: ignore[attr-defined]  # alive as long as the array is
+    return np.frombuffer(memory, dtype=np.uint8)

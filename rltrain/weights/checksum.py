@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import xxhash
 
+from rltrain.runtime.memory import host_bytes
+
 COLS = 4096  # int32 words per row of the reduction
 ROWS = 4096  # rows widened to int64 at a time: 128 MiB
 HOST_WORDS = 1 << 16  # a host tensor up to this many words is summed by numpy (`_host_sums`)
@@ -42,7 +44,7 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     words = flat.view(torch.int32)
     if words.device.type == "cpu" and words.numel() <= HOST_WORDS:
-        return torch.tensor(_host_sums(words.numpy()), dtype=torch.int64)
+        return torch.tensor(_host_sums(host_bytes(words).view(np.int32)), dtype=torch.int64)
     return _torch_sums(words)
 
 

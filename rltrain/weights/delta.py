@@ -27,6 +27,7 @@ import xxhash
 import zstandard
 from safetensors import safe_open
 
+from rltrain.runtime.memory import host_bytes
 from rltrain.weights.hf_files import INDEX, CorruptWeightsError, write_checkpoint
 from rltrain.weights.versions import read_manifest
 
@@ -38,7 +39,7 @@ class DeltaOrderError(RuntimeError):
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return host_bytes(t.detach().to("cpu"))
 
 
 class DeltaPublisher:

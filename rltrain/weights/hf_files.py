@@ -28,6 +28,7 @@ import torch
 import xxhash
 
 from rltrain.runtime.files import fsync_file, map_file
+from rltrain.runtime.memory import host_bytes
 from rltrain.runtime.pinned import pinned_empty
 
 INDEX = "model.safetensors.index.json"
@@ -82,7 +83,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
     chunks: list[Any] = [len(head).to_bytes(8, "little"), head]  # bytes, then each tensor's memory
-    chunks += [memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for t in tensors.values() if t.numel()]
+    chunks += [memoryview(host_bytes(t)) for t in tensors.values() if t.numel()]
 
     def digest() -> str:
         h = xxhash.xxh3_64()
