@@ -510,7 +510,9 @@ def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_pa
         eng.process.stop()
 
 
-def _probe_rank(rank: int, world_size: int, trainer_model: str, url: str, engine_model: str, awake: bool) -> dict:
+def _probe_rank(
+    rank: int, world_size: int, trainer_model: str, url: str | list[str], engine_model: str | list[str], awake: bool
+) -> dict:
     from rltrain.config import AlgoConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient
     from rltrain.runtime.world import World
@@ -522,7 +524,15 @@ def _probe_rank(rank: int, world_size: int, trainer_model: str, url: str, engine
     cfg = load_config(None, [f"model.path={trainer_model}", "data.path=synthetic:addition", "sync.transport=tensor"])
     t = FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), trainer_model, torch.device("cpu"))
     t.create()
-    sync = WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], engine_model, awake=awake)
+    layout = None
+    if isinstance(url, list):  # an engine per rank
+        from rltrain.engine.layout import EngineLayout
+
+        url, engine_model = url[rank], engine_model[rank]
+        layout = EngineLayout(local_rank=rank, local_world_size=world_size, node_rank=0, gpus_per_engine=1)
+    assert isinstance(engine_model, str)
+    client = EngineClient(url, request_timeout_s=120)
+    sync = WeightSync(cfg, world, t, [client], engine_model, layout, awake=awake)
     out: dict = {}
     try:
         try:
@@ -566,6 +576,32 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
         assert r["end_report"] == {}
     # The checksum passed: the weights were right, the model around them was not.
     assert "checksum" not in (ranks[0]["push_error"] if awake else ranks[0]["probe_error"])
+
+
+def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_engine(tmp_path, big_a):
+    """With its weights gathered on every rank, the trainer's probe forward is no collective:
+    rank 0 takes it for all, and every rank judges every rank's engine against it. Rank 1's own
+    engine runs another model: both ranks fail the sync naming rank 1's engine, not rank 0's."""
+    import json
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(big_a, served)
+    config = json.loads((served / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (served / "config.json").write_text(json.dumps(config))
+    right, wrong = start_engine("native", big_a, tmp_path / "a"), start_engine("native", served, tmp_path / "b")
+    try:
+        urls, models = [right.process.url, wrong.process.url], [str(big_a), str(served)]
+        ranks = values(run_ranks(_probe_rank, 2, str(big_a), urls, models, True, deadline_s=240))
+    finally:
+        for eng in (right, wrong):
+            eng.client.close()
+            eng.process.stop()
+    for r in ranks:
+        error = r["push_error"]
+        assert "log-probs of the probe sequence differ" in error and error.startswith("rank 1: version 1: node0-engine1"), r
+        assert "rank 0" not in error and "engine0" not in error and "checksum" not in error, r
 
 
 def _stale_rank(rank: int, world_size: int, model: str, url: str) -> str:

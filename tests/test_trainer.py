@@ -197,6 +197,70 @@ def test_a_rank_without_samples_still_steps_in_sync(tmp_path):
         assert torch.equal(r0["weights"][k], r1["weights"][k])
 
 
+def _gathered_rank(rank: int, world_size: int, path: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from rltrain.runtime.world import World
+    from rltrain.weights.checksum import combine, entry
+
+    world = World(backend="gloo", timeout=60)
+    try:
+        t = make_trainer(path, micro=2)
+        batch = fixed_batch().slice(slice(rank * 4, rank * 4 + 4))
+        one_step(t, batch)
+        names = [n for n, _ in t.export_weights()][1::2]  # a subset, as a sync bucket asks
+        apart = {k: v.clone() for k, v in t.export_weights()}
+        apart_some = {k: v.clone() for k, v in t.export_weights(names)}
+        apart_logp = t.logprobs(batch)[0]
+        gathers = []  # every all-gather FSDP2 and `full_tensors` may call, counted
+        real = {n: getattr(torch.distributed, n) for n in ("all_gather_single", "all_gather_into_tensor", "all_gather")}
+        for n, f in real.items():
+            setattr(torch.distributed, n, lambda *a, f=f, **k: gathers.append(1) or f(*a, **k))
+        try:
+            with t.gathered():
+                inside = type(t.model.get_input_embeddings().weight)
+                before = len(gathers)
+                together = {k: v.clone() for k, v in t.export_weights()}
+                sums = {k: entry(v) for k, v in t.export_weights()}  # the sync checksums what it sends
+                together_some = {k: v.clone() for k, v in t.export_weights(names)}
+                together_logp = t.logprobs(batch)[0]
+                for _ in range(rank):  # no collective inside: rank 1 scores once more, alone
+                    t.logprobs(batch)
+                gathered_inside = len(gathers) - before
+        finally:
+            for n, f in real.items():
+                setattr(torch.distributed, n, f)
+        after = type(t.model.get_input_embeddings().weight)
+        grad_norm = one_step(t, batch)["grad_norm"]  # the sharded module trains on after it
+        return {
+            "same": all(torch.equal(apart[k], together[k]) for k in apart) and list(apart) == list(together),
+            "same_some": list(apart_some) == list(together_some) == names
+            and all(torch.equal(apart_some[k], together_some[k]) for k in names),
+            "same_logp": torch.equal(apart_logp, together_logp),
+            "same_sums": combine(sums) == combine({k: entry(v) for k, v in apart.items()}),
+            "inside": inside is not DTensor,
+            "after": after is DTensor,
+            "gathers_inside": gathered_inside,
+            "gathers_entering": before,
+            "grad_norm": grad_norm,
+        }
+    finally:
+        world.close()
+
+
+def test_weights_gathered_once_export_and_score_as_apart_with_no_collective_inside(tmp_path):
+    """A sync exports every weight and scores its probe inside `gathered()`: one all-gather on
+    entry, none after, the same tensors and log-probs as each gathering its own, and the module
+    sharded again on leaving (it trains on)."""
+    path = make_model(tmp_path / "m", seed=5)
+    r0, r1 = values(run_ranks(_gathered_rank, 2, str(path), deadline_s=180))
+    for r in (r0, r1):
+        assert r["same"] and r["same_some"] and r["same_logp"] and r["same_sums"]
+        assert r["inside"] and r["after"]
+        assert r["gathers_entering"] >= 1 and r["gathers_inside"] == 0
+    assert r0["grad_norm"] == r1["grad_norm"] > 0
+
+
 def _gather_rank(rank: int, world_size: int, device: str = "cpu") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

@@ -60,6 +60,9 @@ from rltrain.weights.versions import StaleWeightsError
 
 log = logging.getLogger("rltrain.sync")
 
+# Engines' probe log-probs by engine name: an error text where one refused, None where it did not answer.
+Scores = list[tuple[str, list[float] | str | None]]
+
 Sums = dict[str, Any]  # checkpoint name -> `checksum.entry` of what was sent
 
 
@@ -175,17 +178,18 @@ class WeightSync:
         t0 = time.perf_counter()
         sums: Sums = {}
         error = None
-        try:
-            sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
-        except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
-            error, sent = (
-                f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync_transport} failed: {e}",
-                0,
-            )
-        errors = self.world.bridge.all_gather_object(error, phase="sync")
-        if any(errors):
-            raise SyncError(next(e for e in errors if e))
-        stats = self._verify(version, sums)
+        with self.trainer.gathered():  # one gathering for the export and the probe
+            try:
+                sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
+            except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
+                error, sent = (
+                    f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync_transport} failed: {e}",
+                    0,
+                )
+            errors = self.world.bridge.all_gather_object(error, phase="sync")
+            if any(errors):
+                raise SyncError(next(e for e in errors if e))
+            stats = self._verify(version, sums)
         log.debug(
             "synced version %s by %s: %d bytes in %.3fs",
             version,
@@ -255,30 +259,40 @@ class WeightSync:
                     digests.append(verify.EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks), shard))
         except EngineError as e:
             wrong.append(f"cannot verify weight version {version} on {self.engine_name}: {e}")
-        probed: tuple[list[str], float] | None = None  # (errors, largest difference) where probed now
+        # Engines that stay awake score the probe now, while the trainer does; the others once
+        # awake (`probe_engines`). Where the trainer's forward is no collective (its weights
+        # gathered on every rank, or one rank), rank 0 scores it for all: the ranks hold the same
+        # weights. Every rank then judges every rank's engines against it, after the gather.
+        probed: tuple[Scores, torch.Tensor | None] | None = None  # (this rank's engines', the trainer's)
         if check and self.probe:
-            # Engines that stay awake score the probe now, while the trainer does (a collective
-            # on a sharded trainer: every rank scores it); the others once awake (`probe_engines`).
             scores = self._pool.submit(self._engine_scores, version) if self.awake and self.leader else None
-            trainer_logp = self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
+            trainer_logp = None
+            if self.trainer.sharded or not self.awake or self.world.rank == 0:
+                trainer_logp = self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
             if self.awake:
-                probed = self._compare(version, scores.result() if scores is not None else [], trainer_logp)
+                probed = (scores.result() if scores is not None else [], trainer_logp if self.world.rank == 0 else None)
             else:
+                assert trainer_logp is not None
                 self._probe_due = (version, trainer_logp)
         gathered = self.world.bridge.all_gather_object((stale, wrong, digests, probed), phase="sync verify")
         wrong = [f"rank {r}: {e}" for r, (_, w, _, _) in enumerate(gathered) for e in w]
         wrong += verify.disagreements([d for _, _, ds, _ in gathered for d in ds])
         stale = [f"rank {r}: {e}" for r, (st, _, _, _) in enumerate(gathered) for e in st]
+        judged: list[tuple[list[str], float]] = []  # (errors, largest difference) of each rank's engines
+        if probed is not None:
+            reference = gathered[0][3][1]
+            assert reference is not None, "rank 0 scores the probe for the trainer"
+            judged = [self._compare(version, p[0], reference) for *_, p in gathered if p is not None]
         if not (wrong or stale):  # the probe judges engines that hold the version's weights, as once awake
-            wrong = [f"rank {r}: {e}" for r, (_, _, _, p) in enumerate(gathered) if p is not None for e in p[0]]
+            wrong = [f"rank {r}: {e}" for r, (errors, _) in enumerate(judged) for e in errors]
         if wrong:
             raise WeightMismatchError("; ".join(stale + wrong))
         if stale:
             raise StaleWeightsError("; ".join(stale))
         self.verify_seconds = time.perf_counter() - t0
         stats = {"sync_digests": float(sum(len(ds) for _, _, ds, _ in gathered))}
-        if probed is not None:
-            stats["sync_probe_diff"] = max(p[1] for *_, p in gathered if p is not None)
+        if judged:
+            stats["sync_probe_diff"] = max(diff for _, diff in judged)
         return stats
 
     def probe_engines(self) -> dict[str, float]:
@@ -297,36 +311,35 @@ class WeightSync:
             raise WeightMismatchError("; ".join(found))
         return {"sync_probe_diff": max(d for _, d in gathered)}
 
-    def _engine_scores(self, version: str) -> list[tuple[int, list[float] | str | None]]:
-        """Each receiver's log-probs of the probe (the engine's leader asks): an error text where it
-        refused, None where it did not answer (gone: the next rollout's recover() restarts it and
-        syncs again)."""
-        out: list[tuple[int, list[float] | str | None]] = []
+    def _engine_scores(self, version: str) -> Scores:
+        """Each receiver's name and log-probs of the probe (the engine's leader asks): an error
+        text where it refused, None where it did not answer (gone: the next rollout's recover()
+        restarts it and syncs again)."""
+        out: Scores = []
         for r, client in enumerate(self.receivers):
+            name = self._name(r)
             try:
-                out.append((r, client.score(self.probe)))
+                out.append((name, client.score(self.probe)))
             except EngineError as e:
                 if e.status is None:
-                    log.warning("%s did not answer the probe of version %s: %s", self._name(r), version, e)
-                    out.append((r, None))
+                    log.warning("%s did not answer the probe of version %s: %s", name, version, e)
+                    out.append((name, None))
                 else:
-                    out.append((r, f"{self._name(r)} could not score the probe of version {version}: {e}"))
+                    out.append((name, f"{name} could not score the probe of version {version}: {e}"))
         return out
 
-    def _compare(
-        self, version: str, scores: list[tuple[int, list[float] | str | None]], trainer_logp: torch.Tensor
-    ) -> tuple[list[str], float]:
+    def _compare(self, version: str, scores: Scores, trainer_logp: torch.Tensor) -> tuple[list[str], float]:
         """(errors, largest mean absolute difference) of the engines' probe log-probs against the trainer's."""
         errors: list[str] = []
         diff = 0.0
         if not scores:
             return errors, diff
         tol = verify.probe_tolerance(self.cfg.sync.probe_tolerance, self.caps.dtype, self.plan.weights[0].dtype)
-        for r, logp in scores:
+        for name, logp in scores:
             if isinstance(logp, str):
                 errors.append(logp)
             elif logp is not None:
-                error = verify.probe_error(self._name(r), logp, trainer_logp, tol)
+                error = verify.probe_error(name, logp, trainer_logp, tol)
                 if error is not None:
                     errors.append(f"version {version}: {error}")
                 diff = max(diff, verify.probe_diff(logp, trainer_logp))

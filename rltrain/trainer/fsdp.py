@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -142,10 +143,13 @@ class FSDPTrainer:
         # From `_specs`: checkpoint name -> module tensor, and the module tensors stored converted.
         self._sources: tuple[dict[str, str], set[str]] | None = None
         self._module_tensors: dict[str, torch.Tensor] | None = None  # of `self.model`; cleared with it
+        self._gathered: dict[str, torch.Tensor] | None = None  # inside `gathered()`: the full tensors
 
     @property
     def sharded(self) -> bool:
-        return dist.is_initialized()
+        """Whether the ranks run collectives together (a forward all-gathers): not inside
+        `gathered()`, where every rank holds every weight and scores on its own."""
+        return dist.is_initialized() and self._gathered is None
 
     @property
     def released(self) -> bool:
@@ -449,45 +453,76 @@ class FSDPTrainer:
         self, names: list[str] | None = None, needs: Needs | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(checkpoint name, full tensor) of every weight (or of `names`, in their order of module
-        tensors), in the training dtype, on the trainer's device, detached. Sharded, a collective:
-        every rank iterates it to the end with the same `names`. With `needs`, a rank yields only
-        the names it needs: FSDP2 shards every tensor over every rank, so each still joins every
-        all-gather, but what no one on this rank needs is never converted to checkpoint names (a
-        fused expert tensor's other experts are not split out). (Not a no_grad generator: that
-        enters and leaves no_grad around every item, on every bucket of every sync; the gather
-        runs under no_grad and what it yields is detached.)"""
+        tensors), in the training dtype, on the trainer's device, detached. Sharded, a collective
+        (inside `gathered()`, not): every rank iterates it to the end with the same `names`. With
+        `needs`, a rank yields only the names it needs: FSDP2 shards every tensor over every rank,
+        so each still joins every all-gather, but what no one on this rank needs is never
+        converted to checkpoint names (a fused expert tensor's other experts are not split out).
+        (Not a no_grad generator: that enters and leaves no_grad around every item, on every
+        bucket of every sync; the gather runs under no_grad and what it yields is detached.)"""
         model = self._live_model()
-        if self._module_tensors is None:  # walking the module tree is dear per bucket
-            self._module_tensors = dict(module_weights(model))
         if self._sources is None:
             specs = self.weight_specs()
             self._sources = ({ck: src for ck, src, _, _ in specs}, {src for ck, src, _, _ in specs if ck != src})
-        module_tensors = self._module_tensors
         source_of, converted = self._sources
         rank = dist.get_rank() if dist.is_initialized() else 0
         mine = None if needs is None else (lambda name: needs(rank, name))
-        if names is None:
-            sources, wanted = list(module_tensors), None
-        else:
-            wanted = set(names)
+        wanted = None if names is None else set(names)
+        if wanted is not None:
             unknown = sorted(n for n in wanted if n not in source_of)
             if unknown:
                 raise KeyError(f"no trainer weight is named {unknown[:5]}")
-            sources = list(dict.fromkeys(source_of[n] for n in names))
-        # One all-gather per chunk of parameters (full_tensors), smaller chunks on the CPU.
+        for src, full in self._full_tensors(model, names, source_of):
+            if src not in converted:
+                if mine is None or mine(src):
+                    yield src, full
+                continue
+            for name, t in to_checkpoint(model, src, full, keep=mine):
+                if wanted is None or name in wanted:
+                    yield name, t
+
+    def _full_tensors(
+        self, model: torch.nn.Module, names: list[str] | None, source_of: dict[str, str]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(module name, full tensor, detached) of the module tensors `names` come from (all
+        without `names`), in order: from `gathered()`'s weights, or one all-gather per chunk of
+        them (smaller chunks on the CPU). Sharded and not gathered, a collective."""
+        tensors = self._gathered
+        if tensors is None:
+            if self._module_tensors is None:  # walking the module tree is dear per bucket
+                self._module_tensors = dict(module_weights(model))
+            tensors = self._module_tensors
+        sources = list(tensors) if names is None else list(dict.fromkeys(source_of[n] for n in names))
+        if self._gathered is not None:
+            for src in sources:
+                yield src, tensors[src].detach()
+            return
         budget = GATHER_BYTES if self.device.type == "cuda" else GATHER_BYTES_CPU
-        for chunk in _gather_chunks(sources, module_tensors, budget):
+        for chunk in _gather_chunks(sources, tensors, budget):
             with torch.no_grad():
-                fulls = full_tensors([module_tensors[src] for src in chunk])
+                fulls = full_tensors([tensors[src] for src in chunk])
             for src in chunk:
-                full = fulls.pop(0).detach()  # popped: each is freed once its consumer lets go
-                if src not in converted:
-                    if mine is None or mine(src):
-                        yield src, full
-                    continue
-                for name, t in to_checkpoint(model, src, full, keep=mine):
-                    if wanted is None or name in wanted:
-                        yield name, t
+                yield src, fulls.pop(0).detach()  # popped: each is freed once its consumer lets go
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Where the model is one FSDP unit (the CPU's, `sharding.shard`), its weights gathered
+        once for what runs inside: a sync exports every weight and then scores its probe, one
+        all-gather where each took its own. Resharded on leaving. Elsewhere (per-block units on
+        GPUs: gathering them all at once would hold the whole model; not sharded: nothing to
+        gather) it changes nothing. A collective on entry."""
+        model = self._live_model()
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not self.sharded or units != [model]:
+            yield
+            return
+        model.unshard()  # FSDP2 puts the full parameters on the modules until `reshard`
+        try:
+            self._gathered = dict(module_weights(model))
+            yield
+        finally:
+            self._gathered = None
+            reshard(model)
 
     def save_pretrained(self, path: str) -> None:
         """An HF checkpoint directory (config + sharded safetensors + index) written by rank 0,

@@ -32,6 +32,7 @@ dist_checkpointing would).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -516,6 +517,11 @@ class MegatronTrainer:
                     specs.append((hf_name, name, t.shape, self.dtype))
             self._specs = specs
         return self._specs
+
+    def gathered(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing shared: each tensor-parallel shard is gathered as it is exported, and a
+        forward reads its shards where they are."""
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def export_weights(
