@@ -210,20 +210,26 @@ def _sync_rank(
                 except Exception as e:  # noqa: BLE001 - reported to the test
                     out["verify_error"] = f"{type(e).__name__}: {e}"
                 return out
-            if fault == "refuse" and world.rank == 0:  # the engine refuses the second bucket
+            if fault in ("refuse", "refuse_begin") and world.rank == 0:  # the second bucket, or the session
                 from rltrain.engine.client import EngineError
 
                 client, calls = clients[0], []
                 name = "update_weights_from_tensor" if transport == "tensor" else "update_weights_from_distributed"
+                nth = 2
+                if fault == "refuse_begin":
+                    name, nth = "begin_weight_update", 1
                 real_update = getattr(client, name)
 
                 def refusing(*a, **k):
                     calls.append(1)
-                    if len(calls) == 2:
+                    if len(calls) == nth:
                         raise EngineError(f"/{name}", "refused by the test", 400)
                     return real_update(*a, **k)
 
                 setattr(client, name, refusing)
+                real_end = client.end_weight_update
+                ends = out["session_ends"] = []
+                client.end_weight_update = lambda *a, **k: ends.append(1) or real_end(*a, **k)
             try:
                 out["v2"] = sync.push("2")
             except Exception as e:  # noqa: BLE001 - reported to the test
@@ -335,10 +341,16 @@ def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previou
         eng.process.stop()
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed"])
-def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path, big_a, transport):
+@pytest.mark.parametrize(
+    "transport,fault",
+    [("tensor", "refuse"), ("distributed", "refuse"), ("tensor", "refuse_begin")],
+    ids=["tensor-bucket", "distributed-bucket", "tensor-session"],
+)
+def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path, big_a, transport, fault):
     """The engine refuses one bucket in the middle (the sender thread of `tensor`, the broadcast of
-    `distributed`): every rank raises, nobody waits for the timeout, the old version stays served."""
+    `distributed`), or the weight-update session (begun on a sender thread while the first bucket
+    is gathered): every rank raises, nobody waits for the timeout, the old version stays served;
+    a session never begun is not ended."""
     eng = start_engine("native", big_a, tmp_path)
     try:
         r0, r1 = values(
@@ -350,13 +362,15 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
                 [eng.process.url],
                 transport,
                 str(tmp_path / "w"),
-                "refuse",
+                fault,
                 deadline_s=120,
             )
         )
         for r in (r0, r1):
             assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
         assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
+        if transport == "tensor":
+            assert r0["session_ends"] == ([] if fault == "refuse_begin" else [1])
         assert eng.client.weight_version() == "1"
     finally:
         eng.client.close()
@@ -600,7 +614,8 @@ def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_e
             eng.process.stop()
     for r in ranks:
         error = r["push_error"]
-        assert "log-probs of the probe sequence differ" in error and error.startswith("rank 1: version 1: node0-engine1"), r
+        assert error.startswith("rank 1: version 1: node0-engine1"), r
+        assert "log-probs of the probe sequence differ" in error, r
         assert "rank 0" not in error and "engine0" not in error and "checksum" not in error, r
 
 

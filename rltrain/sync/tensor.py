@@ -13,8 +13,9 @@ gathers the payloads over the engine's bridge subgroup and sends the one request
 their buffers until a barrier after the engine's answer (`_send_across_tp`).
 
 The requests run on sender threads while the calling thread gathers and flattens the next
-bucket. Against SGLang one request is in flight and every bucket has a fresh buffer (SGLang
-answers before its copies out of the buffer are done). An engine that answers after them
+bucket (the session's begin while it gathers the first). Against SGLang one request is in
+flight and every bucket has a fresh buffer (SGLang answers before its copies out of the buffer
+are done). An engine that answers after them
 (`caps.synchronous`, the embedded engine) gets `DEPTH` requests in flight — one's copy overlaps
 the next one's handling — and `DEPTH + 1` buffers refilled in turn: bucket k's buffer was last
 used by bucket k - DEPTH - 1, whose request has returned before bucket k - 1 was sent. Where
@@ -67,12 +68,14 @@ class TensorTransport:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
             return 0
-        sent, failure = 0, None
-        for client in ctx.receivers:  # SGLang requires a weight-update session around tensor updates
-            client.begin_weight_update()
+        sent = 0
+        failure: BaseException | None = None
         if self._sender is None:  # kept for every push: threads started per push cost ~1 ms on a busy CPU
             self._sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
         sender = self._sender
+        # SGLang requires a weight-update session around tensor updates. It is begun on a sender
+        # thread while this one gathers the first bucket; every bucket's request waits for it.
+        begun = sender.submit(lambda: [client.begin_weight_update() for client in ctx.receivers])
         ring = self.depth + 1 if self.reuse_buffers else 0
         if len(self._ring) != ring:
             self._ring = [None] * ring
@@ -105,7 +108,7 @@ class TensorTransport:
                         in_flight.popleft().result()
                     self.timings["flatten"] += t1 - t0
                     self.timings["wait"] += clock() - t1
-                    in_flight.append(sender.submit(self._send_handles, flat, payload, tags, filled))
+                    in_flight.append(sender.submit(self._send_handles, flat, payload, tags, filled, begun))
                     sent += bucket.nbytes * len(bucket.targets)
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e
@@ -115,13 +118,16 @@ class TensorTransport:
             failure = e
         finally:
             wait(in_flight)  # every request has returned (a failed push too) before the session ends
+            wait([begun])
             try:
-                for r in range(len(ctx.receivers)):
-                    end_session(ctx, r, self.end_reports)  # the embedded engine unmaps the reused buffers here
+                if begun.exception() is None:  # else no session to end (and its error is the failure)
+                    for r in range(len(ctx.receivers)):
+                        end_session(ctx, r, self.end_reports)  # the embedded engine unmaps the reused buffers here
             finally:
                 if ctx.device.type != "cpu":
                     self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
                 _collect_shared(ctx.device)
+        failure = failure or begun.exception()
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent
@@ -161,9 +167,12 @@ class TensorTransport:
             self._ring[slot] = buf
         return buf
 
-    def _send_handles(self, flat: dict[str, Any], payload: str, tags: dict[int, str | None], filled: Any) -> None:
-        """One bucket to each receiver that owns it (sender thread). `flat` stays referenced
-        until every engine has answered, i.e. finished copying out of it."""
+    def _send_handles(
+        self, flat: dict[str, Any], payload: str, tags: dict[int, str | None], filled: Any, begun: Future[Any]
+    ) -> None:
+        """One bucket to each receiver that owns it (sender thread), once the session is begun.
+        `flat` stays referenced until every engine has answered, i.e. finished copying out of it."""
+        begun.result()
         t0 = time.perf_counter()
         if filled is not None:
             filled.synchronize()
