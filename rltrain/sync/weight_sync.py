@@ -20,7 +20,8 @@ failed one), and the verification afterwards (`sync.verify`; the checks are in v
                      engines' of its TP size
     every engine     a fixed probe sequence's log-probs (the engine's at temperature 1) match
                      the trainer's within `sync.probe_tolerance`: the trainer's are taken in
-                     `push` (it is on the device), the engines' by `probe_engines` once they
+                     `push` (it is on the device; by rank 0 for every rank where its forward
+                     is no collective, `trainer.gathered()`), the engines' by `probe_engines` once they
                      are awake again (a forward needs the KV cache the engines get back last),
                      or, where the engines keep their memory through the sync (`awake`: on the
                      CPU, or not colocated), in `push` too, while the trainer scores it
