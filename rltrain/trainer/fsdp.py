@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -46,6 +45,7 @@ from rltrain.trainer.sharding import (
     full_tensor,
     full_tensors,
     load,
+    one_unit,
     rebind,
     reshard,
     shard,
@@ -487,13 +487,13 @@ class FSDPTrainer:
         """(module name, full tensor, detached) of the module tensors `names` come from (all
         without `names`), in order: from `gathered()`'s weights, or one all-gather per chunk of
         them (smaller chunks on the CPU). Sharded and not gathered, a collective."""
-        tensors = self._gathered
-        if tensors is None:
-            if self._module_tensors is None:  # walking the module tree is dear per bucket
-                self._module_tensors = dict(module_weights(model))
-            tensors = self._module_tensors
+        gathered = self._gathered
+        if gathered is None and self._module_tensors is None:  # walking the module tree is dear per bucket
+            self._module_tensors = dict(module_weights(model))
+        tensors = gathered if gathered is not None else self._module_tensors
+        assert tensors is not None
         sources = list(tensors) if names is None else list(dict.fromkeys(source_of[n] for n in names))
-        if self._gathered is not None:
+        if gathered is not None:  # whole already: no collective
             for src in sources:
                 yield src, tensors[src].detach()
             return
@@ -512,8 +512,7 @@ class FSDPTrainer:
         GPUs: gathering them all at once would hold the whole model; not sharded: nothing to
         gather) it changes nothing. A collective on entry."""
         model = self._live_model()
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        if not self.sharded or units != [model]:
+        if not self.sharded or not one_unit(self.device):
             yield
             return
         model.unshard()  # FSDP2 puts the full parameters on the modules until `reshard`
