@@ -4,15 +4,23 @@ One program per (sequence, KV head): it loads the G = H / KVH query heads of tha
 (padded to 16 rows, the smallest tl.dot), then walks the sequence's pages in order, one page of
 P tokens per iteration: scores by tl.dot, an online softmax in float32, and the weighted values
 by a second tl.dot. Each key and value of the sequence is read once for all its query heads.
+With the new token's key and value given, the program first stores them in the sequence's last
+slot and starts its softmax from them (held in registers), then reads the pages up to the token
+before: it never reads what it has just written, and the store costs no kernel of its own.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .decode_attention import interpreted
+
+def interpreted() -> bool:
+    """Whether Triton runs in its interpreter (the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -23,6 +31,8 @@ def _paged_decode_kernel(
     table_ptr,
     lens_ptr,
     out_ptr,
+    kn_ptr,
+    vn_ptr,
     scale,
     stride_qb,
     stride_qh,
@@ -32,6 +42,8 @@ def _paged_decode_kernel(
     stride_tb,
     stride_ob,
     stride_oh,
+    stride_nb,
+    stride_nh,
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
@@ -39,6 +51,7 @@ def _paged_decode_kernel(
     MAX_PAGES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     IEEE: tl.constexpr,
+    NEW: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -49,9 +62,21 @@ def _paged_decode_kernel(
     gmask = g < G
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
     length = tl.load(lens_ptr + b)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    s_sum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    if NEW:  # the new token: stored in its slot, and the softmax's first term
+        length -= 1
+        slot = tl.load(table_ptr + b * stride_tb + length // P).to(tl.int64) * stride_kp + kvh * stride_kh
+        slot += (length % P) * stride_kn
+        k_new = tl.load(kn_ptr + b * stride_nb + kvh * stride_nh + d).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(vn_ptr + b * stride_nb + kvh * stride_nh + d).to(v_ptr.dtype.element_ty)
+        tl.store(k_ptr + slot + d, k_new)
+        tl.store(v_ptr + slot + d, v_new)
+        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # (exp(s - m) = 1)
+        s_sum = tl.full([BLOCK_G], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32) + v_new.to(tl.float32)[None, :]
+    else:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        s_sum = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
     if DYNAMIC:
         hi = length
     else:
@@ -92,6 +117,8 @@ def paged_decode(
     page_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     B, H, D = q.shape
     _, KVH, P, Dk = k_pages.shape
@@ -102,6 +129,13 @@ def paged_decode(
     q = q.contiguous()
     out = torch.empty_like(q)
     G = H // KVH
+    new = k_new is not None and v_new is not None
+    if new:
+        if k_new.shape != (B, KVH, D) or v_new.shape != (B, KVH, D):  # type: ignore[union-attr]
+            raise ValueError(f"new keys / values must be {(B, KVH, D)}")
+        k_new, v_new = k_new.contiguous(), v_new.contiguous()  # type: ignore[union-attr]
+    else:
+        k_new = v_new = q  # (not read)
     _paged_decode_kernel[(B, KVH)](
         q,
         k_pages,
@@ -109,6 +143,8 @@ def paged_decode(
         page_table,
         seq_lens,
         out,
+        k_new,
+        v_new,
         scale,
         q.stride(0),
         q.stride(1),
@@ -118,6 +154,8 @@ def paged_decode(
         page_table.stride(0),
         out.stride(0),
         out.stride(1),
+        k_new.stride(0),  # type: ignore[union-attr]
+        k_new.stride(1),  # type: ignore[union-attr]
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
         D=D,
@@ -125,6 +163,7 @@ def paged_decode(
         MAX_PAGES=page_table.shape[1],
         DYNAMIC=not interpreted(),
         IEEE=q.dtype == torch.float32,
+        NEW=new,
         num_warps=4,
     )
     return out
