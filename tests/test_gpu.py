@@ -366,8 +366,11 @@ def test_padding_free_packed_micro_batches_match_the_padded_path_on_the_gpu(tmp_
 # ---------------------------------------------------------------------- the paged engine (#30)
 
 
+@pytest.mark.parametrize("new", [False, True], ids=["cached", "new-kv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_decode_kernel_matches_the_reference(dtype):
+def test_cuda_decode_kernel_matches_the_reference(dtype, new):
+    """The kernel against the float64 reference; with `new`, both store the new keys and values
+    in each row's last slot (the same pools after) and attend over them."""
     from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
 
     torch.manual_seed(0)
@@ -375,12 +378,16 @@ def test_cuda_decode_kernel_matches_the_reference(dtype):
     k = torch.randn(pool, kvh, P, D, device="cuda", dtype=dtype)
     v = torch.randn(pool, kvh, P, D, device="cuda", dtype=dtype)
     lens = torch.randint(1, 6 * P, (B,), device="cuda", dtype=torch.int32)
-    table = torch.randint(1, pool, (B, 8), device="cuda", dtype=torch.int32)
+    table = torch.randperm(pool - 1, device="cuda")[: B * 8].reshape(B, 8).int() + 1  # (no page shared)
     q = torch.randn(B, kvh * groups, D, device="cuda", dtype=dtype)
-    out = paged_decode_attention(q, k, v, table, lens, D**-0.5)
-    ref = reference_paged_decode_attention(q.double(), k.double(), v.double(), table, lens, D**-0.5)
+    kn, vn = (torch.randn(B, kvh, D, device="cuda", dtype=dtype) for _ in range(2))
+    kd, vd = k.double(), v.double()
+    new_kv = (kn, vn) if new else ()
+    out = paged_decode_attention(q, k, v, table, lens, D**-0.5, *new_kv)
+    ref = reference_paged_decode_attention(q.double(), kd, vd, table, lens, D**-0.5, *(x.double() for x in new_kv))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (out.double() - ref).abs().max() < tol
+    assert torch.equal(k.double(), kd) and torch.equal(v.double(), vd)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

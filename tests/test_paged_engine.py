@@ -45,27 +45,45 @@ def logprobs(sample):
     return [t[0] for t in sample["meta_info"]["output_token_logprobs"]]
 
 
+@pytest.mark.parametrize("new", [False, True], ids=["cached", "new-kv"])
 @pytest.mark.parametrize("groups,pages", [(1, [3, 1, 2]), (2, [1, 2, 3]), (4, [2, 2, 1])])
-def test_decode_kernel_reads_each_row_to_its_length_like_the_reference(groups, pages):
+def test_decode_kernel_reads_each_row_to_its_length_like_the_reference(groups, pages, new):
+    """The Triton kernel (interpreted) against the torch reference, and the reference against
+    attention over exactly the row's tokens. With `new`, the row's last token's key and value
+    are given to the call: both store them in the row's last slot (nothing else in the pool
+    changes) and attend over them; a row of one token attends to its new token alone."""
     torch.manual_seed(groups)
     kvh, D, P = 2, 32, 16
-    B, H = len(pages), kvh * groups
+    B, H = len(pages) + 1, kvh * groups
     pool = 12
     k, v = torch.randn(pool, kvh, P, D), torch.randn(pool, kvh, P, D)
-    order = torch.randperm(pool - 1)[: sum(pages)] + 1
+    order = torch.randperm(pool - 1)[: sum(pages) + 1] + 1
     table = torch.zeros(B, 4, dtype=torch.int32)
     at = 0
-    for b, n in enumerate(pages):
+    for b, n in enumerate([*pages, 1]):
         table[b, :n] = order[at : at + n]
         at += n
-    lens = torch.tensor([n * P - b * 5 for b, n in enumerate(pages)], dtype=torch.int32)
+    lens = torch.tensor([n * P - b * 5 for b, n in enumerate(pages)] + [1], dtype=torch.int32)
     q = torch.randn(B, H, D)
-    out = paged_decode_attention(q, k, v, table, lens, D**-0.5, impl="triton")
-    ref = reference_paged_decode_attention(q, k, v, table, lens, D**-0.5)
+    k_new, v_new = (torch.randn(B, kvh, D), torch.randn(B, kvh, D)) if new else (None, None)
+    pools = [(k.clone(), v.clone()) for _ in range(2)]
+    out = paged_decode_attention(q, *pools[0], table, lens, D**-0.5, k_new, v_new, impl="triton")
+    ref = reference_paged_decode_attention(q, *pools[1], table, lens, D**-0.5, k_new, v_new)
     assert torch.allclose(out, ref, atol=1e-5)
+    written = torch.zeros(pool, kvh, P, dtype=torch.bool)
+    for b in range(B):
+        page, offset = int(table[b, (lens[b] - 1) // P]), int((lens[b] - 1) % P)
+        if new:
+            written[page, :, offset] = True
+            for kk, vv in pools:
+                assert torch.equal(kk[page, :, offset], k_new[b]) and torch.equal(vv[page, :, offset], v_new[b])
+    for kk, vv in pools:  # nothing else written
+        assert torch.equal(kk[~written], k[~written]) and torch.equal(vv[~written], v[~written])
+    k, v = pools[1]
     for b in range(B):  # and the reference is attention over exactly the row's tokens
-        kk = torch.cat([k[int(p)] for p in table[b, : pages[b]]], dim=1)[:, : lens[b]]
-        vv = torch.cat([v[int(p)] for p in table[b, : pages[b]]], dim=1)[:, : lens[b]]
+        n = int(-(-lens[b] // P))
+        kk = torch.cat([k[int(p)] for p in table[b, :n]], dim=1)[:, : lens[b]]
+        vv = torch.cat([v[int(p)] for p in table[b, :n]], dim=1)[:, : lens[b]]
         for h in range(H):
             w = torch.softmax(q[b, h] @ kk[h // groups].T * D**-0.5, -1)
             assert torch.allclose(ref[b, h], w @ vv[h // groups], atol=1e-5)

@@ -92,7 +92,7 @@ def engine_rollout(client: EngineClient, prompts: list[list[int]], new_tokens: i
 def _engine_side(log: Path) -> float | None:
     """Tokens/s of the embedded engine's paged scheduler over its last run (its own log line:
     from taking the request to answering it, without HTTP or JSON), or None."""
-    found = re.findall(r"decoded \d+ tokens in [\d.]+ s \((\d+) tokens/s\)", log.read_text(errors="replace"))
+    found = re.findall(r"decoded \d+ tokens in [\d.]+ s \((\d+) tokens/s", log.read_text(errors="replace"))
     return float(found[-1]) if found else None
 
 

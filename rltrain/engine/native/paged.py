@@ -12,17 +12,18 @@ samples of one prompt share the prompt's full pages (prefilled once) and each ge
 its last, partial page (copy-on-write at the fork).
 
 **The model.** transformers' own modules run the forward: the layers' attention goes through
-transformers' attention interface to `_paged_attention` (registered under its own name), and
-the cache object the model updates writes each new key and value into its row's page. Prefill
-packs every admitted prompt into one sequence (no padding) and runs causal attention per
-group of equal-length prompts; decode runs `paged_decode_attention` (kernels/), which reads
-each row's pages up to its length. At start-up a probe checks the path against transformers'
+transformers' attention interface to `_paged_attention` (registered under its own name).
+Prefill packs every admitted prompt into one sequence (no padding), writes the prompts' keys
+and values into their pages (the cache object the model updates) and runs causal attention per
+group of equal-length prompts; decode runs `paged_decode_attention` (kernels/), which stores
+each row's new key and value in its last slot and reads the row's pages up to its length, in
+one kernel per layer. At start-up a probe checks the path against transformers'
 plain forward (`verify`); a model whose attention does not go through the interface fails it.
 
 **CUDA graphs.** A decode step (every layer and the LM head) is captured once per batch-size
-bucket and replayed: its inputs are static tensors (token, position, page table, length, the
-slot each new key goes to) filled before each replay; rows past the batch point at the
-scratch page; a captured graph serves batches down to a quarter of its size. Sampling runs after
+bucket and replayed: its inputs are static tensors (token, position, page table, length)
+filled before each replay; rows past the batch point at the scratch page; a captured graph
+serves batches down to a quarter of its size. Sampling runs after
 the replay, batched, in one pass over the logits on CUDA (sampling.py). Graphs hold the weights'
 and the pool's addresses: they are dropped whenever either is released.
 
@@ -128,15 +129,16 @@ class KVPool:
 
 @dataclass
 class _Step:
-    """What one forward's attention and cache read: the slot each new key goes to (page, offset),
-    and for decode each row's page table and length; for prefill the groups of equal-length
-    prompts in the packed sequence (start, count, length), host ints."""
+    """What one forward's attention and cache read. Decode: each row's page table and length
+    (the attention kernel writes the new key and value at the row's last slot). Prefill: the
+    slot each prompt token's key goes to (page, offset), and the groups of equal-length prompts
+    in the packed sequence (start, count, length), host ints."""
 
     pool: KVPool
-    page: torch.Tensor
-    offset: torch.Tensor
     table: torch.Tensor | None = None
     lens: torch.Tensor | None = None
+    page: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
     groups: list[tuple[int, int, int]] | None = None
 
 
@@ -144,19 +146,22 @@ _current = threading.local()  # the running forward's _Step (each engine's sched
 
 
 class _PagedCache:
-    """The cache object transformers' layers update: it writes the new keys and values into the
-    pool and hands them back unchanged (the attention reads the pool itself). Runs eagerly in
-    compiled blocks (it reads the running forward's thread-local step)."""
+    """The cache object transformers' layers update: in prefill it writes the new keys and values
+    into the pool; in decode the attention kernel writes them (one kernel, not two scatters).
+    Either way it hands them back unchanged (the attention reads the pool itself). Runs eagerly
+    in compiled blocks (it reads the running forward's thread-local step)."""
 
     @torch.compiler.disable
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
         step: _Step = _current.step
+        _current.updates += 1
+        if step.groups is None:  # decode: `_paged_attention` stores them
+            return k, v
         # k, v [B, kv_heads, L, D] -> one [tokens, kv_heads, D] row per slot
         kk = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])
         vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
         step.pool.k[layer_idx][step.page, :, step.offset] = kk
         step.pool.v[layer_idx][step.page, :, step.offset] = vv
-        _current.updates += 1
         return k, v
 
 
@@ -175,9 +180,12 @@ def _paged_attention(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     layer = module.layer_idx  # type: ignore[attr-defined]
     _current.attentions += 1
-    if step.groups is None:  # decode: one new token per row, over its pages
+    if step.groups is None:  # decode: one new token per row, stored, then attended over its pages
         assert step.table is not None and step.lens is not None
-        out = paged_decode_attention(q[:, :, 0], step.pool.k[layer], step.pool.v[layer], step.table, step.lens, scale)
+        pool = step.pool
+        out = paged_decode_attention(
+            q[:, :, 0], pool.k[layer], pool.v[layer], step.table, step.lens, scale, k[:, :, 0], v[:, :, 0]
+        )
         return out[:, None], None
     # prefill: the packed prompts [1, H, T, D], causal within each, one SDPA per length group
     outs = []
@@ -231,8 +239,6 @@ class _Graph:
         self.pos = torch.zeros(size, 1, dtype=torch.long, device=device)
         self.table = torch.zeros(size, max_pages, dtype=torch.int32, device=device)
         self.lens = torch.ones(size, dtype=torch.int32, device=device)
-        self.page = torch.zeros(size, dtype=torch.long, device=device)
-        self.offset = torch.zeros(size, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
@@ -292,7 +298,7 @@ class PagedDecoder:
         self.graphs: dict[int, _Graph] = {}
         self._graph_pool: Any = None
         self.waiting: deque[GenRequest] = deque()  # taken from the queue, not yet admitted
-        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0, "tokens": 0}
+        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0, "capture_s": 0.0, "tokens": 0}
 
     # ------------------------------------------------------------------ memory
 
@@ -392,7 +398,7 @@ class PagedDecoder:
             last[i] = len(ids) - 1
         dev = self.device
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        step = _Step(self.pool, tensor(page), tensor(offset), groups=groups)
+        step = _Step(self.pool, page=tensor(page), offset=tensor(offset), groups=groups)
         logits = self._forward(
             step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
         )
@@ -400,7 +406,7 @@ class PagedDecoder:
         return logits[0].float()
 
     def _decode_eager(self, g: _Graph, n: int) -> torch.Tensor:
-        step = _Step(self.pool, g.page[:n], g.offset[:n], g.table[:n], g.lens[:n])  # type: ignore[arg-type]
+        step = _Step(self.pool, g.table[:n], g.lens[:n])  # type: ignore[arg-type]
         for block, _, compiled in self._compiled:
             block.forward = compiled
         try:
@@ -419,6 +425,7 @@ class PagedDecoder:
         if g is None:
             g = self.graphs[size] = _Graph(size, self.max_pages, self.device)
         if self.cuda_graphs and g.graph is None:
+            t0 = time.perf_counter()
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -432,6 +439,7 @@ class PagedDecoder:
                 g.logits = self._decode_eager(g, size)
             g.graph = graph
             self.stats["graph_captures"] += 1
+            self.stats["capture_s"] += time.perf_counter() - t0  # (host time: the capture syncs)
         return g
 
     def _decode(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -440,18 +448,14 @@ class PagedDecoder:
         read them (queue what reads them) before the next step, which overwrites them."""
         n = tokens.shape[0]
         g = self._graph_for(n)
-        P = self.page_size
         g.ids[:n, 0] = tokens
         g.pos[:n, 0] = pos
         g.table[:n] = table
         g.lens[:n] = (pos + 1).to(torch.int32)
-        g.page[:n] = table.gather(1, (pos // P)[:, None])[:, 0]
-        g.offset[:n] = pos % P
         if g.graph is not None:
             if n < g.size:  # rows past the batch: one token on the scratch page
                 g.table[n:] = 0
                 g.lens[n:] = 1
-                g.page[n:] = 0
             g.graph.replay()
             assert g.logits is not None
             logits = g.logits[:n]
@@ -553,7 +557,7 @@ class PagedDecoder:
         state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
         pending: _Launched | None = None  # the step in flight, its tokens not yet read
         freed = True  # rows finished (or none ran) since the last try to admit
-        t0, tokens0 = time.perf_counter(), self.stats["tokens"]
+        t0, tokens0, before = time.perf_counter(), self.stats["tokens"], dict(self.stats)
 
         def done(row: Row) -> None:
             entry = remaining[id(row.req)]
@@ -606,7 +610,14 @@ class PagedDecoder:
                 if admitted or not self.waiting:
                     if not self.waiting:
                         n, dt = self.stats["tokens"] - tokens0, time.perf_counter() - t0
-                        log.info("decoded %d tokens in %.2f s (%.0f tokens/s)", n, dt, n / max(dt, 1e-9))
+                        log.info(
+                            "decoded %d tokens in %.2f s (%.0f tokens/s; %d graph captures took %.2f s of it)",
+                            n,
+                            dt,
+                            n / max(dt, 1e-9),
+                            self.stats["graph_captures"] - before["graph_captures"],
+                            self.stats["capture_s"] - before["capture_s"],
+                        )
                         return
                     freed = True
                     continue
