@@ -9,6 +9,8 @@ graphs, device memory) is tested in test_gpu.py on the H200.
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from dataclasses import replace
 
@@ -190,6 +192,60 @@ def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     assert [x["output_ids"] for x in got_short] == [x["output_ids"] for x in alone_short]
     assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
+
+
+def test_no_garbage_collection_runs_while_either_path_generates(engines):
+    """A full collection stops every thread for as long as it walks the heap (0.3 s at a time in
+    a rollout on the H200): none runs in the engine's scheduler from taking a request to
+    answering it, and collection is on again after."""
+    during: list[str] = []
+    pending: list = []
+
+    def seen(phase, info):
+        if phase == "start" and threading.current_thread().name == "rltrain-native-scheduler":
+            if pending and not pending[0].done():
+                during.append(f"generation {info['generation']}")
+
+    gc.callbacks.append(seen)
+    try:
+        for engine in engines:
+            params = SamplingParams(max_new_tokens=48, n=2, ignore_eos=True)
+            for _ in range(3):
+                gc.collect()  # (the count starts at 0: what submit and taking it allocate stays under it)
+                pending[:] = [engine.submit([[1, 2, 3, 4]] * 6, params, True)]
+                assert sum(len(o["output_ids"]) for o in pending[0].result(timeout=120)) == 6 * 2 * 48
+    finally:
+        gc.callbacks.remove(seen)
+    assert during == []
+    deadline = time.monotonic() + 10  # (the scheduler leaves its pause just after answering)
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gc.isenabled()
+
+
+def test_overlapping_pauses_of_two_threads_leave_collection_as_it_was():
+    from rltrain.runtime.memory import gc_paused
+
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+        def a():
+            with gc_paused():
+                a_in.set()
+                b_in.wait(10)
+            a_out.set()
+
+        t = threading.Thread(target=a)
+        t.start()
+        a_in.wait(10)
+        with gc_paused():  # b: enters while a is paused, a leaves first
+            b_in.set()
+            a_out.wait(10)
+            assert not gc.isenabled()  # (still b's pause)
+        t.join()
+        assert gc.isenabled() is enabled
+    gc.enable()
 
 
 def test_samples_share_their_prompts_pages(model):

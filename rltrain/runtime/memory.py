@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -25,6 +29,32 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+_gc_pause = {"depth": 0, "enabled": True}
+_gc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No automatic cyclic garbage collection inside (reference counting still frees at once).
+    A full collection stops every thread of the process for as long as it walks the heap: an
+    engine's, mid-rollout, 0.3 s at a time on the H200 (a seventh of a 2 s rollout). What
+    becomes cyclic garbage inside waits for the first collection after. Threads may overlap
+    their pauses: the last one out restores the state the first one found (a caller may have
+    disabled collection itself)."""
+    with _gc_lock:
+        if _gc_pause["depth"] == 0:
+            _gc_pause["enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_pause["depth"] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pause["depth"] -= 1
+            if _gc_pause["depth"] == 0 and _gc_pause["enabled"]:
+                gc.enable()
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -45,7 +45,7 @@ from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.files import process_tempdir
 from rltrain.runtime.ledger import measure_cuda_context
-from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
+from rltrain.runtime.memory import free_cuda_caches, gc_paused, trim_host_heap
 from rltrain.runtime.pinned import PinnedUpload, all_pinned_host_bytes, pinned_like
 from rltrain.weights.bucket import BucketViews
 from rltrain.weights.checksum import combine, entry, fetched
@@ -170,6 +170,11 @@ class NativeEngine:
         self._abort_inflight = threading.Event()
         self._stop = threading.Event()
         self.decoder = self._paged_decoder(decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile)
+        # What start-up made (modules, the model, compiled code: millions of objects with
+        # torch.compile) lives as long as the engine: collected once, then no collection walks
+        # it again (generation runs with no automatic collection at all: `gc_paused`).
+        gc.collect()
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="rltrain-native-scheduler", daemon=True)
         self._thread.start()
 
@@ -277,9 +282,12 @@ class NativeEngine:
             raise EngineStateError("engine weights were resumed without a backup; update the weights before generating")
 
     def _loop(self) -> None:
+        """Take requests and generate; from taking work to answering it, no automatic garbage
+        collection pauses the process (memory.gc_paused)."""
         while not self._stop.is_set():
             if self.decoder is not None and self.decoder.waiting and self._running.is_set():
-                self._serve_paged()  # requests kept waiting by an abort
+                with gc_paused():
+                    self._serve_paged()  # requests kept waiting by an abort
                 continue
             try:
                 first = self._queue.get(timeout=0.1)
@@ -288,22 +296,23 @@ class NativeEngine:
             if first is None:
                 break
             self._running.wait()
-            if self.decoder is not None:
-                self.decoder.waiting.append(first)
-                self._serve_paged()
-                continue
-            batch, rows = [first], len(first.input_ids) * first.params[0].n
-            while rows < self.max_batch_size and not self.deterministic:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._stop.set()
-                    break
-                batch.append(nxt)
-                rows += len(nxt.input_ids) * nxt.params[0].n
-            self._run_batch(batch)
+            with gc_paused():
+                if self.decoder is not None:
+                    self.decoder.waiting.append(first)
+                    self._serve_paged()
+                    continue
+                batch, rows = [first], len(first.input_ids) * first.params[0].n
+                while rows < self.max_batch_size and not self.deterministic:
+                    try:
+                        nxt = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is None:
+                        self._stop.set()
+                        break
+                    batch.append(nxt)
+                    rows += len(nxt.input_ids) * nxt.params[0].n
+                self._run_batch(batch)
 
     def _serve_paged(self) -> None:
         """Continuous batching (paged.py) until nothing runs and nothing waits."""
