@@ -85,4 +85,3 @@ def reference_paged_decode_attention(
         q[:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale, enable_gqa=True
     )
     return out[:, :, 0]
-

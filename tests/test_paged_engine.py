@@ -248,6 +248,22 @@ def test_overlapping_pauses_of_two_threads_leave_collection_as_it_was():
     gc.enable()
 
 
+def test_a_growing_batch_takes_the_largest_graph_captured_before_and_a_shrinking_one_its_bucket(engines):
+    """Which graph size a decode step gets when none near is captured (after a release every
+    size is gone): growing (a rollout's requests arriving), the largest size captured before
+    within 4x, so the range takes one capture; shrinking (rows finishing), the smallest bucket.
+    (On CPU nothing is captured: the sizes the policy picks are what is checked.)"""
+    decoder = engines[1].decoder
+    kept = decoder._captured, decoder.graphs
+    try:
+        decoder._captured, decoder.graphs = {128, 512, 48}, {}
+        decoder._rows = 0
+        assert [decoder._graph_for(n).size for n in (128, 300, 512, 40, 20, 3)] == [512, 512, 512, 48, 24, 3]
+    finally:
+        decoder._captured, decoder.graphs = kept
+        decoder._rows = 0
+
+
 def test_samples_share_their_prompts_pages(model):
     """A prompt of two full pages and a partial one, 4 samples: 2 shared pages + 4 x 1 own page
     fit a 7-page pool (4 x 3 unshared pages would not), and the samples equal their lone runs."""

@@ -296,6 +296,8 @@ class PagedDecoder:
         self.deterministic = deterministic
         self.pool: KVPool | None = None
         self.graphs: dict[int, _Graph] = {}
+        self._captured: set[int] = set()  # every size captured so far (kept across releases)
+        self._rows = 0  # rows of the last decode step (0 when a serve starts)
         self._graph_pool: Any = None
         self.waiting: deque[GenRequest] = deque()  # taken from the queue, not yet admitted
         self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0, "capture_s": 0.0, "tokens": 0}
@@ -417,10 +419,15 @@ class PagedDecoder:
 
     def _graph_for(self, n: int) -> _Graph:
         """The graph for `n` rows: a captured one of up to 4x as many rows (its extra rows cost
-        little next to a capture, which every bucket would need after each release), else the
-        smallest bucket's, captured now."""
+        little next to a capture, which every bucket would need after each release), else one
+        captured now: for a growing batch, of the largest size within 4x that this decoder has
+        captured before (a rollout's batch grows as its requests arrive: after a release, the
+        range the last rollout grew through takes one capture, not one per size); else of the
+        smallest bucket."""
         near = [s for s in self.graphs if n <= s <= 4 * n and self.graphs[s].graph is not None]
-        size = min(near) if near else next((s for s in _BUCKETS if s >= n), n)
+        before = [s for s in self._captured if n <= s <= 4 * n] if n > self._rows else []
+        self._rows = n
+        size = min(near) if near else max(before) if before else next((s for s in _BUCKETS if s >= n), n)
         g = self.graphs.get(size)
         if g is None:
             g = self.graphs[size] = _Graph(size, self.max_pages, self.device)
@@ -429,7 +436,9 @@ class PagedDecoder:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up (lazy inits, autotuning) outside the capture
+                # warm-up outside the capture: lazy inits and compilation the first time this
+                # size runs; once more before a capture again (after a release)
+                for _ in range(1 if size in self._captured else 2):
                     self._decode_eager(g, size)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             if self._graph_pool is None:
@@ -438,6 +447,7 @@ class PagedDecoder:
             with torch.cuda.graph(graph, pool=self._graph_pool):
                 g.logits = self._decode_eager(g, size)
             g.graph = graph
+            self._captured.add(size)
             self.stats["graph_captures"] += 1
             self.stats["capture_s"] += time.perf_counter() - t0  # (host time: the capture syncs)
         return g
@@ -521,6 +531,7 @@ class PagedDecoder:
         reason abort) and the waiting requests stay for later; else in-flight rows are held.
         If anything fails, every request in flight or waiting gets the exception."""
         remaining: dict[int, list[Any]] = {}  # id(request) -> [its rows, how many still run]
+        self._rows = 0
         try:
             self._serve(take, can_run, running, abort, weight_version, remaining)
         except BaseException as e:
