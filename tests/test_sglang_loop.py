@@ -35,7 +35,7 @@ SGLANG_CPU = [
 ]
 
 
-def _run(tmp_path: Path, *overrides: str, steps: int = 20, env: dict[str, str] | None = None) -> list[dict]:
+def _run(tmp_path: Path, *overrides: str, steps: int = 8, env: dict[str, str] | None = None) -> list[dict]:
     if not HAVE_SGLANG:
         pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
     path = os.pathsep.join([str(HERE / "faults"), str(SGLANG_SHIM), os.environ.get("PYTHONPATH", "")])
@@ -71,7 +71,7 @@ def test_loop_on_one_sglang_engine_per_rank(tmp_path, transport):
         f"sync.transport={transport}",
         env={"RLTRAIN_TEST_BAD_GENERATE": "1:3"},  # rank 1's 4th request: refused by SGLang
     )
-    _check_steps(rows, 20, engines=2)
+    _check_steps(rows, 8, engines=2)
     failed = [row["generation_failed"] for row in rows]
     assert sum(failed) >= 8 and sum(f > 0 for f in failed) == 1, failed  # counted, in one step
     bad = next(row for row in rows if row["generation_failed"])
@@ -88,7 +88,6 @@ def test_loop_on_one_sglang_engine_at_tp2_over_both_ranks(tmp_path):
         tmp_path,
         "engine.gpus_per_engine=2",
         "sync.transport=tensor",
-        steps=8,
         env={"RLTRAIN_TEST_RECORD_PAYLOADS": str(record)},
     )
     _check_steps(rows, 8, engines=1)
