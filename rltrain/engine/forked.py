@@ -23,6 +23,7 @@ signal ends it with its rank, so none of them outlives the rank.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import subprocess
@@ -86,8 +87,12 @@ def fork_engine(cmd: list[str], log_path: str, env: dict[str, str], preexec: Cal
     """Fork this process into the engine server `cmd` would start (`blocker(cmd)` must be None)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    # The child inherits the rank's objects frozen: its collections (the engine collects once at
+    # start-up) do not walk them, nor copy their pages by writing their GC headers.
+    gc.freeze()
     pid = os.fork()
     if pid:
+        gc.unfreeze()
         return ForkedProcess(pid)
     code = 1
     try:
