@@ -12,20 +12,21 @@ samples of one prompt share the prompt's full pages (prefilled once) and each ge
 its last, partial page (copy-on-write at the fork).
 
 **The model.** transformers' own modules run the forward: the layers' attention goes through
-transformers' attention interface to `_paged_attention` (registered under its own name).
-Prefill packs every admitted prompt into one sequence (no padding), writes the prompts' keys
-and values into their pages (the cache object the model updates) and runs causal attention per
-group of equal-length prompts; decode runs `paged_decode_attention` (kernels/), which stores
-each row's new key and value in its last slot and reads the row's pages up to its length, in
-one kernel per layer. At start-up a probe checks the path against transformers'
-plain forward (`verify`); a model whose attention does not go through the interface fails it.
+transformers' attention interface to `_paged_attention` (registered under its own name). Prefill
+packs every admitted prompt into one sequence (no padding), writes the prompts' keys and values
+into their pages (the cache object the model updates) and runs causal attention per group of
+equal-length prompts; decode runs `paged_decode_attention` (kernels/), which stores each row's
+new key and value in its last slot and reads the row's pages up to its length, in one kernel per
+layer. At start-up a probe checks the path against transformers' plain forward (`verify`); a
+model whose attention does not go through the interface fails it.
 
 **CUDA graphs.** A decode step (every layer and the LM head) is captured once per batch-size
-bucket and replayed: its inputs are static tensors (token, position, page table, length)
-filled before each replay; rows past the batch point at the scratch page; a captured graph
-serves batches down to a quarter of its size. Sampling runs after
-the replay, batched, in one pass over the logits on CUDA (sampling.py). Graphs hold the weights'
-and the pool's addresses: they are dropped whenever either is released.
+bucket and replayed: its inputs are static tensors (token, position, page table, length) filled
+before each replay; rows past the batch point at the scratch page; a captured graph serves
+batches down to a quarter of its size. Sampling runs after the replay, batched, in one pass over
+the logits on CUDA (sampling.py). Graphs hold the weights' and the pool's addresses: they are
+dropped whenever either is released, and a growing batch after a release is captured once at the
+largest size captured before (`_graph_for`).
 
 **Continuous batching.** Between decode steps, finished rows leave (their requests are answered
 at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
