@@ -78,8 +78,8 @@ def reference_paged_decode_attention(
         v_pages[page, :, offset] = v_new.to(v_pages.dtype)
     pages = -(-int(seq_lens.max()) // P)
     table = page_table[:, :pages].long()
-    k = k_pages[table].permute(0, 2, 1, 3, 4).reshape(B, k_pages.shape[1], pages * P, D).to(q.dtype)
-    v = v_pages[table].permute(0, 2, 1, 3, 4).reshape(B, v_pages.shape[1], pages * P, D).to(q.dtype)
+    k = k_pages[table].permute(0, 2, 1, 3, 4).reshape(B, k_pages.shape[1], pages * P, D)
+    v = v_pages[table].permute(0, 2, 1, 3, 4).reshape(B, v_pages.shape[1], pages * P, D)
     keep = torch.arange(pages * P, device=q.device)[None, :] < seq_lens[:, None]
     out = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], k, v, attn_mask=keep[:, None, None, :], scale=scale, enable_gqa=True

@@ -569,7 +569,7 @@ class PagedDecoder:
         state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
         pending: _Launched | None = None  # the step in flight, its tokens not yet read
         freed = True  # rows finished (or none ran) since the last try to admit
-        t0, tokens0, before = time.perf_counter(), self.stats["tokens"], dict(self.stats)
+        t0, before = time.perf_counter(), dict(self.stats)
 
         def done(row: Row) -> None:
             entry = remaining[id(row.req)]
@@ -621,7 +621,7 @@ class PagedDecoder:
                 settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
                     if not self.waiting:
-                        n, dt = self.stats["tokens"] - tokens0, time.perf_counter() - t0
+                        n, dt = self.stats["tokens"] - before["tokens"], time.perf_counter() - t0
                         log.info(
                             "decoded %d tokens in %.2f s (%.0f tokens/s; %d graph captures took %.2f s of it)",
                             n,
