@@ -176,6 +176,68 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
     assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 
 
+def test_one_request_opens_loads_and_closes_a_session_with_its_reports(native, big_model):
+    """The inline-session extension (what the sync uses against this engine): one update request
+    opens the weight-update session, loads its bucket into a slot, closes the session and
+    answers with the checksum report and the probe's scores, as /weights_checksum and a scoring
+    /generate give them after. A bad session field is a 400 before anything opens or loads; a
+    request whose bucket is refused still closes the session it was asked to close."""
+    from safetensors.torch import load_file
+
+    from rltrain.weights import bucket as tensor_payload
+    from rltrain.weights.checksum import combine, entry
+
+    assert native.client.server_info()["weight_update_sessions"] == "inline"
+    state = {}
+    for f in sorted(big_model.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    base = combine({n: entry(t) for n, t in state.items()})
+    name = "model.norm.weight"
+    buf = torch.empty(1 << 16, dtype=torch.uint8).share_memory_()
+
+    def payload(value, slot=0, handle=True):
+        md = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=buf)["metadata"]
+        return tensor_payload.serialize({"flattened_tensor": buf if handle else None, "metadata": md, "buffer": slot})
+
+    probe = [3, 17, 400, 9, 2]
+    for bad, match in [
+        ({"end_session": True, "probe": [1]}, "probe_input_ids"),
+        ({"end_session": True, "probe": [1, 8192]}, r"in \[0, 8192\)"),
+    ]:
+        with pytest.raises(EngineError, match=match) as err:
+            native.client.update_weights_from_tensor([payload(5.0)], weight_version="bad", begin_session=True, **bad)
+        assert err.value.status == 400
+    with pytest.raises(EngineError, match="must be true or false") as err:
+        native.client._lean_post(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload(5.0)], "load_format": "flattened_bucket", "end_weight_update": 1},
+        )
+    assert err.value.status == 400
+    assert native.client.weights_checksum()["checksum"] == base  # nothing loaded
+    with pytest.raises(EngineError, match="begin_weight_update"):  # and no session was left open
+        native.client.update_weights_from_tensor([payload(5.0, handle=False)], weight_version="bad")
+
+    answer = native.client.update_weights_from_tensor(
+        [payload(2.0)], weight_version="inline", begin_session=True, end_session=True, checksum=True, probe=probe
+    )
+    expected = dict(state, **{name: torch.full_like(state[name], 2.0)})
+    rep = native.client.weights_checksum()
+    assert rep["weight_version"] == "inline" and rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    assert answer["weights_checksum"] == rep
+    assert answer["probe_logprobs"] == native.client.score(probe)
+    with pytest.raises(EngineError, match="begin_weight_update"):  # closed: its slot is gone
+        native.client.update_weights_from_tensor([payload(3.0, handle=False)], weight_version="after")
+
+    # A bucket the engine refuses (no such slot) in a request asked to close the session: closed all the same.
+    native.client.update_weights_from_tensor([payload(4.0, slot=1)], begin_session=True)
+    with pytest.raises(EngineError, match="slot 2 has no buffer"):
+        native.client.update_weights_from_tensor([payload(1.0, slot=2, handle=False)], end_session=True)
+    with pytest.raises(EngineError, match="begin_weight_update"):
+        native.client.update_weights_from_tensor([payload(1.0, slot=1, handle=False)])
+    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert native.client.weights_checksum()["checksum"] == base
+
+
 def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big_model):
     """A bucket naming an unknown weight or the wrong shape is refused whole (nothing of it is
     copied, also when its layout was seen before); a bucket in another dtype goes through the

@@ -3,6 +3,7 @@ engines on real processes — after a sync the engine serves exactly the trainer
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -216,8 +217,11 @@ def _sync_rank(
                 client, calls = clients[0], []
                 name = "update_weights_from_tensor" if transport == "tensor" else "update_weights_from_distributed"
                 nth = 2
-                if fault == "refuse_begin":
+                if fault == "refuse_begin":  # SGLang's explicit session (the embedded engine opens it inline)
                     name, nth = "begin_weight_update", 1
+                    ctx = sync.transport.ctx
+                    explicit = dataclasses.replace(ctx.caps, inline_sessions=False)
+                    sync.transport.ctx = dataclasses.replace(ctx, caps=explicit)
                 real_update = getattr(client, name)
 
                 def refusing(*a, **k):
@@ -548,6 +552,9 @@ def _probe_rank(
     client = EngineClient(url, request_timeout_s=120)
     sync = WeightSync(cfg, world, t, [client], engine_model, layout, awake=awake)
     out: dict = {}
+    asked = []
+    real_score = client.score
+    client.score = lambda *a, **k: asked.append(1) or real_score(*a, **k)
     try:
         try:
             out["push"] = sync.push("1")
@@ -557,7 +564,9 @@ def _probe_rank(
             out["probe"] = sync.probe_engines()
         except WeightMismatchError as e:
             out["probe_error"] = str(e)
-        out["end_report"] = sync.transport.end_reports  # consumed by the verification
+        out["end_report"] = sync.transport.ends.reports  # consumed by the verification
+        out["end_probes"] = sync.transport.ends.probes  # the same
+        out["scored_as_session_ended"] = not asked
         return out
     finally:
         sync.close()
@@ -587,7 +596,10 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
         error = r["push_error"] if awake else r["probe_error"]
         assert "log-probs of the probe sequence differ" in error and "node0-engine0" in error, r
         assert ("probe_error" not in r and r["probe"] == {}) if awake else "push_error" not in r, r
-        assert r["end_report"] == {}
+        assert r["end_report"] == {} and r["end_probes"] == {}
+    # Awake, the engine scored the probe as its weight-update session ended (rank 0 sends to it):
+    # no request of its own.
+    assert ranks[0]["scored_as_session_ended"] == awake
     # The checksum passed: the weights were right, the model around them was not.
     assert "checksum" not in (ranks[0]["push_error"] if awake else ranks[0]["probe_error"])
 

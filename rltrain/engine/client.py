@@ -304,10 +304,11 @@ class EngineClient:
         """Open a weight-update session (SGLang requires one around tensor updates)."""
         return self._checked("/begin_weight_update", {})
 
-    def end_weight_update(self, checksum: bool = False) -> dict:
-        """Close the weight-update session. `checksum`: the embedded engine's extension, its
-        /weights_checksum report in the answer (`weights_checksum`), taken as the session ends."""
-        return self._checked("/end_weight_update", {"weights_checksum": True} if checksum else {})
+    def end_weight_update(self, checksum: bool = False, probe: list[int] | None = None) -> dict:
+        """Close the weight-update session. The embedded engine's extensions, taken as the
+        session ends: `checksum`, its /weights_checksum report in the answer (`weights_checksum`);
+        `probe`, its log-probs of the sequence's tokens 1.. (`probe_logprobs`, or `probe_error`)."""
+        return self._checked("/end_weight_update", session_end(checksum, probe))
 
     @contextlib.contextmanager
     def weight_update_session(self) -> Iterator[None]:
@@ -324,17 +325,26 @@ class EngineClient:
         load_format: str | None = "flattened_bucket",
         weight_version: str | None = None,
         flush_cache: bool = True,
+        begin_session: bool = False,
+        end_session: bool = False,
+        checksum: bool = False,
+        probe: list[int] | None = None,
     ) -> dict:
-        """One serialized payload per engine TP rank (see `rltrain.weights.bucket`)."""
-        return self._lean_post(
-            "/update_weights_from_tensor",
-            {
-                "serialized_named_tensors": serialized_named_tensors,
-                "load_format": load_format,
-                "weight_version": weight_version,
-                "flush_cache": flush_cache,
-            },
-        )
+        """One serialized payload per engine TP rank (see `rltrain.weights.bucket`). The embedded
+        engine's extension ("weight_update_sessions": "inline"): `begin_session` opens the
+        weight-update session before this bucket; `end_session` closes it after, with the
+        reports `end_weight_update` gives for `checksum` and `probe` in the answer."""
+        body: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "weight_version": weight_version,
+            "flush_cache": flush_cache,
+        }
+        if begin_session:
+            body["begin_weight_update"] = True
+        if end_session:
+            body.update(session_end(checksum, probe), end_weight_update=True)
+        return self._lean_post("/update_weights_from_tensor", body)
 
     def init_weights_update_group(
         self,
@@ -459,6 +469,16 @@ class EngineClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
         self._close_idle()
+
+
+def session_end(checksum: bool = False, probe: list[int] | None = None) -> dict[str, Any]:
+    """The fields of a weight-update session's end: the checksum report and a probe to score."""
+    body: dict[str, Any] = {}
+    if checksum:
+        body["weights_checksum"] = True
+    if probe:
+        body["probe_input_ids"] = list(probe)
+    return body
 
 
 def loads(raw: bytes) -> Any:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rltrain.sync.transport import SyncContext, WeightStream
+from rltrain.sync.transport import SessionEnds, SyncContext, WeightStream
 from rltrain.weights.delta import DeltaPublisher, reconstruct
 from rltrain.weights.hf_files import CorruptWeightsError, HostStaging, write_checkpoint
 from rltrain.weights.versions import prune, publish, read_manifest, verify, version_dir
@@ -39,7 +39,7 @@ class DiskTransport:
         self.ctx, self.delta = ctx, delta
         self.root = ctx.weights_dir
         self.timings: dict[str, float] = {}
-        self.end_reports: dict[int, dict[str, Any]] = {}  # no sessions: the engines are asked after
+        self.ends = SessionEnds()  # no sessions: the engines are asked after
         world = ctx.world
         self.publisher = DeltaPublisher(ctx.cfg.delta_full_every) if world.rank == 0 and delta else None
         if world.rank == 0:  # versions whose publication a dead job cut short (never loaded: not renamed)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from rltrain.engine.client import EngineError
 from rltrain.runtime.net import free_port
 from rltrain.runtime.weight_group import UnregisteredGroup, close_weight_update_group
-from rltrain.sync.transport import Named, SyncContext, WeightStream, end_session
+from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session
 
 log = logging.getLogger("rltrain.sync")
 
@@ -28,14 +27,14 @@ class DistributedTransport:
     def __init__(self, ctx: SyncContext):
         self.ctx = ctx
         self.timings: dict[str, float] = {}
-        self.end_reports: dict[int, dict[str, Any]] = {}
+        self.ends = SessionEnds()
         self._groups: list[UnregisteredGroup] = []
         self._group_name = f"rltrain_weights_{ctx.engine_name.replace('-', '_')}"
 
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
         self.timings = dict.fromkeys(("gather",), 0.0)
-        self.end_reports = {}
+        self.ends = SessionEnds()
         if not ctx.sender:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
@@ -60,7 +59,7 @@ class DistributedTransport:
                     failure = e
         finally:
             for r in range(len(ctx.receivers)):
-                end_session(ctx, r, self.end_reports)
+                end_session(ctx, r, self.ends)
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent

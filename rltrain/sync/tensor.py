@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from rltrain.engine.client import EngineError
-from rltrain.sync.transport import Named, SyncContext, WeightStream, end_session
+from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session
 from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, serialize
 
 DEPTH = 2  # requests in flight against an engine that answers after its copies
@@ -47,7 +47,7 @@ class TensorTransport:
         self.depth = DEPTH if self.reuse_buffers else 1
         self.slotted = False  # this push: buffers go to the engines by slot number
         self.timings: dict[str, float] = {}
-        self.end_reports: dict[int, dict[str, Any]] = {}
+        self.ends = SessionEnds()
         self._sender: ThreadPoolExecutor | None = None  # the request threads (`send`)
         self.rank_bytes: dict[int, int] = {}  # engine TP rank -> bytes its payloads held, last push
         self._timing_lock = threading.Lock()
@@ -61,7 +61,7 @@ class TensorTransport:
     def send(self, version: str, weights: WeightStream) -> int:
         ctx = self.ctx
         self.timings = dict.fromkeys(("gather", "flatten", "wait", "request"), 0.0)
-        self.end_reports = {}
+        self.ends = SessionEnds()
         if ctx.tp_group is not None:
             return self._send_across_tp(version, weights)
         if not ctx.sender:
@@ -75,7 +75,12 @@ class TensorTransport:
         sender = self._sender
         # SGLang requires a weight-update session around tensor updates. It is begun on a sender
         # thread while this one gathers the first bucket; every bucket's request waits for it.
-        begun = sender.submit(lambda: [client.begin_weight_update() for client in ctx.receivers])
+        # An engine with inline sessions opens it with its first bucket and closes it with its
+        # last (a one-bucket sync is one request); a bucket after an opening one waits for it.
+        inline = ctx.caps.inline_sessions
+        begun = None if inline else sender.submit(lambda: [client.begin_weight_update() for client in ctx.receivers])
+        opened: set[int] = set()  # receivers whose session a request has (maybe) opened, this push
+        opener: Future[None] | None = None
         ring = self.depth + 1 if self.reuse_buffers else 0
         if len(self._ring) != ring:
             self._ring = [None] * ring
@@ -106,9 +111,15 @@ class TensorTransport:
                     # The bucket that sets the version goes only after every other has loaded.
                     while len(in_flight) >= (1 if any(tags.values()) else self.depth):
                         in_flight.popleft().result()
+                    if opener is not None:
+                        opener.result()
                     self.timings["flatten"] += t1 - t0
                     self.timings["wait"] += clock() - t1
-                    in_flight.append(sender.submit(self._send_handles, flat, payload, tags, filled, begun))
+                    opens = {r for r in tags if inline and r not in opened}
+                    opened |= opens
+                    future = sender.submit(self._send_handles, flat, payload, tags, filled, begun, opens)
+                    in_flight.append(future)
+                    opener = future if opens else None
                     sent += bucket.nbytes * len(bucket.targets)
                 except (EngineError, OSError, RuntimeError, ValueError) as e:
                     failure = e
@@ -118,16 +129,20 @@ class TensorTransport:
             failure = e
         finally:
             wait(in_flight)  # every request has returned (a failed push too) before the session ends
-            wait([begun])
             try:
-                if begun.exception() is None:  # else no session to end (and its error is the failure)
-                    for r in range(len(ctx.receivers)):
-                        end_session(ctx, r, self.end_reports)  # the embedded engine unmaps the reused buffers here
+                if begun is not None:
+                    wait([begun])
+                    if begun.exception() is None:  # else no session to end (and its error is the failure)
+                        for r in range(len(ctx.receivers)):
+                            end_session(ctx, r, self.ends)  # the embedded engine unmaps the reused buffers here
+                else:  # a session a request may have opened and none closed (a failed push) ends here
+                    for r in sorted(opened - self.ends.closed):
+                        end_session(ctx, r, self.ends)
             finally:
                 if ctx.device.type != "cpu":
                     self._ring = []  # unmapped by now, so freed (not parked in torch's IPC limbo)
                 _collect_shared(ctx.device)
-        failure = failure or begun.exception()
+        failure = failure or (begun.exception() if begun is not None else None)
         if failure is not None:
             raise RuntimeError(str(failure)) from failure
         return sent
@@ -168,21 +183,36 @@ class TensorTransport:
         return buf
 
     def _send_handles(
-        self, flat: dict[str, Any], payload: str, tags: dict[int, str | None], filled: Any, begun: Future[Any]
+        self,
+        flat: dict[str, Any],
+        payload: str,
+        tags: dict[int, str | None],
+        filled: Any,
+        begun: Future[Any] | None,
+        opens: set[int],
     ) -> None:
-        """One bucket to each receiver that owns it (sender thread), once the session is begun.
-        `flat` stays referenced until every engine has answered, i.e. finished copying out of it."""
-        begun.result()
+        """One bucket to each receiver that owns it (sender thread), once the session is begun
+        (inline: receivers in `opens` open it with this bucket; the bucket that sets a
+        receiver's version closes it, with the end's reports kept in `self.ends`). `flat` stays
+        referenced until every engine has answered, i.e. finished copying out of it."""
+        if begun is not None:
+            begun.result()
         t0 = time.perf_counter()
         if filled is not None:
             filled.synchronize()
         for r, tag in tags.items():
-            self.ctx.receivers[r].update_weights_from_tensor(
+            ends = begun is None and tag is not None
+            answer = self.ctx.receivers[r].update_weights_from_tensor(
                 [payload],
                 load_format="flattened_bucket",
                 weight_version=tag,
                 flush_cache=tag is not None,
+                begin_session=r in opens,
+                end_session=ends,
+                **(SessionEnds.asked(self.ctx) if ends else {}),
             )
+            if ends:
+                self.ends.keep(r, answer, closed=True)
         with self._timing_lock:
             self.timings["request"] += time.perf_counter() - t0
         del flat
@@ -239,7 +269,7 @@ class TensorTransport:
             if ctx.sender:
                 for r in range(len(ctx.receivers)):
                     try:
-                        end_session(ctx, r, self.end_reports)
+                        end_session(ctx, r, self.ends)
                     except EngineError as e:
                         failure = failure or e
             _collect_shared(ctx.device)

@@ -39,6 +39,9 @@ class EngineCaps:
     slots: int = 0  # buffers it keeps by slot number within a weight-update session (bucket.py)
     verifies_files: bool = False  # it checks a disk version's files against the version's manifest
     weights_checker: bool = False  # it answers SGLang's /weights_checker (per-TP-rank sha256 of its parameters)
+    # Its tensor updates open and close the weight-update session themselves, and a session's end
+    # scores a probe sequence (the embedded engine's "weight_update_sessions": "inline").
+    inline_sessions: bool = False
 
 
 def probe(clients: list[EngineClient]) -> EngineCaps:
@@ -53,6 +56,7 @@ def probe(clients: list[EngineClient]) -> EngineCaps:
         slots=min(c.slots for c in caps),
         verifies_files=all(c.verifies_files for c in caps),
         weights_checker=all(c.weights_checker for c in caps),
+        inline_sessions=all(c.inline_sessions for c in caps),
     )
 
 
@@ -70,9 +74,10 @@ def _probe_one(client: EngineClient) -> EngineCaps:
     except (EngineError, ValueError, TypeError):
         rep = None
     checker = not synchronous and _has_weights_checker(client)  # SGLang's; the embedded engine has its own
+    inline = info.get("weight_update_sessions") == "inline"
     if not isinstance(rep, dict) or "dtype" not in rep:
-        return EngineCaps(None, False, synchronous, slots, verifies, checker)
-    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies, checker)
+        return EngineCaps(None, False, synchronous, slots, verifies, checker, inline)
+    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies, checker, inline)
 
 
 def _has_weights_checker(client: EngineClient) -> bool:
@@ -105,6 +110,10 @@ class SyncContext:
     tp_size: int = 1  # its engine's TP size
     tp_group: Bridge | None = None  # the engine's ranks, in TP order (tp_size > 1)
     engine_name: str = "engine"
+    # A sequence the engines score as their weight-update session ends, where they can
+    # (`caps.inline_sessions`; engines that keep their memory through the sync): the sync's
+    # probe without a request of its own. Empty: none.
+    probe: tuple[int, ...] = ()
 
     @property
     def node_leader(self) -> bool:
@@ -130,23 +139,45 @@ class WeightStream:
             yield i, bucket, named
 
 
-def end_session(ctx: SyncContext, receiver: int, reports: dict[int, dict[str, Any]]) -> None:
-    """End receiver `receiver`'s weight-update session. Where the engines report checksums and
-    syncs are verified, the answer carries the engine's report, kept in `reports` for the
-    verification (one request fewer than asking after)."""
-    ask = ctx.caps.checksums and ctx.cfg.verify
-    rep = ctx.receivers[receiver].end_weight_update(checksum=ask).get("weights_checksum")
-    if ask and isinstance(rep, dict):
-        reports[receiver] = rep
+class SessionEnds:
+    """What the engines reported as their weight-update sessions ended, last send, by receiver:
+    the checksum report (where the engines report checksums and syncs are verified) and the
+    probe's log-probs or the engine's error text (`SyncContext.probe`): the verification reads
+    them instead of asking again, one request fewer each."""
+
+    def __init__(self) -> None:
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.probes: dict[int, list[float] | str] = {}
+        self.closed: set[int] = set()  # receivers whose session an update request closed (inline)
+
+    @staticmethod
+    def asked(ctx: SyncContext) -> dict[str, Any]:
+        """What a session's end asks these engines for (`checksum`, `probe` of the client's calls)."""
+        probe = list(ctx.probe) if ctx.caps.inline_sessions and ctx.probe else None
+        return {"checksum": ctx.caps.checksums and ctx.cfg.verify, "probe": probe}
+
+    def keep(self, receiver: int, answer: dict[str, Any], closed: bool = False) -> None:
+        if closed:
+            self.closed.add(receiver)
+        rep = answer.get("weights_checksum")
+        if isinstance(rep, dict):
+            self.reports[receiver] = rep
+        probe = answer.get("probe_logprobs", answer.get("probe_error"))
+        if isinstance(probe, (list, str)):
+            self.probes[receiver] = probe
+
+
+def end_session(ctx: SyncContext, receiver: int, ends: SessionEnds) -> None:
+    """End receiver `receiver`'s weight-update session, keeping what it reports in `ends`."""
+    ends.keep(receiver, ctx.receivers[receiver].end_weight_update(**SessionEnds.asked(ctx)))
 
 
 class Transport(Protocol):
     """One way of moving a weight version to this node's engines."""
 
     timings: dict[str, float]  # seconds per part of the last send (benchmarks)
-    # Receiver index -> its checksum report as its weight-update session ended, last send (an
-    # engine that reports checksums, asked in the session's last request); {}: none taken.
-    end_reports: dict[int, dict[str, Any]]
+    # What the engines reported as their sessions ended, last send (empty: no sessions).
+    ends: SessionEnds
 
     def send(self, version: str, weights: WeightStream) -> int:
         """Deliver every planned tensor to the engines that own it, as `version` (the last

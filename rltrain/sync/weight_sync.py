@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -164,6 +164,8 @@ class WeightSync:
                 tp_size=tp_size,
                 tp_group=tp_group,
                 engine_name=self.engine_name,
+                # engines that stay awake score the probe as their session ends, where they can
+                probe=tuple(self.probe) if awake and cfg.sync.verify else (),
             ),
         )
         self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
@@ -233,7 +235,7 @@ class WeightSync:
                 # (none where it came with the end of the weight-update session).
                 rep = None
                 if check and self.leader and self.caps.checksums:
-                    rep = self.transport.end_reports.pop(r, None) or client.weights_checksum()
+                    rep = self.transport.ends.reports.pop(r, None) or client.weights_checksum()
                 served = rep["weight_version"] if rep is not None else client.weight_version()
                 if served != version:
                     stale.append(f"{name} serves weight version {served!r} after loading {version!r}")
@@ -266,12 +268,13 @@ class WeightSync:
         # weights. Every rank then judges every rank's engines against it, after the gather.
         probed: tuple[Scores, torch.Tensor | None] | None = None  # (this rank's engines', the trainer's)
         if check and self.probe:
-            scores = self._pool.submit(self._engine_scores, version) if self.awake and self.leader else None
+            scores = self._awake_scores(version) if self.awake and self.leader else None
             trainer_logp = None
             if self.trainer.sharded or not self.awake or self.world.rank == 0:
                 trainer_logp = self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
             if self.awake:
-                probed = (scores.result() if scores is not None else [], trainer_logp if self.world.rank == 0 else None)
+                got = scores.result() if isinstance(scores, Future) else scores or []
+                probed = (got, trainer_logp if self.world.rank == 0 else None)
             else:
                 assert trainer_logp is not None
                 self._probe_due = (version, trainer_logp)
@@ -311,6 +314,18 @@ class WeightSync:
         if found:
             raise WeightMismatchError("; ".join(found))
         return {"sync_probe_diff": max(d for _, d in gathered)}
+
+    def _awake_scores(self, version: str) -> Scores | Future[Scores]:
+        """The probe's scores of engines that stay awake: as they reported them when their
+        session ended (`SyncContext.probe`), else asked now on a thread, while the trainer scores."""
+        ends, self.transport.ends.probes = self.transport.ends.probes, {}  # (consumed, as the reports are)
+        if len(ends) == len(self.receivers):
+            refused = "{} could not score the probe of version {}: {}"
+            return [
+                (self._name(r), p if isinstance(p, list) else refused.format(self._name(r), version, p))
+                for r, p in sorted(ends.items())
+            ]
+        return self._pool.submit(self._engine_scores, version)
 
     def _engine_scores(self, version: str) -> Scores:
         """Each receiver's name and log-probs of the probe (the engine's leader asks): an error

@@ -100,6 +100,9 @@ class NativeServer:
                 "weight_updates": "synchronous",
                 # A buffer's handle is sent once per weight-update session, then its slot (`_slot`).
                 "weight_buffer_slots": KEEP_MAPPED,
+                # A tensor update may open and close the weight-update session itself, and a
+                # session's end may score a probe sequence (`_update_in_session`).
+                "weight_update_sessions": "inline",
                 # A published disk version's files are checked against its manifest on load.
                 "weight_files": "verified",
                 # Its parallel layout, in SGLang's field names (the sync's router reads them). One
@@ -134,7 +137,7 @@ class NativeServer:
             n = e.load_from_disk(self._allowed(_need(body, "model_path", str)), _version(body))
             return 200, {"success": True, "message": f"loaded {n} tensors", "num_paused_requests": 0}
         if path == "/update_weights_from_tensor":
-            return 200, self._update_from_tensor(body)
+            return 200, self._update_in_session(body)
         if path == "/init_weights_update_group":
             return 200, self._init_group(body)
         if path == "/update_weights_from_distributed":
@@ -161,18 +164,13 @@ class NativeServer:
                 "message": f"Weight version updated to {e.weight_version}",
                 "new_version": e.weight_version,
             }
-        if path in ("/begin_weight_update", "/end_weight_update"):
-            report = body.get("weights_checksum", False)
-            if not isinstance(report, bool):
-                raise BadRequest(f"weights_checksum must be true or false, got {report!r}")
-            self.in_update = path == "/begin_weight_update"
-            with self.mapped_lock:
-                self.mapped.clear()  # unmaps the sender's buffers
-                self.slots.clear()
-            out: dict[str, Any] = {"success": True, "message": "no quantized weights to repack"}
-            if report and path == "/end_weight_update":  # the sync's check, without a request of its own
-                out["weights_checksum"] = e.weights_checksum()
-            return 200, out
+        if path == "/begin_weight_update":
+            self._session(True)
+            return 200, {"success": True, "message": "no quantized weights to repack"}
+        if path == "/end_weight_update":
+            report, probe = self._end_fields(body)
+            self._session(False)
+            return 200, {"success": True, "message": "no quantized weights to repack", **self._ended(report, probe)}
         return 404, {"error": {"message": f"unknown endpoint POST {path}"}}
 
     def _allowed(self, model_path: str) -> str:
@@ -206,6 +204,69 @@ class NativeServer:
                 for sample in samples[k * req.n : (k + 1) * req.n]:
                     sample["meta_info"]["input_token_logprobs"] = entries
         return samples[0] if req.single else samples
+
+    def _session(self, begin: bool) -> None:
+        """Begin or end a weight-update session: either way the sender's buffers kept mapped
+        and the slots are let go."""
+        self.in_update = begin
+        with self.mapped_lock:
+            self.mapped.clear()  # unmaps the sender's buffers
+            self.slots.clear()
+
+    def _end_fields(self, body: dict[str, Any]) -> tuple[bool, list[int] | None]:
+        """What a session's end is asked to report (this engine's extension, the sync's checks
+        without requests of their own): `weights_checksum` (true: the /weights_checksum report)
+        and `probe_input_ids` (a sequence to score, as /generate's input_token_logprobs,
+        once the session's weights are in). Checked before anything is loaded or ended."""
+        report = body.get("weights_checksum", False)
+        if not isinstance(report, bool):
+            raise BadRequest(f"weights_checksum must be true or false, got {report!r}")
+        probe = body.get("probe_input_ids")
+        if probe is not None:
+            vocab = self.engine.config.vocab_size
+            if (
+                not isinstance(probe, list)
+                or len(probe) < 2
+                or any(type(t) is not int or not 0 <= t < vocab for t in probe)
+            ):
+                raise BadRequest(
+                    f"probe_input_ids: expected a list of at least 2 token ids in [0, {vocab}), got {str(probe)[:80]}"
+                )
+            if len(probe) > self.engine.context_length:
+                raise BadRequest(f"probe_input_ids: {len(probe)} tokens exceed the context length")
+        return report, probe
+
+    def _ended(self, report: bool, probe: list[int] | None) -> dict[str, Any]:
+        """The end-of-session reports asked for: the checksum report, and the probe's log-probs
+        of tokens 1.. (or why the engine could not score it: `probe_error`)."""
+        out: dict[str, Any] = {}
+        if report:
+            out["weights_checksum"] = self.engine.weights_checksum()
+        if probe is not None:
+            try:
+                out["probe_logprobs"] = self.engine.score(probe)
+            except (EngineStateError, RuntimeError) as err:
+                out["probe_error"] = f"{type(err).__name__}: {err}"
+        return out
+
+    def _update_in_session(self, body: dict[str, Any]) -> dict[str, Any]:
+        """/update_weights_from_tensor, which may open the weight-update session first
+        (`begin_weight_update: true`) and close it after (`end_weight_update: true`, with what
+        /end_weight_update reports): this engine's extension ("weight_update_sessions": "inline"
+        in /server_info), a one-bucket sync in one request. A session asked to close is closed
+        whether or not the bucket loaded (its buffers unmapped); a bad field changes nothing."""
+        begin, end = (body.get(k, False) for k in ("begin_weight_update", "end_weight_update"))
+        if not isinstance(begin, bool) or not isinstance(end, bool):
+            raise BadRequest(f"begin_weight_update and end_weight_update must be true or false, got {begin!r}, {end!r}")
+        report, probe = self._end_fields(body) if end else (False, None)
+        if begin:
+            self._session(True)
+        try:
+            out = self._update_from_tensor(body)
+        finally:
+            if end:
+                self._session(False)
+        return {**out, **self._ended(report, probe)} if end else out
 
     def _update_from_tensor(self, body: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
