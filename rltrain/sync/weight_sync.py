@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -112,7 +112,7 @@ class WeightSync:
         # The engines keep their memory through the sync (they release none): they score the
         # probe in `push`, while the trainer does; otherwise in `probe_engines`, once awake.
         self.awake = awake
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rltrain-probe")
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="rltrain-probe")
         env = world.env
         self.engine_name = engine.name if engine is not None else f"node{env.node_rank}-engine0"
         self.leader = engine.is_engine_leader if engine is not None else env.is_node_leader
@@ -182,17 +182,25 @@ class WeightSync:
         sums: Sums = {}
         error = None
         with self.trainer.gathered():  # one gathering for the export and the probe
+            # The trainer's probe forward, where it is no collective, runs while the weights go out.
+            early = self._pool.submit(self._trainer_probe) if self._probe_alone() else None
             try:
-                sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
-            except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
-                error, sent = (
-                    f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync_transport} failed: {e}",
-                    0,
-                )
-            errors = self.world.bridge.all_gather_object(error, phase="sync")
-            if any(errors):
-                raise SyncError(next(e for e in errors if e))
-            stats = self._verify(version, sums)
+                try:
+                    sent = self.transport.send(
+                        version, WeightStream(self.plan, lambda names: self._tensors(names, sums))
+                    )
+                except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
+                    error, sent = (
+                        f"rank {self.world.rank}: sync of version {version} by {self.cfg.sync_transport} failed: {e}",
+                        0,
+                    )
+                errors = self.world.bridge.all_gather_object(error, phase="sync")
+                if any(errors):
+                    raise SyncError(next(e for e in errors if e))
+                stats = self._verify(version, sums, early)
+            finally:
+                if early is not None:
+                    wait([early])  # the weights are let go of only after that forward
         log.debug(
             "synced version %s by %s: %d bytes in %.3fs",
             version,
@@ -216,7 +224,18 @@ class WeightSync:
                 sums[name] = entry(t if dtype is None else t.to(dtype))
             yield name, t
 
-    def _verify(self, version: str, sums: Sums) -> dict[str, float]:
+    def _probe_alone(self) -> bool:
+        """Whether this rank scores the probe for the trainer and its forward is no collective
+        (the weights gathered on every rank, or one rank): it may run beside the send."""
+        return bool(self.cfg.sync.verify and self.probe and not self.trainer.sharded) and (
+            not self.awake or self.world.rank == 0
+        )
+
+    def _trainer_probe(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe's tokens 1.. at temperature 1."""
+        return self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
+
+    def _verify(self, version: str, sums: Sums, early: Future[torch.Tensor] | None = None) -> dict[str, float]:
         """Every check of the module docstring; all ranks agree on the outcome (a collective).
         Returns how many engines' /weights_checker digests were compared (its seconds go to
         `self.timings["verify"]`: metrics rows hold no timings outside their "time")."""
@@ -270,8 +289,10 @@ class WeightSync:
         if check and self.probe:
             scores = self._awake_scores(version) if self.awake and self.leader else None
             trainer_logp = None
-            if self.trainer.sharded or not self.awake or self.world.rank == 0:
-                trainer_logp = self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
+            if early is not None:  # (taken beside the send)
+                trainer_logp = early.result()
+            elif self.trainer.sharded or not self.awake or self.world.rank == 0:
+                trainer_logp = self._trainer_probe()
             if self.awake:
                 got = scores.result() if isinstance(scores, Future) else scores or []
                 probed = (got, trainer_logp if self.world.rank == 0 else None)
