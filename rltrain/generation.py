@@ -93,13 +93,18 @@ class Completion:
 
 
 def generate_body(
-    input_ids: list[list[int]], params: SamplingParams, return_logprob: bool = True, first: int = 0
+    input_ids: list[list[int]],
+    params: SamplingParams,
+    return_logprob: bool = True,
+    first: int = 0,
+    logprob_values: bool = False,
 ) -> dict[str, Any]:
     """A batched /generate request body with one row per sample: prompt i's `params.n` samples
     are n rows of n=1, each with its own sampling seed (`sample_seed`) when `params` has one.
     SGLang copies a request's sampling params to each of its n samples, and its seeded sampler
     depends on (seed, position) only, so one seed for n samples makes them all the same; n > 1
-    in a batch also takes its slow path. `first`: the first prompt's place in the whole call."""
+    in a batch also takes its slow path. `first`: the first prompt's place in the whole call.
+    `logprob_values`: the log-probs as a list of values (the embedded engine's `logprob_format`)."""
     rows, per_row = [], []
     one = {**params.to_json(), "n": 1}
     for i, prompt in enumerate(input_ids):
@@ -107,7 +112,10 @@ def generate_body(
             rows.append(prompt)
             seed = sample_seed(params, first + i, j)
             per_row.append(one if seed is None else {**one, "sampling_seed": seed})
-    return {"input_ids": rows, "sampling_params": per_row, "return_logprob": return_logprob, "stream": False}
+    body = {"input_ids": rows, "sampling_params": per_row, "return_logprob": return_logprob, "stream": False}
+    if return_logprob and logprob_values:
+        body["logprob_format"] = "values"
+    return body
 
 
 def sample_seed(params: SamplingParams, prompt: int, sample: int) -> int | None:
@@ -130,13 +138,14 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
         meta = item["meta_info"]
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type", "") if isinstance(fr, dict) else str(fr)
-        lp = meta.get("output_token_logprobs") or []
+        values = meta.get("output_token_logprob_values")
+        lp = values if isinstance(values, list) else meta.get("output_token_logprobs") or []
         ids = list(item.get("output_ids") or [])
         c = Completion(
             prompt_index=first_prompt + k // n,
             sample_index=k % n,
             output_ids=ids,
-            logprobs=[logprob(e[0]) for e in lp],
+            logprobs=logprob_values(values) if isinstance(values, list) else [logprob(e[0]) for e in lp],
             finish_reason=kind,
             matched_stop=fr.get("matched") if isinstance(fr, dict) and isinstance(fr.get("matched"), int) else None,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
@@ -150,6 +159,11 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
             c.error = f"{len(lp)} logprobs for {len(ids)} output tokens"
         out.append(c)
     return out
+
+
+def logprob_values(values: list[Any]) -> list[float]:
+    """The log-probs of a list of values (null: NaN), as floats."""
+    return [logprob(v) for v in values] if None in values else values
 
 
 def logprob(x: Any) -> float:

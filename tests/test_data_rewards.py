@@ -152,6 +152,32 @@ def test_collect_drops_groups_with_failures_and_counts_them(server, tok):
     runner.close()
 
 
+def test_responses_decode_in_one_call_exactly_as_one_decode_each(tok, monkeypatch):
+    """A fast tokenizer that cleans up no spaces decodes a rollout's responses in one call into
+    its Rust tokenizer, to exactly the texts of one `decode` each (special tokens skipped); one
+    that cleans up spaces decodes each with `decode`."""
+    import copy
+    import random
+
+    from rltrain.rollout.collect import decode_responses
+
+    rng = random.Random(0)
+    special = tok.all_special_ids
+    responses = [[rng.randrange(len(tok)) for _ in range(rng.randrange(0, 12))] + special[:1] for _ in range(64)]
+    want = [tok.decode(r, skip_special_tokens=True) for r in responses]
+    assert sum(map(len, want)) > 0
+    calls = []
+    real = tok.backend_tokenizer.decode_batch
+    monkeypatch.setattr(
+        type(tok.backend_tokenizer), "decode_batch", lambda self, *a, **k: calls.append(1) or real(*a, **k)
+    )
+    assert decode_responses(tok, responses) == want and calls == [1]
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert decode_responses(cleaning, responses) == [cleaning.decode(r, skip_special_tokens=True) for r in responses]
+    assert calls == [1]
+
+
 def test_a_prompt_that_leaves_no_room_for_a_whole_response_is_refused_at_start_up():
     """The model's context bounds prompt + rollout.max_new_tokens (not data.max_prompt_tokens alone)."""
     tok = synthetic.build_tokenizer(synthetic.addition_words())

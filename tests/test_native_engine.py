@@ -158,6 +158,42 @@ def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
     assert len({tuple(c.output_ids) for c in full}) > 1  # sampled, not greedy: the seeds matter
 
 
+def test_log_probs_as_values_are_sglangs_triples_values(native):
+    """The engine's `logprob_format: "values"` (what the loop's client asks of it): the same
+    samples, their log-probs as one list of values instead of [log-prob, token, null] per token;
+    a client asking so reads the same completions."""
+    from rltrain.engine.client import EngineClient
+    from rltrain.generation import generate_body
+
+    assert native.client.server_info()["logprob_formats"] == ["triples", "values"]
+    params = SamplingParams(max_new_tokens=6, n=3, sampling_seed=11, ignore_eos=True)
+    triples = native.client._post("/generate", generate_body(PROMPTS, params))
+    values = native.client._post("/generate", generate_body(PROMPTS, params, logprob_values=True))
+    assert [x["output_ids"] for x in triples] == [y["output_ids"] for y in values]
+    for x, y in zip(triples, values):
+        assert "output_token_logprobs" not in y["meta_info"]
+        assert y["meta_info"]["output_token_logprob_values"] == [e[0] for e in x["meta_info"]["output_token_logprobs"]]
+        assert [e[1] for e in x["meta_info"]["output_token_logprobs"]] == y["output_ids"]
+    lean = EngineClient(native.process.url, logprob_values=True)
+    try:
+        got, want = lean.generate(PROMPTS, params), native.client.generate(PROMPTS, params)
+    finally:
+        lean.close()
+    assert [(c.output_ids, c.logprobs, c.finish_reason) for c in got] == [
+        (c.output_ids, c.logprobs, c.finish_reason) for c in want
+    ]
+    assert all(c.ok and len(c.logprobs) == 6 for c in got)
+    # A null value (JSON has no NaN) reads as NaN, as in SGLang's triples.
+    from rltrain.generation import parse_generate_response
+
+    item = {
+        "output_ids": [4, 5],
+        "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprob_values": [-1.5, None]},
+    }
+    (c,) = parse_generate_response([item], 1, 1)
+    assert c.logprobs[0] == -1.5 and c.logprobs[1] != c.logprobs[1] and c.ok
+
+
 def test_seeded_sampling_noise_is_uniform_and_samples_the_softmax():
     """The counter-based noise behind seeded sampling: uniform, different per step and seed, and
     its Gumbel-max draws follow the softmax."""

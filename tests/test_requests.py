@@ -66,6 +66,7 @@ BAD = [
     ({"input_ids": [1], "lora_path": "x"}, ["not supported by the embedded engine: lora_path"]),
     ({"input_ids": [1], "return_logprobs": True}, ["unknown field 'return_logprobs'"]),
     ({"input_ids": [1], "return_logprob": "yes"}, ["return_logprob", "true or false"]),
+    ({"input_ids": [1], "logprob_format": "flat"}, ["logprob_format='flat'", "triples, values"]),
     ({"input_ids": [1], "logprob_start_len": -2}, ["logprob_start_len=-2", ">= -1"]),
     ({"input_ids": [1, 2], "logprob_start_len": 5}, ["logprob_start_len=5", "past the end"]),
     ({"input_ids": [[1], [2]], "rid": ["a"]}, ["rid", "1 ids for a batch of 2"]),

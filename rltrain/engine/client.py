@@ -58,8 +58,12 @@ class EngineClient:
         backoff_s: float = 0.5,
         vocab_size: int | None = None,
         api_key: str = "",
+        logprob_values: bool = False,
     ):
         self.url = url.rstrip("/")
+        # Ask for the log-probs as a list of values (the embedded engine's `logprob_format`; SGLang
+        # answers [log-prob, token, null] per token, a rollout's answer several times slower to parse).
+        self.logprob_values = logprob_values
         # Token ids are checked here before they are sent: an id outside the vocabulary
         # kills SGLang's scheduler process (IndexError in the embedding), not just the request.
         self.vocab_size = vocab_size
@@ -255,7 +259,9 @@ class EngineClient:
             first, ids = chunk
             try:
                 data = self._post(
-                    "/generate", generate_body(ids, params, return_logprob, first), retry_read_errors=True
+                    "/generate",
+                    generate_body(ids, params, return_logprob, first, self.logprob_values),
+                    retry_read_errors=True,
                 )
                 return parse_generate_response(data, len(ids), params.n, first)
             except (EngineError, ProtocolError) as e:

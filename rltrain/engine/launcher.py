@@ -437,6 +437,7 @@ class NodeEngine:
             retries=cfg.retries,
             api_key=cfg.api_key,
             vocab_size=vocab_size,
+            logprob_values=backend == "native",
         )
         return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases, device == "cuda")
 

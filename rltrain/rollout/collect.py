@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import transformers
 
 from rltrain.batch import TrainBatch
 from rltrain.generation import Completion, SamplingParams
@@ -132,14 +133,32 @@ def _generate(
         if not s.completion.ok:
             s.error = s.completion.error or f"finish reason {s.completion.finish_reason!r}"
             continue
-        s.text = tokenizer.decode(s.completion.output_ids, skip_special_tokens=True)
         to_score.append(s)
+    for s, text in zip(to_score, decode_responses(tokenizer, [s.completion.output_ids for s in to_score])):
+        s.text = text
     for s, scored in zip(to_score, rewards.score([(s.text, s.prompt.record) for s in to_score])):
         s.reward, s.error = scored.reward, scored.error
     groups: dict[int, list[Sample]] = {i: [] for i in positions}
     for s in samples:
         groups[s.completion.prompt_index].append(s)
     return groups
+
+
+def decode_responses(tokenizer: Any, responses: list[list[int]]) -> list[str]:
+    """Each response's text (special tokens skipped), as `tokenizer.decode` gives it: in one call
+    into the Rust tokenizer where transformers' decode would add nothing to it (a fast tokenizer
+    whose decode is the base class's and cleans up no spaces; its per-call Python costs ~50 us,
+    a rollout of 512 responses ~25 ms), else one `decode` per response."""
+    fast = transformers.PreTrainedTokenizerFast
+    kind = type(tokenizer)
+    if (
+        isinstance(tokenizer, fast)
+        and kind.decode is fast.decode
+        and kind._decode is fast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return list(tokenizer.backend_tokenizer.decode_batch(responses, skip_special_tokens=True))
+    return [tokenizer.decode(r, skip_special_tokens=True) for r in responses]
 
 
 def _summarize(by_position: dict[int, list[Sample]] | list[list[Sample]], retried: int) -> Rollout:

@@ -231,6 +231,7 @@ class NativeEngine:
         params: SamplingParams | list[SamplingParams],
         return_logprob: bool,
         ids: list[str] | None = None,
+        logprob_values: bool = False,
     ) -> Future:
         """Sample `n` continuations of each prompt, with its own `params` (one for all: seeds
         `sampling_seed + i * n` for prompt i). HTTP requests are checked by `requests.py` first;
@@ -256,7 +257,7 @@ class NativeEngine:
                     f"({self.context_length})"
                 )
         self._check_can_generate()
-        req = GenRequest(input_ids, params, return_logprob, ids)
+        req = GenRequest(input_ids, params, return_logprob, ids, logprob_values)
         self._queue.put(req)
         return req.future
 

@@ -16,7 +16,10 @@ What is taken, by SGLang's field names (sglang 0.5.23, `managers/io_struct.py` a
   (`priority`, `extra_key`, `cache_salt`, ...), and every other field at its default value;
 - any other value of an SGLang field: 400 "not supported by the embedded engine: <field>";
 - a field SGLang does not have: 400 naming it (SGLang ignores unknown request fields, and
-  refuses unknown sampling fields; a typo here is never silently ignored).
+  refuses unknown sampling fields; a typo here is never silently ignored), except this engine's
+  own `logprob_format`: "triples" (SGLang's `output_token_logprobs`, [log-prob, token, null] per
+  token; the default) or "values" (`output_token_logprob_values`, the log-probs alone, the tokens
+  being `output_ids`: a rollout's answer is parsed several times faster).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class Generate:
     logprob_start_len: int  # -1: no input log-probs (SGLang's default)
     ids: list[str]  # meta_info["id"] of each sample, prompt-major
     single: bool  # the answer is one object, not a list (one prompt, n == 1, not batched)
+    logprob_values: bool = False  # logprob_format "values" (module doc)
 
     @property
     def n(self) -> int:
@@ -60,6 +64,8 @@ class Generate:
 
 # GenerateReqInput's fields (sglang 0.5.23), each with what the embedded engine does with it.
 IMPLEMENTED = ("input_ids", "sampling_params", "return_logprob", "logprob_start_len", "rid")
+EXTENSIONS = ("logprob_format",)  # this engine's own (module doc)
+LOGPROB_FORMATS = ("triples", "values")
 NO_EFFECT = (  # taken as sent: they change nothing this engine returns
     "log_metrics",
     "no_logs",
@@ -172,7 +178,7 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> Generate:
     _known_fields(
         body,
         "",
-        IMPLEMENTED + NO_EFFECT,
+        IMPLEMENTED + NO_EFFECT + EXTENSIONS,
         AT_DEFAULT_ONLY,
         "in a /generate request (SGLang's GenerateReqInput has no such field)",
     )
@@ -198,8 +204,12 @@ def parse_generate(body: dict[str, Any], limits: Limits) -> Generate:
     longest = max(len(p) for p in prompts)
     if start > longest:
         raise BadRequest(f"logprob_start_len={start} is past the end of the prompt ({longest} tokens)")
+    fmt = body.get("logprob_format", "triples")
+    if fmt not in LOGPROB_FORMATS:
+        raise BadRequest(f"logprob_format={_show(fmt)}: expected one of {', '.join(LOGPROB_FORMATS)}")
     single = not batched and n == 1
-    return Generate(prompts, params, return_logprob, start, _ids(body.get("rid"), len(prompts), n, single), single)
+    ids = _ids(body.get("rid"), len(prompts), n, single)
+    return Generate(prompts, params, return_logprob, start, ids, single, fmt == "values")
 
 
 def _prompts(ids: Any, vocab: int) -> tuple[list[list[int]], bool]:

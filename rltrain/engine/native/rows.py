@@ -21,6 +21,7 @@ class GenRequest:
     params: list[SamplingParams]
     return_logprob: bool
     ids: list[str] | None = None
+    logprob_values: bool = False  # the log-probs alone (requests.py: logprob_format "values")
     future: Future = field(default_factory=Future)
     received: float = field(default_factory=time.time)
 
@@ -78,7 +79,10 @@ class Row:
         }
         if self.req.return_logprob:
             meta["input_token_logprobs"] = []  # (filled by the server when logprob_start_len >= 0)
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.out)]
+            if self.req.logprob_values:
+                meta["output_token_logprob_values"] = self.logprobs
+            else:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.logprobs, self.out)]
             meta["output_token_logprobs_length"] = len(self.logprobs)
         meta.update(
             reasoning_tokens=0,

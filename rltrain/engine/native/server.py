@@ -32,7 +32,7 @@ import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
 from rltrain.engine.native.engine import EngineStateError, NativeEngine
-from rltrain.engine.native.requests import BadRequest, Limits, parse_generate
+from rltrain.engine.native.requests import LOGPROB_FORMATS, BadRequest, Limits, parse_generate
 from rltrain.generation import SamplingParams
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights.bucket import BucketViews, deserialize
@@ -103,6 +103,8 @@ class NativeServer:
                 # A tensor update may open and close the weight-update session itself, and a
                 # session's end may score a probe sequence (`_update_in_session`).
                 "weight_update_sessions": "inline",
+                # /generate's log-probs as SGLang gives them, or as a list of values (requests.py).
+                "logprob_formats": list(LOGPROB_FORMATS),
                 # A published disk version's files are checked against its manifest on load.
                 "weight_files": "verified",
                 # Its parallel layout, in SGLang's field names (the sync's router reads them). One
@@ -192,7 +194,7 @@ class NativeServer:
         """SGLang's /generate, every field checked before anything is queued (`requests.py`)."""
         e = self.engine
         req = parse_generate(body, Limits(e.config.vocab_size, e.context_length, e.max_batch_size))
-        samples = e.submit(req.prompts, req.params, req.return_logprob, req.ids).result()
+        samples = e.submit(req.prompts, req.params, req.return_logprob, req.ids, req.logprob_values).result()
         if req.return_logprob and req.logprob_start_len >= 0:
             # SGLang's input_token_logprobs: from logprob_start_len on, untempered, the first of
             # them without a log-prob (as SGLang answers, whatever the start).
