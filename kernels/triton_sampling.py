@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 1024  # columns per iteration (1024: 347 us for 512 rows x 152k on the H200; 2048: 363, 4096: 445)
 CHUNK = 8192  # vocabulary columns per program
 MARGIN = 1e-3  # the float32 draw's lead that settles a chunk (its noise is within ~1e-4 of the exact)
 
@@ -143,11 +143,11 @@ def _sample_chunks_kernel(
     first = chunk * CHUNK_V
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
     second = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int64)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    acc = tl.zeros([BLOCK_V], tl.float32)
+    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    m = tl.full([], float("-inf"), tl.float32)  # the chunk's running max and sum of exp (one exp per column)
+    acc = tl.zeros([], tl.float32)
     for start in tl.range(0, CHUNK_V, BLOCK_V):
-        cols = (first + start + tl.arange(0, BLOCK_V)).to(tl.int64)
+        cols = first + start + tl.arange(0, BLOCK_V)  # (int32: a vocabulary is far below 2**31)
         x, xs = _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V, UNIT)
         val = tl.where(drawn, xs - _gumbel_approx(s32, cols), x)
         val = tl.where(cols < V, val, float("-inf"))
@@ -155,12 +155,12 @@ def _sample_chunks_kernel(
         second = tl.where(better, best, tl.maximum(second, val))
         best = tl.where(better, val, best)
         best_idx = tl.where(better, cols, best_idx)
-        m_new = tl.maximum(m, xs)
+        m_new = tl.maximum(m, tl.max(xs, axis=0))
         base = tl.where(m_new > float("-inf"), m_new, 0.0)  # (no -inf - -inf)
-        acc = acc * tl.exp(m - base) + tl.exp(xs - base)
+        acc = acc * tl.exp(m - base) + tl.sum(tl.exp(xs - base), axis=0)
         m = m_new
     top = tl.max(best, axis=0)
-    idx = tl.min(tl.where(best == top, best_idx, V), axis=0)
+    idx = tl.min(tl.where(best == top, best_idx, V), axis=0).to(tl.int64)
     runner_up = tl.maximum(tl.max(second, axis=0), tl.max(tl.where(best_idx == idx, float("-inf"), best), axis=0))
     if drawn & (top > float("-inf")):
         if top - runner_up > MARGIN + 1e-5 * tl.abs(top):  # the float32 winner is the exact one
@@ -184,9 +184,8 @@ def _sample_chunks_kernel(
     out = row * CHUNKS + chunk
     tl.store(best_ptr + out, top)
     tl.store(best_idx_ptr + out, idx)
-    mm = tl.max(m, axis=0)
-    tl.store(max_ptr + out, mm)
-    tl.store(sum_ptr + out, tl.sum(acc * tl.exp(m - tl.where(mm > float("-inf"), mm, 0.0)), axis=0))
+    tl.store(max_ptr + out, m)
+    tl.store(sum_ptr + out, acc)
 
 
 def sample_tokens(
