@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Pages in flight per program (software pipelining): 2 measured best on the H200 (512 rows x
 # 40-250 tokens, 92.7 us per layer against 95.5 unpipelined; 3 no better, 1 slower).
 STAGES = 2
