@@ -138,14 +138,17 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
         meta = item["meta_info"]
         fr = meta.get("finish_reason") or {}
         kind = fr.get("type", "") if isinstance(fr, dict) else str(fr)
-        values = meta.get("output_token_logprob_values")
-        lp = values if isinstance(values, list) else meta.get("output_token_logprobs") or []
+        values = meta.get("output_token_logprob_values")  # (the embedded engine's logprob_format "values")
+        if isinstance(values, list):
+            lp = logprob_values(values)
+        else:
+            lp = [logprob(e[0]) for e in meta.get("output_token_logprobs") or []]
         ids = list(item.get("output_ids") or [])
         c = Completion(
             prompt_index=first_prompt + k // n,
             sample_index=k % n,
             output_ids=ids,
-            logprobs=logprob_values(values) if isinstance(values, list) else [logprob(e[0]) for e in lp],
+            logprobs=lp,
             finish_reason=kind,
             matched_stop=fr.get("matched") if isinstance(fr, dict) and isinstance(fr.get("matched"), int) else None,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),

@@ -341,12 +341,14 @@ class WeightSync:
         session ended (`SyncContext.probe`), else asked now on a thread, while the trainer scores."""
         ends, self.transport.ends.probes = self.transport.ends.probes, {}  # (consumed, as the reports are)
         if len(ends) == len(self.receivers):
-            refused = "{} could not score the probe of version {}: {}"
             return [
-                (self._name(r), p if isinstance(p, list) else refused.format(self._name(r), version, p))
+                (self._name(r), p if isinstance(p, list) else self._refused(r, version, p))
                 for r, p in sorted(ends.items())
             ]
         return self._pool.submit(self._engine_scores, version)
+
+    def _refused(self, receiver: int, version: str, why: Any) -> str:
+        return f"{self._name(receiver)} could not score the probe of version {version}: {why}"
 
     def _engine_scores(self, version: str) -> Scores:
         """Each receiver's name and log-probs of the probe (the engine's leader asks): an error
@@ -362,7 +364,7 @@ class WeightSync:
                     log.warning("%s did not answer the probe of version %s: %s", name, version, e)
                     out.append((name, None))
                 else:
-                    out.append((name, f"{name} could not score the probe of version {version}: {e}"))
+                    out.append((name, self._refused(r, version, e)))
         return out
 
     def _compare(self, version: str, scores: Scores, trainer_logp: torch.Tensor) -> tuple[list[str], float]:
