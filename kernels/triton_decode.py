@@ -17,6 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+# Pages in flight per program (software pipelining): 2 measured best on the H200 (512 rows x
+# 40-250 tokens, 92.7 us per layer against 95.5 unpipelined; 3 no better, 1 slower).
+STAGES = 2
+
 
 def interpreted() -> bool:
     """Whether Triton runs in its interpreter (the CPU tests)."""
@@ -52,6 +56,7 @@ def _paged_decode_kernel(
     DYNAMIC: tl.constexpr,
     IEEE: tl.constexpr,
     NEW: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
@@ -81,12 +86,13 @@ def _paged_decode_kernel(
         hi = length
     else:
         hi = MAX_PAGES * P
-    for start in range(0, hi, P):
+    for start in tl.range(0, hi, P, num_stages=STAGES):
         page = tl.load(table_ptr + b * stride_tb + start // P).to(tl.int64)
         cols = start + n
         nmask = cols < length
         base = page * stride_kp + kvh * stride_kh + n[:, None] * stride_kn + d[None, :]
         k = tl.load(k_ptr + base, mask=nmask[:, None], other=0.0)
+        v = tl.load(v_ptr + base, mask=nmask[:, None], other=0.0)  # (issued with the keys)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -96,7 +102,6 @@ def _paged_decode_kernel(
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         s_sum = s_sum * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + base, mask=nmask[:, None], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -164,6 +169,7 @@ def paged_decode(
         DYNAMIC=not interpreted(),
         IEEE=q.dtype == torch.float32,
         NEW=new,
+        STAGES=STAGES,
         num_warps=4,
     )
     return out
