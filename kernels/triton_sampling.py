@@ -1,13 +1,14 @@
 """Triton kernels of the embedded engine's sampling (engine/native/sampling.py).
 
 `sample_tokens`: one token and its log-prob per row, in one pass over the logits, as the torch
-ops of `sampling.sample` give them for rows that filter nothing and use no shared generator
-(greedy rows and seeded rows: the RL rollout's case). Each program reads one chunk of one
-row's logits (any float dtype: the graph's bf16 output is read as it is, never copied to
-float32) and writes four numbers: the best value of the chunk's draw and its column, and the
-chunk's max and sum of exp (an online logsumexp); a few torch ops on [rows, chunks] combine
-them. Splitting the vocabulary over programs keeps every SM busy at any batch size (one
-program per row was latency-bound: ~2 ms for 512 rows of 152k on the H200).
+ops of `sampling.sample` give them for rows that filter nothing (greedy rows, seeded rows: the
+RL rollout's case; rows of the engine's shared generator come with a seed it drew for the
+step). Each program reads one chunk of one row's logits (any float dtype: the graph's bf16
+output is read as it is, never copied to float32) and writes four numbers: the best value of
+the chunk's draw and its column, and the chunk's max and sum of exp (an online logsumexp); a
+few torch ops on [rows, chunks] combine them. Splitting the vocabulary over programs keeps
+every SM busy at any batch size (one program per row was latency-bound: ~2 ms for 512 rows of
+152k on the H200).
 
 The draw is exactly the torch ops' (`seeded_argmax` is the single-pass form, kept for the
 tests): scaled = logits / temperature (IEEE division; greedy rows divide by 1), then for

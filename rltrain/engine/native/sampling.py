@@ -8,7 +8,9 @@ Per row: SGLang's logit processing (penalties, min_new_tokens, logit_bias: `Logi
 temperature, then top-k / top-p / min-p, then the draw. Greedy rows (temperature 0) take the
 argmax; seeded rows the Gumbel-max of their filtered logits with noise that is a function of
 (seed, the row's own step, token) alone (`seeded_uniform`), so a sample depends neither on its
-batch nor on when it joined one; the rest draw from the engine's shared generator. The returned
+batch nor on when it joined one; the rest draw from the engine's shared generator (on CUDA: the
+same Gumbel-max, its noise keyed by a fresh seed from the generator per row and step; elsewhere
+`torch.multinomial`), so repeated runs of one engine seed repeat. The returned
 log-prob is that of the distribution the token was drawn from (log_softmax of logits /
 temperature; the raw logits for greedy), as SGLang returns it. Every operation is batched over
 rows: no host sync, no per-row kernel.
@@ -63,13 +65,19 @@ class SamplingPlan:
         self.seeds = device_tensor([seeds[b] for b in seeded], torch.long, device) if seeded else None
         self.token_hash = (token_hash if token_hash is not None else token_hash_of(vocab, device)) if seeded else None
         self.shared = device_tensor(shared, torch.long, device) if shared else None
-        # the fused pass (CUDA; rows that filter nothing and draw from no shared generator)
-        self.fused = device.type == "cuda" and not filtered and not shared
+        # the fused pass (CUDA; rows that filter nothing): seeded rows keep their seeds, rows of
+        # the shared generator get a fresh one from it at every step (`fresh`)
+        self.fused = device.type == "cuda" and not filtered
         if self.fused:
             self.safe_temps = None if self.unit_temps else torch.where(self.temps == 0, 1.0, self.temps)
-            drawn = [s is not None and not g for s, g in zip(seeds, greedy)]
-            self.all_seeds = device_tensor([s if d else 0 for s, d in zip(seeds, drawn)], torch.long, device)
+            drawn = [not g for g in greedy]
+            self.all_seeds = device_tensor(
+                [s if s is not None and d else 0 for s, d in zip(seeds, drawn)], torch.long, device
+            )
             self.drawn = device_tensor(drawn, torch.int8, device)
+            self.fresh = (
+                device_tensor([s is None and d for s, d in zip(seeds, drawn)], torch.bool, device) if shared else None
+            )
 
 
 def sample(
@@ -79,15 +87,19 @@ def sample(
     token index (a [rows] tensor, or one int for all), the step half of seeded noise. Work that
     changes nothing is skipped (division by temperature 1, gathers of every row); on CUDA the
     seeded draw is one fused pass and the log-prob is read through logsumexp, not a whole
-    log-softmax written out; rows that filter nothing and use no shared generator (greedy and
-    seeded rows) take one pass in all (`kernels/triton_sampling.sample_tokens`), reading `logits`
-    in their own dtype."""
+    log-softmax written out; rows that filter nothing (greedy, seeded, or drawing from the shared
+    generator by a seed it gives) take one pass in all (`kernels/triton_sampling.sample_tokens`),
+    reading `logits` in their own dtype."""
     if plan.fused:
         from rltrain.kernels.triton_sampling import sample_tokens  # noqa: PLC0415 - CUDA only
 
         if isinstance(steps, int):
             steps = torch.full((logits.shape[0],), steps, dtype=torch.int64, device=logits.device)
-        return sample_tokens(logits, plan.safe_temps, plan.all_seeds, steps, plan.drawn)
+        seeds = plan.all_seeds
+        if plan.fresh is not None:
+            drawn = torch.randint(-(2**62), 2**62, seeds.shape, generator=generator, device=seeds.device)
+            seeds = torch.where(plan.fresh, drawn, seeds)
+        return sample_tokens(logits, plan.safe_temps, seeds, steps, plan.drawn)
     logits = logits.float()
     scaled = logits
     if not plan.unit_temps:
