@@ -326,3 +326,68 @@ def test_a_model_the_paged_path_cannot_run_is_refused_with_the_reason(tmp_path):
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="--decode paged: .*sliding-window"):
         NativeEngine(str(tmp_path), decode="paged")
+
+
+def test_fused_projections_compute_what_the_separate_ones_do_in_any_call_order(model):
+    """q, k, v (and gate, up) as one GEMM: the same logits as the model before, a member called
+    with another input computes its own, nothing is kept between forwards, and torch.compile
+    traces a decoder layer whole (no graph break)."""
+    from rltrain.engine.native.fused import FusedProjections
+
+    m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 9, 27, 81, 243 % 256, 5]])
+    attn = m.model.layers[0].self_attn
+    x, y = torch.randn(2, 64), torch.randn(2, 64)
+    with torch.no_grad():
+        before = m(input_ids=ids).logits
+        separate = [attn.k_proj(x), attn.q_proj(y), attn.v_proj(x)]
+        fused = FusedProjections(m)
+        assert len(fused.groups) == 2 * m.config.num_hidden_layers
+        assert attn.q_proj.weight.data_ptr() == fused.groups[0].weight.data_ptr()
+        assert torch.allclose(m(input_ids=ids).logits, before, atol=1e-6)
+        got = [attn.k_proj(x), attn.q_proj(y), attn.v_proj(x)]  # k and v share x; q computes alone
+        for a, b in zip(got, separate):
+            assert torch.allclose(a, b, atol=1e-6)
+        assert torch.allclose(attn.q_proj(x), x @ attn.q_proj.weight.T, atol=1e-6)
+        attn.k_proj(y)  # a forward that stops after its first projection
+        assert torch.allclose(attn.k_proj(x), separate[0], atol=1e-6)  # the next one starts afresh
+        attn.q_proj(x), attn.v_proj(x)
+        assert all(g.x is None and all(o is None for o in g.outs) for g in fused.groups)
+        layer = m.model.layers[0]
+        h = torch.randn(1, 6, 64)
+        pe = m.model.rotary_emb(h, torch.arange(6)[None])
+        explained = torch._dynamo.explain(layer.forward)(h, position_embeddings=pe, attention_mask=None)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_fused_weights_keep_their_names_through_updates_release_and_resume(engines):
+    """The paged engine's fused projections are views of one tensor per group: an update by name
+    writes through them, the checksum and memory report see each weight once, release frees the
+    group's tensor and resume restores its values."""
+    hf, paged = engines
+    assert paged.fused is not None and paged.fused.groups and hf.fused is None
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[4, 5, 6], [7, 8]]
+    ids = lambda e: [x["output_ids"] for x in run(e, prompts, params)]  # noqa: E731
+    assert paged.memory_report()["weight_bytes"] == hf.memory_report()["weight_bytes"]
+    assert paged.weights_checksum()["checksum"] == hf.weights_checksum()["checksum"]
+    name = "model.layers.1.self_attn.k_proj.weight"
+    old = dict(hf.model.named_parameters())[name].detach().clone()
+    try:
+        new = torch.randn_like(old)
+        for e in engines:
+            e.load_named_tensors([(name, new)], None)
+        assert torch.equal(paged.fused.groups[2].weight[64 : 64 + 32], new)
+        assert paged.weights_checksum()["checksum"] == hf.weights_checksum()["checksum"]
+        assert ids(paged) == ids(hf)
+    finally:
+        for e in engines:
+            e.load_named_tensors([(name, old)], None)
+    before = ids(paged)
+    paged.release(["weights"])
+    assert paged.memory_report()["weight_bytes"] == 0
+    assert all(g.weight is None for g in paged.fused.groups)
+    paged.resume(["weights"])
+    assert paged.weights_checksum()["checksum"] == hf.weights_checksum()["checksum"]
+    assert paged.model.model.layers[0].self_attn.v_proj.weight.data_ptr() != 0
+    assert ids(paged) == before

@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rltrain.engine.native.fused import FusedProjections
 from rltrain.engine.native.paged import PagedDecoder, unsupported
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
@@ -172,6 +173,7 @@ class NativeEngine:
         self._running.set()
         self._abort_inflight = threading.Event()
         self._stop = threading.Event()
+        self.fused: FusedProjections | None = None  # the paged path's fused projections (fused.py)
         self.decoder = self._paged_decoder(decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile)
         # What start-up made (modules, the model, compiled code: millions of objects with
         # torch.compile) lives as long as the engine: collected once, then no collection walks
@@ -193,6 +195,7 @@ class NativeEngine:
             return None
         why = unsupported(self.config)
         if why is None:
+            self.fused = FusedProjections(self.model)
             decoder = PagedDecoder(
                 self.model,
                 self.device,
@@ -516,6 +519,8 @@ class NativeEngine:
         self._bucket_plans.clear()
         for p in self.model.parameters():
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        if self.fused is not None:
+            self.fused.release()
         log.info(
             "weights released (%s) in %.2fs",
             "discarded"
@@ -528,9 +533,13 @@ class NativeEngine:
 
     def _restore_weights(self) -> None:
         named = dict(self.model.named_parameters())
+        fused = self.fused.params if self.fused is not None else set()
         for n, p in named.items():
-            shape, dtype = self._param_meta[n]
-            p.data = torch.empty(shape, dtype=dtype, device=self.device)
+            if id(p) not in fused:  # (those are views of their group's weight: allocated below)
+                shape, dtype = self._param_meta[n]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.fused is not None:
+            self.fused.allocate()
         self._retie()
         backup = self._weights_backup
         if isinstance(backup, Path):
@@ -560,7 +569,9 @@ class NativeEngine:
         batch (its KV cache: the embedded engine allocates the cache per batch), the rest of its
         allocations, its CUDA context as measured at start, and its RSS."""
 
-        weights = sum(p.untyped_storage().nbytes() for p in self.model.parameters())  # tied ones once
+        # each storage once (tied weights; a fused group's members are views of one)
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
+        weights = sum(storages.values())
         rep: dict[str, Any] = {
             "released": sorted(self.released),
             "pid": os.getpid(),

@@ -496,8 +496,11 @@ class PagedDecoder:
                 )
             seq = list(prompt)
             table = torch.tensor([pages + [0] * (self.max_pages - len(pages))], dtype=torch.int32, device=self.device)
-            for rows in (1, 2, 2):  # one row, then two copies of it: compiled blocks trace both
-                # the batch of one and the dynamic batch size here, not at the first rollout
+            # One row, then copies of it: compiled blocks trace both the batch of one and the
+            # dynamic batch size here, not at the first rollout. Inductor tunes each kernel's
+            # launch once, at its first run: the copies are as many as a rollout's decode batch.
+            many = min(self.max_rows, 512)
+            for rows in (1, many, many):
                 seq.append(int(got[-1].argmax()))
                 pos = torch.full((rows,), len(seq) - 1, device=self.device)
                 logits = self._decode(torch.full((rows,), seq[-1], device=self.device), pos, table.expand(rows, -1))
