@@ -17,8 +17,9 @@ packs every admitted prompt into one sequence (no padding), writes the prompts' 
 into their pages (the cache object the model updates) and runs causal attention per group of
 equal-length prompts; decode runs `paged_decode_attention` (kernels/), which stores each row's
 new key and value in its last slot and reads the row's pages up to its length, in one kernel per
-layer. At start-up a probe checks the path against transformers' plain forward (`verify`); a
-model whose attention does not go through the interface fails it.
+layer. Each layer's q/k/v and gate/up projections run as one GEMM each (fused.py, set up by the
+engine for this path). At start-up a probe checks the path against transformers' plain forward
+(`verify`); a model whose attention does not go through the interface fails it.
 
 **CUDA graphs.** A decode step (every layer and the LM head) is captured once per batch-size
 bucket and replayed: its inputs are static tensors (token, position, page table, length) filled
