@@ -499,8 +499,9 @@ class PagedDecoder:
             table = torch.tensor([pages + [0] * (self.max_pages - len(pages))], dtype=torch.int32, device=self.device)
             # One row, then copies of it: compiled blocks trace both the batch of one and the
             # dynamic batch size here, not at the first rollout. Inductor tunes each kernel's
-            # launch once, at its first run: the copies are as many as a rollout's decode batch.
-            many = min(self.max_rows, 512)
+            # launch once, at its first run: compiled, the copies are as many as a rollout's
+            # decode batch (uncompiled, nothing is tuned: two).
+            many = min(self.max_rows, 512) if self.compiled else 2
             for rows in (1, many, many):
                 seq.append(int(got[-1].argmax()))
                 pos = torch.full((rows,), len(seq) - 1, device=self.device)

@@ -65,8 +65,8 @@ class SamplingPlan:
         self.seeds = device_tensor([seeds[b] for b in seeded], torch.long, device) if seeded else None
         self.token_hash = (token_hash if token_hash is not None else token_hash_of(vocab, device)) if seeded else None
         self.shared = device_tensor(shared, torch.long, device) if shared else None
-        # the fused pass (CUDA; rows that filter nothing): seeded rows keep their seeds, rows of
-        # the shared generator get a fresh one from it at every step (`fresh`)
+        # the fused pass (CUDA; rows that filter nothing): seeded rows keep their seeds, the rows
+        # of the shared generator (`shared`) get a fresh one from it at every step
         self.fused = device.type == "cuda" and not filtered
         if self.fused:
             self.safe_temps = None if self.unit_temps else torch.where(self.temps == 0, 1.0, self.temps)
@@ -75,9 +75,6 @@ class SamplingPlan:
                 [s if s is not None and d else 0 for s, d in zip(seeds, drawn)], torch.long, device
             )
             self.drawn = device_tensor(drawn, torch.int8, device)
-            self.fresh = (
-                device_tensor([s is None and d for s, d in zip(seeds, drawn)], torch.bool, device) if shared else None
-            )
 
 
 def sample(
@@ -96,9 +93,9 @@ def sample(
         if isinstance(steps, int):
             steps = torch.full((logits.shape[0],), steps, dtype=torch.int64, device=logits.device)
         seeds = plan.all_seeds
-        if plan.fresh is not None:
-            drawn = torch.randint(-(2**62), 2**62, seeds.shape, generator=generator, device=seeds.device)
-            seeds = torch.where(plan.fresh, drawn, seeds)
+        if plan.shared is not None:
+            fresh = torch.randint(-(2**62), 2**62, plan.shared.shape, generator=generator, device=seeds.device)
+            seeds = seeds.index_put((plan.shared,), fresh)
         return sample_tokens(logits, plan.safe_temps, seeds, steps, plan.drawn)
     logits = logits.float()
     scaled = logits
