@@ -185,6 +185,9 @@ class MetricsWriter:
         slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
         rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}
+        # inside the rollout phase (not phases of their own): the slowest rank's wait for its
+        # engine's answers, and its decoding and scoring of them (rollout/collect.py's TIMES)
+        rec["rollout_time"] = {k: max(g.get(k, 0.0) for g in gathered) for k in ("generate_s", "score_s")}
         rec["wall"] = time.time()  # when the step ended (start-up and shutdown are measured from it)
         rec["memory"] = {f"rank{r}": g["memory"] for r, g in enumerate(gathered)}
         line = json.dumps(rec)

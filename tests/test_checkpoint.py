@@ -20,7 +20,7 @@ from test_loop import run_quickstart
 from test_trainer import fixed_batch, make_trainer, one_step
 
 # Metrics that must repeat exactly; timings, rates and memory legitimately differ between runs.
-VARIABLE = {"time", "memory", "wall", "rollout_tokens_per_s", "train_tokens_per_s"}
+VARIABLE = {"time", "rollout_time", "memory", "wall", "rollout_tokens_per_s", "train_tokens_per_s"}
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -71,6 +71,8 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         ):
             assert key in row, key
         assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
+        waited, scored = row["rollout_time"]["generate_s"], row["rollout_time"]["score_s"]
+        assert 0 < waited < row["time"]["rollout"] and 0 < scored < row["time"]["rollout"]
         # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and the
         # RSS of the engine each rank owns (the embedded engine: one per rank) from its report.
         assert set(row["memory"]) == {"rank0", "rank1"} and row["memory"]["rank1"]["train"]["rss"] > 0

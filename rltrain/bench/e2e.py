@@ -196,6 +196,8 @@ def compare(
         cols[engine] = {
             "step": f"{step_s:.2f} s",
             "rollout": f"{rollout_s:.2f} s",
+            "  waiting for the answers": f"{m(lambda r: r.get('rollout_time', {}).get('generate_s', 0.0)):.3f} s",
+            "  decoding and scoring them": f"{m(lambda r: r.get('rollout_time', {}).get('score_s', 0.0)):.3f} s",
             "response tokens/s": f"{tps:,.0f}",
             "mean response length": f"{m(lambda r: r['response_length']):.0f}",
             "log-probs MFU (real tokens)": "fused into train"

@@ -8,6 +8,7 @@ group-relative advantages need the whole group; both counts go to the metrics.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,9 @@ from rltrain.rollout.data import Prompt
 from rltrain.rollout.rewards import RewardRunner
 
 log = logging.getLogger("rltrain.rollout")
+# A rollout's own timing (in its stats): waiting for the engine's answers (the requests, the
+# generation, the answers read and parsed), then decoding and scoring the responses.
+TIMES = ("generate_s", "score_s")
 
 
 @dataclass
@@ -54,12 +58,18 @@ def collect(
 ) -> Rollout:
     """`first`: the position of `prompts[0]` among the step's prompts (samples are seeded by it)."""
     positions = list(range(first, first + len(prompts)))
-    return _summarize(_generate(client, prompts, positions, params, tokenizer, rewards), retried=0)
+    times: dict[str, float] = {}
+    rollout = _summarize(_generate(client, prompts, positions, params, tokenizer, rewards, times), retried=0)
+    rollout.stats.update(times)
+    return rollout
 
 
 def extend(rollout: Rollout, more: Rollout) -> Rollout:
     """One rollout of both's prompts, in order (`more` collected with `first` after `rollout`'s)."""
-    return _summarize(rollout.every_group + more.every_group, retried=int(rollout.stats.get("generation_retried", 0)))
+    out = _summarize(rollout.every_group + more.every_group, retried=int(rollout.stats.get("generation_retried", 0)))
+    for k in TIMES:
+        out.stats[k] = rollout.stats.get(k, 0.0) + more.stats.get(k, 0.0)
+    return out
 
 
 def informative(group: list[Sample]) -> bool:
@@ -123,9 +133,13 @@ def _generate(
     params: SamplingParams,
     tokenizer: Any,
     rewards: RewardRunner,
+    times: dict[str, float] | None = None,
 ) -> dict[int, list[Sample]]:
-    """Sample and score; the groups by prompt position. A failed generation is not scored."""
+    """Sample and score; the groups by prompt position. A failed generation is not scored.
+    `times`: gets the seconds spent waiting for the engine's answers and scoring them (`TIMES`)."""
+    t0 = time.perf_counter()
     completions = client.generate([p.input_ids for p in prompts], params, positions=positions)
+    t1 = time.perf_counter()
     by_position = dict(zip(positions, prompts))
     samples = [Sample(by_position[c.prompt_index], c) for c in completions]
     to_score = []
@@ -141,6 +155,8 @@ def _generate(
     groups: dict[int, list[Sample]] = {i: [] for i in positions}
     for s in samples:
         groups[s.completion.prompt_index].append(s)
+    if times is not None:
+        times.update(generate_s=t1 - t0, score_s=time.perf_counter() - t1)
     return groups
 
 
