@@ -392,6 +392,11 @@ class EngineConfig:
     # post-sync verification is what proves it did — and no step pays a device->host->device
     # copy of the whole model.
     weights_backup: bool = False
+    # The embedded engine on CUDA: its weights, KV cache and CUDA graphs' memory through
+    # torch_memory_saver (SGLang's --enable-memory-saver; SGLang on CUDA always has it), so they
+    # are released and resumed at the same addresses and the captured graphs are kept, not
+    # captured again at every rollout. auto: where torch_memory_saver is installed.
+    memory_saver: bool | Literal["auto"] = "auto"
     # How the embedded engine's process starts on the CPU. auto: forked from its rank, which has
     # imported torch and transformers already (~7 s of CPU less per engine), where a fork is
     # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;

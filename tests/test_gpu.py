@@ -506,3 +506,52 @@ def test_cuda_unseeded_rows_draw_from_their_distribution_in_the_one_pass_kernel(
     mixed, _ = sample(x, SamplingPlan(params, seeds, vocab, dev), 3, gen())
     alone, _ = sample(x[1::2], SamplingPlan(params[1::2], seeds[1::2], vocab, dev), 3, gen())
     assert torch.equal(mixed[1::2], alone)
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torch_memory_saver") is None, reason="needs torch_memory_saver"
+)
+def test_cuda_memory_saver_keeps_the_graphs_through_release_and_resume(model_a, tmp_path):
+    """The embedded engine with its memory saver (a real server process, preloaded): release
+    gives the weights', the KV pool's and the graphs' device memory back (NVML, whole device);
+    resume maps them at the same addresses, so the next generation replays the graphs captured
+    before it (no capture) and gives the same tokens; ten cycles grow nothing; released weights
+    without a backup come back as NaN until an update writes them."""
+    from rltrain.runtime.ledger import device_used
+
+    dev = torch.device("cuda", 0)
+    srv = start_engine("native", model_a, tmp_path, device="cuda", memory_saver=True, weights_backup=True)
+    try:
+        info = srv.client.server_info()
+        assert info["enable_memory_saver"] is True
+        before = greedy(srv.client)
+        assert before == hf_greedy(model_a, PROMPTS, 6)
+        captures = srv.client.server_info()["decode_stats"]["graph_captures"]
+        m0, used0 = srv.client.memory_report(), device_used(dev)
+        released = []
+        for cycle in range(10):
+            srv.client.release()
+            m1 = srv.client.memory_report()
+            released.append(device_used(dev))
+            assert m1["weight_bytes"] == 0 and m1["kv_cache_bytes"] == 0
+            assert m1["cuda_reserved"] <= m0["cuda_reserved"] - m0["kv_cache_bytes"] - m0["weight_bytes"]
+            assert used0 - released[-1] >= 0.95 * (m0["kv_cache_bytes"] + m0["weight_bytes"]), (used0, released)
+            srv.client.resume()
+            assert greedy(srv.client) == before, cycle
+        assert srv.client.server_info()["decode_stats"]["graph_captures"] == captures  # replayed, not captured
+        assert max(released) - min(released) <= 64 * 2**20, released
+    finally:
+        srv.client.close()
+        srv.process.stop()
+    srv = start_engine("native", model_a, tmp_path / "discard", device="cuda", memory_saver=True)
+    try:
+        before = greedy(srv.client)
+        srv.client.release(["weights"])
+        srv.client.resume(["weights"])
+        with pytest.raises(AssertionError, match="update the weights before generating"):
+            greedy(srv.client)
+        srv.client.update_weights_from_disk(str(model_a), weight_version="again")
+        assert greedy(srv.client) == before
+    finally:
+        srv.client.close()
+        srv.process.stop()

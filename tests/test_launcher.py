@@ -321,3 +321,37 @@ def test_an_engine_started_by_a_job_that_ignores_sigint_still_stops_on_sigint(tm
     t0 = time.monotonic()
     proc.stop(grace_s=10.0)
     assert time.monotonic() - t0 < 5.0 and proc.proc.returncode != -signal.SIGKILL
+
+
+def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeypatch):
+    """engine.memory_saver: auto turns it on for the embedded engine on CUDA where
+    torch_memory_saver is installed; true where it cannot run is refused with what to do; the
+    engine's program itself refuses the flag without the package, before it loads anything."""
+    from rltrain.config import ConfigError, EngineConfig
+    from rltrain.engine import launcher
+    from rltrain.engine.native import saver
+
+    cuda = EngineConfig(backend="native", device="cuda")
+    for installed in (False, True):
+        monkeypatch.setattr(saver, "installed", lambda v=installed: v)
+        assert (saver.FLAG in launcher.server_command(cuda, "/m", 1)) == installed
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env = launcher.server_environment(cuda)
+        assert ("PYTORCH_CUDA_ALLOC_CONF" in env and env["PYTORCH_CUDA_ALLOC_CONF"] is None) == installed
+        off = EngineConfig(backend="native", device="cuda", memory_saver=False)
+        assert saver.FLAG not in launcher.server_command(off, "/m", 1)
+        assert saver.FLAG not in launcher.server_command(EngineConfig(backend="native", device="cpu"), "/m", 1)
+    with pytest.raises(ConfigError, match="memory saver is CUDA-only"):
+        launcher.check_engine(EngineConfig(backend="native", device="cpu", memory_saver=True), seeded=False)
+    monkeypatch.setattr(saver, "installed", lambda: False)
+    with pytest.raises(ConfigError, match="pip install torch_memory_saver"):
+        launcher.check_engine(EngineConfig(backend="native", device="cuda", memory_saver=True), seeded=False)
+    monkeypatch.undo()
+    if not saver.installed():  # (CI, this machine): the engine's program says what to install
+        r = subprocess.run(
+            [sys.executable, "-m", "rltrain.engine.native", "--model-path", "/m", saver.FLAG],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode != 0 and "pip install torch_memory_saver" in r.stderr

@@ -341,7 +341,7 @@ def test_fused_projections_compute_what_the_separate_ones_do_in_any_call_order(m
     with torch.no_grad():
         before = m(input_ids=ids).logits
         separate = [attn.k_proj(x), attn.q_proj(y), attn.v_proj(x)]
-        fused = FusedProjections(m)
+        fused = FusedProjections(m, torch.device("cpu"))
         assert len(fused.groups) == 2 * m.config.num_hidden_layers
         assert attn.q_proj.weight.data_ptr() == fused.groups[0].weight.data_ptr()
         assert torch.allclose(m(input_ids=ids).logits, before, atol=1e-6)

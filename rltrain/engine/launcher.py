@@ -31,6 +31,7 @@ from rltrain.config import ConfigError, EngineConfig
 from rltrain.engine import forked
 from rltrain.engine.client import EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
+from rltrain.engine.native import saver
 from rltrain.interfaces import World
 from rltrain.runtime.net import free_port
 
@@ -58,6 +59,14 @@ def resolve_backend(backend: str) -> str:
     return "native"
 
 
+def memory_saver_on(cfg: EngineConfig) -> bool:
+    """Whether the embedded engine runs with its memory saver (engine/native/saver.py):
+    engine.memory_saver, auto resolved (on CUDA where torch_memory_saver is installed)."""
+    if resolve_backend(cfg.backend) != "native" or resolve_device(cfg.device) == "cpu":
+        return False
+    return cfg.memory_saver is True or (cfg.memory_saver == "auto" and saver.installed())
+
+
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
 
 
@@ -71,6 +80,17 @@ def check_engine(cfg: EngineConfig, seeded: bool) -> None:
             "engine.deterministic=false (rollouts are then not repeatable), or use the embedded engine "
             "(engine.backend=native), which is deterministic everywhere"
         )
+    if cfg.memory_saver is True and backend == "native":
+        if device != "cuda":
+            raise ConfigError(
+                f"engine.memory_saver=true: the embedded engine's memory saver is CUDA-only (the engine runs on "
+                f"{device}); set engine.memory_saver=auto"
+            )
+        if not saver.installed():
+            raise ConfigError(
+                "engine.memory_saver=true: torch_memory_saver is not installed (pip install torch_memory_saver), "
+                "or set engine.memory_saver=auto"
+            )
     if backend == "sglang" and seeded and not cfg.deterministic:
         log.warning(
             "rollout.seeded=true but SGLang honours sampling seeds only with --enable-deterministic-inference "
@@ -119,6 +139,8 @@ def server_command(
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
             if cfg.compile:
                 cmd.append("--enable-torch-compile")
+            if memory_saver_on(cfg):
+                cmd.append(saver.FLAG)
         if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/native/engine.py)
             cmd += ["--tp-size", str(tp_size)]
         if cfg.deterministic:
@@ -187,8 +209,8 @@ def secret_environment(cfg: EngineConfig) -> dict[str, str]:
     return {API_KEY_VARIABLE: cfg.api_key} if cfg.api_key else {}
 
 
-# SGLang's memory saver does not support expandable segments: the trainer's allocator settings
-# stay with the trainer.
+# The memory saver (SGLang's, and the embedded engine's) does not support expandable segments:
+# the trainer's allocator settings stay with the trainer.
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
@@ -205,6 +227,8 @@ def server_environment(cfg: EngineConfig, layout: EngineLayout | None = None) ->
     # Inherited as the trainer has it (cli sets 0 by default): both ends of an NCCL weight group
     # must agree on cuMem, and SGLang's memory saver wants it off.
     env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
+    if memory_saver_on(cfg):
+        env.update(dict.fromkeys(ALLOCATOR_VARIABLES))
     if resolve_backend(cfg.backend) == "sglang":
         env.update(dict.fromkeys(ALLOCATOR_VARIABLES))
         on_cpu = resolve_device(cfg.device) == "cpu"

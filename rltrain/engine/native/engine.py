@@ -22,6 +22,7 @@ error, never garbage.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
@@ -44,6 +45,7 @@ from rltrain.engine.native.fused import FusedProjections
 from rltrain.engine.native.paged import PagedDecoder, unsupported
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
+from rltrain.engine.native.saver import MemorySaver
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
@@ -87,6 +89,7 @@ class NativeEngine:
         mem_fraction_static: float = 0.8,
         cuda_graphs: bool = True,
         compile: bool = False,
+        memory_saver: bool = False,
     ):
 
         self.model_path = model_path
@@ -96,8 +99,19 @@ class NativeEngine:
         # Measured before anything else touches the GPU (the memory ledger shows it).
         self.context_bytes = measure_cuda_context(self.device)[0]
         torch_dtype = resolve_dtype(dtype, self.device)
+        if memory_saver and self.device.type != "cuda":
+            raise ValueError(f"--enable-memory-saver: CUDA only (the device is {self.device})")
+        self.saver = MemorySaver() if memory_saver else None  # saver.py
         self.config = AutoConfig.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).to(self.device).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
+        self.fused: FusedProjections | None = None  # the paged path's fused projections (fused.py)
+        with self._region("weights"):
+            if _paged_wanted(decode, self.device) and unsupported(self.config) is None:
+                self.fused = FusedProjections(model, self.device)
+            for p in model.parameters():  # (tied ones once; the fused ones are on the device already)
+                p.data = p.data.to(self.device)
+        # its buffers (rotary frequencies): outside the weights' region, which release discards
+        self.model = model.to(self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.max_batch_size = max_batch_size
         # Prompt + new tokens per sequence (SGLang's --context-length; 0: the model's own).
@@ -164,6 +178,7 @@ class NativeEngine:
         self.rank_bytes_loaded = [0] * tp_size  # bytes each TP rank's payloads held (updates)
         self.bytes_loaded = 0  # bytes of weights received by updates, for sync accounting
         self.released: set[str] = set()
+        self._paused_bytes: dict[str, tuple[int, int]] = {}  # region -> the allocator's (allocated, reserved)
         self.weights_valid = True  # False after resume without a backup, until weights are loaded
         self._weights_backup: dict[str, torch.Tensor] | Path | None = None
         self._pinned: dict[str, torch.Tensor] | None = None
@@ -173,7 +188,6 @@ class NativeEngine:
         self._running.set()
         self._abort_inflight = threading.Event()
         self._stop = threading.Event()
-        self.fused: FusedProjections | None = None  # the paged path's fused projections (fused.py)
         self.decoder = self._paged_decoder(decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile)
         # What start-up made (modules, the model, compiled code: millions of objects with
         # torch.compile) lives as long as the engine: collected once, then no collection walks
@@ -189,13 +203,10 @@ class NativeEngine:
         """The paged path (paged.py) where asked for, or by default on CUDA where the model runs on
         it: it must pass its start-up probe against transformers' own forward. None: the plain
         transformers path (`_generate`), one batch at a time."""
-        if decode not in ("auto", "paged", "hf"):
-            raise ValueError(f"decode={decode!r}: expected auto, paged or hf")
-        if decode == "hf" or (decode == "auto" and self.device.type != "cuda"):
+        if not _paged_wanted(decode, self.device):
             return None
         why = unsupported(self.config)
         if why is None:
-            self.fused = FusedProjections(self.model)
             decoder = PagedDecoder(
                 self.model,
                 self.device,
@@ -209,6 +220,7 @@ class NativeEngine:
                 self.token_hash,
                 self.eos_ids,
                 self.deterministic,
+                self.saver,
             )
             try:
                 diff = decoder.verify()
@@ -476,26 +488,80 @@ class NativeEngine:
         with self._model_lock:
             if self.device.type == "cuda":  # (nothing queued may run on what is freed)
                 torch.cuda.synchronize(self.device)
-            if "weights" in tags and "weights" not in self.released:
-                self._backup_and_free_weights()
-            if self.decoder is not None:  # graphs hold the weights' and the pool's addresses
-                self.decoder.free_memory(kv_cache="kv_cache" in tags)
-            self.released |= set(tags)
-            if self.device.type == "cuda":
-                free_cuda_caches()
+            if self.saver is not None:
+                self._pause(tags)
             else:
-                trim_host_heap()
+                if "weights" in tags and "weights" not in self.released:
+                    self._backup_and_free_weights()
+                if self.decoder is not None:  # graphs hold the weights' and the pool's addresses
+                    self.decoder.free_memory(kv_cache="kv_cache" in tags)
+                if self.device.type == "cuda":
+                    free_cuda_caches()
+                else:
+                    trim_host_heap()
+            self.released |= set(tags)
         return self.memory_report()
 
     def resume(self, tags: list[str] | None) -> dict[str, Any]:
         tags = _tags(tags)
         with self._model_lock:
-            if "weights" in tags and "weights" in self.released:
+            if self.saver is not None:
+                self.saver.resume(tags)
+                if "weights" in tags and "weights" in self.released:
+                    self._fill_weights()
+            elif "weights" in tags and "weights" in self.released:
                 self._restore_weights()
             self.released -= set(tags)
         return self.memory_report()
 
+    def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
+        """Where region `tag`'s memory is allocated: the memory saver's (saver.py), if on."""
+        return self.saver.region(tag) if self.saver is not None else contextlib.nullcontext()
+
+    def _pause(self, tags: list[str]) -> None:
+        """Release with the memory saver: the weights backed up (if kept), the caches emptied
+        (no block of a region may be freed while it is paused), the regions unmapped. The
+        captured graphs stay: every address they hold comes back at resume."""
+        if "weights" in tags and "weights" not in self.released:
+            self._backup_weights()
+        free_cuda_caches()
+        fresh = [t for t in tags if t not in self.released]
+        held = self._region_bytes(fresh)
+        self.saver.pause(fresh)  # type: ignore[union-attr]
+        for tag in fresh:
+            self._paused_bytes[tag] = held[tag]
+
+    def _region_bytes(self, tags: list[str]) -> dict[str, tuple[int, int]]:
+        """(allocated, reserved) bytes of the allocator's segments in each memory region of
+        `tags` (each region's segments are its own: the saver gives it its own pool)."""
+        starts: dict[str, list[int]] = {t: [] for t in tags}
+        if "weights" in starts:
+            starts["weights"] = [p.untyped_storage().data_ptr() for p in self.model.parameters()]
+        pool = self.decoder.pool if self.decoder is not None else None
+        if "kv_cache" in starts and pool is not None:
+            starts["kv_cache"] = [pool.k.data_ptr(), pool.v.data_ptr()]
+        graphs = self.decoder.graph_pool if self.decoder is not None and "cuda_graph" in starts else None
+        out = dict.fromkeys(tags, (0, 0))
+        for seg in torch.cuda.memory_snapshot():
+            lo, hi = seg["address"], seg["address"] + seg["total_size"]
+            for tag, ptrs in starts.items():
+                mine = any(lo <= p < hi for p in ptrs)
+                if tag == "cuda_graph":
+                    mine = graphs is not None and tuple(seg["segment_pool_id"]) == tuple(graphs)
+                if mine:
+                    a, r = out[tag]
+                    out[tag] = (a + seg["allocated_size"], r + seg["total_size"])
+                    break
+        return out
+
     def _backup_and_free_weights(self) -> None:
+        self._backup_weights()
+        for p in self.model.parameters():
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        if self.fused is not None:
+            self.fused.release()
+
+    def _backup_weights(self) -> None:
         t0 = time.perf_counter()
         state = {n: p.detach() for n, p in self.model.named_parameters()}
         if not self.weights_backup:
@@ -516,11 +582,8 @@ class NativeEngine:
             save_file({n: t.contiguous() for n, t in state.items()}, str(path))
             self._weights_backup = path
         del state
-        self._bucket_plans.clear()
-        for p in self.model.parameters():
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        if self.fused is not None:
-            self.fused.release()
+        if self.saver is None:  # (with the saver every view of the weights stays valid)
+            self._bucket_plans.clear()
         log.info(
             "weights released (%s) in %.2fs",
             "discarded"
@@ -541,6 +604,10 @@ class NativeEngine:
         if self.fused is not None:
             self.fused.allocate()
         self._retie()
+        self._fill_weights()
+
+    def _fill_weights(self) -> None:
+        """The resumed weights' values: their backup's, else NaN until an update writes them."""
         backup = self._weights_backup
         if isinstance(backup, Path):
             self._copy_into(load_file(str(backup), device=str(self.device)).items())
@@ -555,6 +622,10 @@ class NativeEngine:
                     p.data.fill_(float("nan"))
             self.weights_valid = False
         self._weights_backup = None
+
+    def _paused(self) -> set[str]:
+        """The regions the memory saver has unmapped now."""
+        return self.saver.paused if self.saver is not None else set()
 
     def _retie(self) -> None:
         """Give every alias group one storage again (release gave each its own empty tensor)."""
@@ -571,7 +642,7 @@ class NativeEngine:
 
         # each storage once (tied weights; a fused group's members are views of one)
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.model.parameters()}
-        weights = sum(storages.values())
+        weights = sum(storages.values()) if "weights" not in self._paused() else 0
         rep: dict[str, Any] = {
             "released": sorted(self.released),
             "pid": os.getpid(),
@@ -579,13 +650,16 @@ class NativeEngine:
             "weight_bytes": weights,
             "rss_bytes": psutil.Process().memory_info().rss,
         }
-        kv = self.decoder.kv_bytes if self.decoder is not None else 0
+        kv = self.decoder.kv_bytes if self.decoder is not None and "kv_cache" not in self._paused() else 0
         if self.decoder is not None:
             rep["kv_cache_bytes"] = kv  # the paged pool
         if self.device.type == "cuda":
             rep["host_pinned_bytes"] = all_pinned_host_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             allocated, reserved = torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+            for tag in self._paused():  # (the allocator counts them still: their pages are unmapped)
+                allocated -= self._paused_bytes[tag][0]
+                reserved -= self._paused_bytes[tag][1]
             rep.update(
                 cuda_allocated=allocated,
                 cuda_reserved=reserved,
@@ -866,6 +940,13 @@ class NativeEngine:
 
     def param_spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return dict(self._param_meta)
+
+
+def _paged_wanted(decode: str, device: torch.device) -> bool:
+    """Whether `decode` asks for the paged path on `device` (auto: on CUDA)."""
+    if decode not in ("auto", "paged", "hf"):
+        raise ValueError(f"decode={decode!r}: expected auto, paged or hf")
+    return decode == "paged" or (decode == "auto" and device.type == "cuda")
 
 
 def _tags(tags: list[str] | None) -> list[str]:

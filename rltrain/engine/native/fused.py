@@ -1,6 +1,6 @@
 """Projections of one input computed by one GEMM: an attention's q, k and v, an MLP's gate and up.
 
-    fused = FusedProjections(model)     # after loading; the weights keep their names and values
+    fused = FusedProjections(model, device)   # after loading; the weights keep their names and values
     fused.release()                     # with the weights (engine.release)
     fused.allocate()                    # before restoring them (engine.resume)
 
@@ -28,21 +28,30 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 class _Group:
     """One parent module's projections of one input, their weights rows of `weight`."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], device: torch.device):
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.x: torch.Tensor | None = None  # the input of the outputs in `outs`
         self.outs: list[torch.Tensor | None] = [None] * len(linears)
-        self.link(torch.cat([m.weight.detach() for m in linears]), self._bias_cat())
+        weight, bias = self.empty(device)
+        for dst, src in zip(weight.split(self.sizes), (m.weight for m in linears)):
+            dst.copy_(src.detach())
+        if bias is not None:
+            for dst, src in zip(bias.split(self.sizes), (m.bias for m in linears)):
+                dst.copy_(src.detach())  # type: ignore[union-attr]
+        self.link(weight, bias)
         for i, m in enumerate(linears):
             m.forward = self._forward_of(i)  # type: ignore[method-assign]
 
-    def _bias_cat(self) -> torch.Tensor | None:
-        if self.linears[0].bias is None:
-            return None
-        return torch.cat([m.bias.detach() for m in self.linears])  # type: ignore[union-attr]
+    def empty(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The group's weight and bias on `device`, uninitialised."""
+        m = self.linears[0]
+        shape = (sum(self.sizes), m.in_features)
+        weight = torch.empty(shape, dtype=m.weight.dtype, device=device)
+        bias = None if m.bias is None else torch.empty(shape[0], dtype=m.bias.dtype, device=device)
+        return weight, bias
 
     def link(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Make every member's parameters views of `weight` (and `bias`) rows."""
@@ -79,7 +88,9 @@ class FusedProjections:
     """Every group of `GROUPS` found under one parent module (nn.Linear members, one input width,
     one dtype, all with bias or none), fused (module doc)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        """The groups' weights are made on `device` (the members' may be anywhere, the host
+        after loading: nothing on the device is allocated and freed again)."""
         self.groups: list[_Group] = []
         for parent in model.modules():
             for names in GROUPS:
@@ -93,7 +104,7 @@ class FusedProjections:
                     for m in linears
                 ):
                     continue
-                self.groups.append(_Group(linears))  # type: ignore[arg-type]
+                self.groups.append(_Group(linears, device))  # type: ignore[arg-type]
 
     @property
     def params(self) -> set[int]:
@@ -109,8 +120,4 @@ class FusedProjections:
     def allocate(self) -> None:
         """Fresh (uninitialised) weights for every group, members' parameters viewing them."""
         for g in self.groups:
-            m = g.linears[0]
-            shape = (sum(g.sizes), m.in_features)
-            weight = torch.empty(shape, dtype=m.weight.dtype, device=m.weight.device)
-            bias = None if m.bias is None else torch.empty(shape[0], dtype=m.bias.dtype, device=m.bias.device)
-            g.link(weight, bias)
+            g.link(*g.empty(g.linears[0].weight.device))

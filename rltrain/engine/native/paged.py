@@ -25,9 +25,11 @@ engine for this path). At start-up a probe checks the path against transformers'
 bucket and replayed: its inputs are static tensors (token, position, page table, length) filled
 before each replay; rows past the batch point at the scratch page; a captured graph serves
 batches down to a quarter of its size. Sampling runs after the replay, batched, in one pass over
-the logits on CUDA (sampling.py). Graphs hold the weights' and the pool's addresses: they are
-dropped whenever either is released, and a growing batch after a release is captured once at the
-largest size captured before (`_graph_for`).
+the logits on CUDA (sampling.py). Graphs hold the weights' and the pool's addresses. With the
+memory saver (saver.py: SGLang's, for this engine) those addresses, and the graphs' own memory,
+come back at resume: the graphs are kept through releases. Without it they are dropped whenever
+either is released, and a growing batch after a release is captured once at the largest size
+captured before (`_graph_for`).
 
 **Continuous batching.** Between decode steps, finished rows leave (their requests are answered
 at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
@@ -38,6 +40,7 @@ host reads step t's tokens, so Python's per-step work runs while the device comp
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -51,6 +54,7 @@ from transformers import AttentionInterface
 
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, device_tensor, sample
+from rltrain.engine.native.saver import MemorySaver
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.runtime import internals
 
@@ -263,6 +267,7 @@ class PagedDecoder:
         token_hash: Callable[[int], torch.Tensor | None],
         eos_ids: set[int],
         deterministic: bool = False,
+        saver: MemorySaver | None = None,
     ):
         self.model = model
         self.config = model.config
@@ -296,6 +301,9 @@ class PagedDecoder:
         self.token_hash = token_hash
         self.eos_ids = eos_ids
         self.deterministic = deterministic
+        # With the memory saver (saver.py) the pool and the graphs' memory keep their addresses
+        # through release and resume: the graphs are kept, not captured again.
+        self.saver = saver
         self.pool: KVPool | None = None
         self.graphs: dict[int, _Graph] = {}
         self._captured: set[int] = set()  # every size captured so far (kept across releases)
@@ -332,7 +340,8 @@ class PagedDecoder:
                 f"no memory left for the KV cache (a page of {P} tokens is {page_bytes / 2**20:.1f} MiB); lower "
                 "what else runs on the device, or raise --mem-fraction-static"
             )
-        self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
+        with self.saver.region("kv_cache") if self.saver is not None else contextlib.nullcontext():
+            self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
         log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
 
     def free_memory(self, kv_cache: bool) -> None:
@@ -349,6 +358,11 @@ class PagedDecoder:
             torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self._graph_pool = None
+
+    @property
+    def graph_pool(self) -> Any:
+        """The captured graphs' memory pool (None: none captured)."""
+        return self._graph_pool
 
     @property
     def compiled(self) -> bool:
@@ -446,7 +460,8 @@ class PagedDecoder:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            capture = self.saver.graph if self.saver is not None else torch.cuda.graph
+            with capture(graph, pool=self._graph_pool):
                 g.logits = self._decode_eager(g, size)
             g.graph = graph
             self._captured.add(size)

@@ -118,6 +118,12 @@ class NativeServer:
                 "enable_eplb": False,
                 "ep_num_redundant_experts": 0,
                 "moe_a2a_backend": "none",
+                # SGLang's flag: weights, KV cache and graphs' memory released and resumed at the
+                # same addresses (saver.py)
+                "enable_memory_saver": self.engine.saver is not None,
+                # The paged path's counts since start-up: prefills, decode steps, graph captures
+                # and their seconds, tokens (None: the plain transformers path)
+                "decode_stats": dict(self.engine.decoder.stats) if self.engine.decoder is not None else None,
             }
         if path == "/memory":
             return 200, self.engine.memory_report()
@@ -723,6 +729,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="paged decode with the transformer blocks torch.compiled (as SGLang's flag; compiles at start-up)",
     )
+    ap.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="CUDA: weights, KV cache and graphs' memory through torch_memory_saver (SGLang's flag): released "
+        "and resumed at the same addresses, so captured graphs are kept (saver.py)",
+    )
     ap.add_argument("--max-body-mb", type=int, default=MAX_BODY_BYTES >> 20, help="largest request body taken")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
@@ -758,6 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         mem_fraction_static=args.mem_fraction_static,
         cuda_graphs=not args.disable_cuda_graph,
         compile=args.enable_torch_compile,
+        memory_saver=args.enable_memory_saver,
     )
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
     httpd = EngineHTTPServer(
