@@ -17,7 +17,10 @@ Memory. `release(["weights"])` backs the weights up (pinned host memory on GPU, 
 file on CPU — so the process's RSS really drops), then frees every parameter; `resume` restores
 them. `release(["kv_cache"])` drops the KV pool (paged) or the allocator's cached blocks (the KV
 cache of the last batch) and refuses generation until resumed. Generating while released is an
-error, never garbage.
+error, never garbage. With the memory saver (`memory_saver`, saver.py: SGLang's
+--enable-memory-saver) nothing is freed or allocated again: release unmaps the regions' pages
+(weights, KV pool, the graphs' memory; the weights backed up first if kept) and resume maps new
+ones at the same addresses, so the captured CUDA graphs stay valid.
 """
 
 from __future__ import annotations
@@ -950,10 +953,11 @@ def _paged_wanted(decode: str, device: torch.device) -> bool:
 
 
 def _tags(tags: list[str] | None) -> list[str]:
-    """SGLang's memory regions (None: all). The paged path's CUDA graphs are dropped with any
-    region (they hold the weights' and the KV pool's addresses) and captured again when needed;
-    on the plain path that region holds nothing, but is released and resumed like the others
-    (generation waits for it)."""
+    """SGLang's memory regions (None: all). Without the memory saver, the paged path's CUDA
+    graphs are dropped with any region (they hold the weights' and the KV pool's addresses) and
+    captured again when needed; with it, `cuda_graph` is their memory pool, unmapped and mapped
+    again. On the plain path that region holds nothing, but is released and resumed like the
+    others (generation waits for it)."""
     tags = list(tags) if tags else ["weights", "kv_cache", "cuda_graph"]
     bad = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
     if bad:
