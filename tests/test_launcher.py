@@ -346,6 +346,10 @@ def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeyp
     monkeypatch.setattr(saver, "installed", lambda: False)
     with pytest.raises(ConfigError, match="pip install torch_memory_saver"):
         launcher.check_engine(EngineConfig(backend="native", device="cuda", memory_saver=True), seeded=False)
+    from rltrain.engine.native.engine import NativeEngine
+
+    with pytest.raises(ValueError, match="CUDA only"):  # (before it loads anything)
+        NativeEngine("/no/such/model", device="cpu", memory_saver=True)
     monkeypatch.undo()
     if not saver.installed():  # (CI, this machine): the engine's program says what to install
         r = subprocess.run(
