@@ -227,10 +227,10 @@ def server_environment(cfg: EngineConfig, layout: EngineLayout | None = None) ->
     # Inherited as the trainer has it (cli sets 0 by default): both ends of an NCCL weight group
     # must agree on cuMem, and SGLang's memory saver wants it off.
     env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
-    if memory_saver_on(cfg):
+    sglang = resolve_backend(cfg.backend) == "sglang"
+    if sglang or memory_saver_on(cfg):
         env.update(dict.fromkeys(ALLOCATOR_VARIABLES))
-    if resolve_backend(cfg.backend) == "sglang":
-        env.update(dict.fromkeys(ALLOCATOR_VARIABLES))
+    if sglang:
         on_cpu = resolve_device(cfg.device) == "cpu"
         if on_cpu and layout is not None and "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
             env["SGLANG_CPU_OMP_THREADS_BIND"] = layout.cpu_binding()

@@ -1,8 +1,8 @@
 """Projections of one input computed by one GEMM: an attention's q, k and v, an MLP's gate and up.
 
-    fused = FusedProjections(model, device)   # after loading; the weights keep their names and values
-    fused.release()                     # with the weights (engine.release)
-    fused.allocate()                    # before restoring them (engine.resume)
+    fused = FusedProjections(model, device)  # after loading; the weights keep their names and values
+    fused.release()                          # with the weights (engine.release, without the memory saver)
+    fused.allocate()                         # before restoring them (engine.resume)
 
 At a decode step's batch (hundreds of rows) each of these GEMMs is short: on the H200, for the
 1.7B shape at 512 rows, q, k and v took 13.5 us each, one GEMM of the three ~19 us. transformers'
