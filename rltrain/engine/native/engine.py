@@ -25,7 +25,6 @@ ones at the same addresses, so the captured CUDA graphs stay valid.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import logging
@@ -48,7 +47,7 @@ from rltrain.engine.native.fused import FusedProjections
 from rltrain.engine.native.paged import PagedDecoder, unsupported
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
-from rltrain.engine.native.saver import MemorySaver
+from rltrain.engine.native.saver import MemorySaver, in_region
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
@@ -108,7 +107,7 @@ class NativeEngine:
         self.config = AutoConfig.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype).eval()
         self.fused: FusedProjections | None = None  # the paged path's fused projections (fused.py)
-        with self._region("weights"):
+        with in_region(self.saver, "weights"):
             if _paged_wanted(decode, self.device) and unsupported(self.config) is None:
                 self.fused = FusedProjections(model, self.device)
             for p in model.parameters():  # (tied ones once; the fused ones are on the device already)
@@ -516,10 +515,6 @@ class NativeEngine:
                 self._restore_weights()
             self.released -= set(tags)
         return self.memory_report()
-
-    def _region(self, tag: str) -> contextlib.AbstractContextManager[Any]:
-        """Where region `tag`'s memory is allocated: the memory saver's (saver.py), if on."""
-        return self.saver.region(tag) if self.saver is not None else contextlib.nullcontext()
 
     def _pause(self, tags: list[str]) -> None:
         """Release with the memory saver: the weights backed up (if kept), the caches emptied

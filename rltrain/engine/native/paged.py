@@ -40,7 +40,6 @@ host reads step t's tokens, so Python's per-step work runs while the device comp
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -54,7 +53,7 @@ from transformers import AttentionInterface
 
 from rltrain.engine.native.rows import GenRequest, Row
 from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, device_tensor, sample
-from rltrain.engine.native.saver import MemorySaver
+from rltrain.engine.native.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.runtime import internals
 
@@ -340,7 +339,7 @@ class PagedDecoder:
                 f"no memory left for the KV cache (a page of {P} tokens is {page_bytes / 2**20:.1f} MiB); lower "
                 "what else runs on the device, or raise --mem-fraction-static"
             )
-        with self.saver.region("kv_cache") if self.saver is not None else contextlib.nullcontext():
+        with in_region(self.saver, "kv_cache"):
             self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
         log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
 

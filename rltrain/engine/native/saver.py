@@ -117,3 +117,8 @@ class MemorySaver:
             if tag in self.paused:
                 self._tms.resume(tag)
                 self.paused.discard(tag)
+
+
+def in_region(saver: MemorySaver | None, tag: str) -> contextlib.AbstractContextManager[Any]:
+    """Where region `tag`'s memory is allocated: `saver`'s region, or anywhere without one."""
+    return saver.region(tag) if saver is not None else contextlib.nullcontext()
