@@ -1,4 +1,4 @@
-"""Triton kernels of the embedded engine's sampling (engine/native/sampling.py).
+"""Triton kernels of the embedded engine's sampling (engine/embedded/sampling.py).
 
 `sample_tokens`: one token and its log-prob per row, in one pass over the logits, as the torch
 ops of `sampling.sample` give them for rows that filter nothing (greedy rows, seeded rows: the

@@ -196,8 +196,8 @@ class AlgoConfig:
 
 @dataclass
 class TrainerConfig:
-    # native: transformers model + FSDP2; megatron: megatron-core GPTModel (needs megatron-core)
-    backend: Literal["native", "megatron"] = "native"
+    # fsdp: transformers model + FSDP2; megatron: megatron-core GPTModel (needs megatron-core)
+    backend: Literal["fsdp", "megatron"] = "fsdp"
     tensor_parallel_size: int = 1  # megatron only; must divide the world size and the KV heads
     distributed_optimizer: bool = False  # megatron only: shard optimizer state over data parallel
     expert_parallel_size: int = 1  # megatron MoE only: experts split over this many data-parallel ranks
@@ -215,16 +215,16 @@ class TrainerConfig:
     micro_batch_size: int = 8
     # > 0: padding-free. Micro-batches are cut by token count (at most this many real tokens, a
     # longer sequence alone), and each is one packed row with per-sequence position ids, so no
-    # token attends across sequences and no padding is computed (native backend). Replaces
+    # token attends across sequences and no padding is computed (fsdp backend). Replaces
     # micro_batch_size.
     max_tokens_per_micro_batch: int = 0
-    # The native backend's attention (transformers' attn_implementation). auto: transformers'
+    # The fsdp backend's attention (transformers' attn_implementation). auto: transformers'
     # default (SDPA), and flex_attention for packed micro-batches on a GPU. Packed, sdpa and eager
     # compute a block-diagonal mask over the whole row, flex_attention skips the blocks across
     # sequences, flash_attention_2 (if installed) is varlen.
     attention: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = "auto"
     gradient_checkpointing: bool = False
-    # torch.compile each transformer block's forward (native backend; regional compilation, dynamic
+    # torch.compile each transformer block's forward (fsdp backend; regional compilation, dynamic
     # shapes, so packed micro-batches of any length reuse one graph): fuses the norms, rotary and
     # gated activations around the matmuls. The first step pays the compilation (tens of seconds).
     compile: bool = False
@@ -244,28 +244,28 @@ class TrainerConfig:
             raise ConfigError(f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: expected >= 0")
         if self.max_tokens_per_micro_batch and self.backend == "megatron":
             raise ConfigError(
-                "trainer.max_tokens_per_micro_batch (padding-free packed sequences) needs trainer.backend=native: "
+                "trainer.max_tokens_per_micro_batch (padding-free packed sequences) needs trainer.backend=fsdp: "
                 "megatron-core takes packed sequences (THD, PackedSeqParams) only through Transformer Engine's "
                 "attention, and rltrain builds megatron's local layer spec without it; use "
                 "trainer.micro_batch_size with the megatron backend"
             )
-        if self.backend == "native" and (self.expert_parallel_size != 1 or self.pipeline_parallel_size != 1):
+        if self.backend == "fsdp" and (self.expert_parallel_size != 1 or self.pipeline_parallel_size != 1):
             raise ConfigError(
                 "trainer.expert_parallel_size and pipeline_parallel_size > 1 need trainer.backend=megatron"
             )
-        if self.backend == "native" and self.distributed_optimizer:
+        if self.backend == "fsdp" and self.distributed_optimizer:
             raise ConfigError(
-                "trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the native "
+                "trainer.distributed_optimizer is megatron's (trainer.backend=megatron); the fsdp "
                 "trainer shards optimizer state with FSDP2 anyway"
             )
-        if self.backend == "native" and self.tensor_parallel_size != 1:
+        if self.backend == "fsdp" and self.tensor_parallel_size != 1:
             raise ConfigError(
-                "trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the native "
+                "trainer.tensor_parallel_size > 1 needs trainer.backend=megatron (the fsdp "
                 "trainer shards with FSDP2 over all ranks)"
             )
         if self.backend == "megatron" and self.compile:
             raise ConfigError(
-                "trainer.compile compiles the native backend's transformer blocks; megatron-core's GPTModel is "
+                "trainer.compile compiles the fsdp backend's transformer blocks; megatron-core's GPTModel is "
                 "not compiled by rltrain: set trainer.compile=false with trainer.backend=megatron"
             )
         if self.backend == "megatron" and self.gradient_checkpointing:
@@ -344,11 +344,36 @@ class MetricsConfig:
 
 
 @dataclass
+class EmbeddedEngineConfig:
+    """Keys only the embedded engine reads (`engine.backend: embedded`); SGLang takes its own
+    through `engine.extra_args`."""
+
+    max_batch_size: int = 256  # sequences decoded together
+    # On CUDA: the decode step's transformer blocks torch.compiled (fused norms, rotary and
+    # activations; start-up pays the compilation once).
+    compile: bool = True
+    # On CUDA: the weights, KV cache and CUDA graphs' memory through
+    # torch_memory_saver (SGLang's --enable-memory-saver; SGLang on CUDA always has it), so they
+    # are released and resumed at the same addresses and the captured graphs are kept, not
+    # captured again at every rollout. auto: where torch_memory_saver is installed.
+    memory_saver: bool | Literal["auto"] = "auto"
+    # How the engine's process starts on the CPU. auto: forked from its rank, which has
+    # imported torch and transformers already (no second import per engine), where a fork is
+    # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;
+    # exec: always a new interpreter. SGLang and engines on GPUs always start as new programs.
+    start: Literal["auto", "exec"] = "auto"
+
+    def check(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.embedded.max_batch_size={self.max_batch_size}: expected >= 1")
+
+
+@dataclass
 class EngineConfig:
     """The node's rollout engine: real SGLang or the embedded engine, same HTTP protocol."""
 
     # auto: SGLang where it is installed and a GPU is present, else the embedded engine.
-    backend: Literal["auto", "native", "sglang"] = "auto"
+    backend: Literal["auto", "embedded", "sglang"] = "auto"
     # Empty: model.path.
     model_path: str = ""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -357,11 +382,8 @@ class EngineConfig:
     # gpus_per_engine engines (engine/layout.py). 0: SGLang one engine over the node, the
     # embedded engine one per GPU.
     gpus_per_engine: int = 0
-    mem_fraction_static: float = 0.8  # share of GPU memory for weights + KV cache (SGLang; the paged native engine)
-    max_batch_size: int = 256  # embedded engine: sequences decoded together
-    # Embedded engine on CUDA: its decode step's transformer blocks torch.compiled (fused norms,
-    # rotary and activations; ~25 s more at start-up, ~1.4x the decode rate on the H200).
-    compile: bool = True
+    # Share of GPU memory for weights + KV cache (SGLang; the embedded engine's paged path).
+    mem_fraction_static: float = 0.8
     seed: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -392,21 +414,12 @@ class EngineConfig:
     # post-sync verification is what proves it did — and no step pays a device->host->device
     # copy of the whole model.
     weights_backup: bool = False
-    # The embedded engine on CUDA: its weights, KV cache and CUDA graphs' memory through
-    # torch_memory_saver (SGLang's --enable-memory-saver; SGLang on CUDA always has it), so they
-    # are released and resumed at the same addresses and the captured graphs are kept, not
-    # captured again at every rollout. auto: where torch_memory_saver is installed.
-    memory_saver: bool | Literal["auto"] = "auto"
-    # How the embedded engine's process starts on the CPU. auto: forked from its rank, which has
-    # imported torch and transformers already (~7 s of CPU less per engine), where a fork is
-    # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;
-    # exec: always a new interpreter. SGLang and engines on GPUs always start as new programs.
-    start: Literal["auto", "exec"] = "auto"
+    embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)  # engine.embedded.*
 
     def check(self) -> None:
         if self.gpus_per_engine < 0:
             raise ConfigError(f"engine.gpus_per_engine={self.gpus_per_engine}: expected >= 1, or 0 for the default")
-        for key in ("max_batch_size", "max_inflight", "prompts_per_request"):
+        for key in ("max_inflight", "prompts_per_request"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 1")
         for key in ("retries", "max_restarts"):
@@ -463,9 +476,13 @@ class Config:
             )
         if self.sync_transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
             raise ConfigError(DISTRIBUTED_COLOCATED)
-        if self.sync_transport == "distributed" and self.engine.backend == "native" and self.engine.gpus_per_engine > 1:
+        if (
+            self.sync_transport == "distributed"
+            and self.engine.backend == "embedded"
+            and self.engine.gpus_per_engine > 1
+        ):
             raise ConfigError(
-                f"sync.transport=distributed with engine.backend=native and engine.gpus_per_engine="
+                f"sync.transport=distributed with engine.backend=embedded and engine.gpus_per_engine="
                 f"{self.engine.gpus_per_engine}: the embedded engine's TP ranks are one process, which cannot join "
                 "the weight-update group as each of them; use sync.transport=tensor or disk (or engine.backend=sglang)"
             )
@@ -556,6 +573,13 @@ MOVED = {
     "loop.weights_dir": "sync.weights_dir",
     "loop.keep_weight_versions": "sync.keep_weight_versions",
     "engine.tp_size": "engine.gpus_per_engine",
+    **{f"engine.{k}": f"engine.embedded.{k}" for k in ("max_batch_size", "compile", "memory_saver", "start")},
+}
+
+# Values that were renamed: the old value is an error that names the new one.
+RENAMED = {
+    ("engine.backend", "native"): "embedded",
+    ("trainer.backend", "native"): "fsdp",
 }
 
 
@@ -633,6 +657,9 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         allowed = typing.get_args(tp)
         if value in allowed:
             return value
+        if isinstance(value, str) and (key, value) in RENAMED:
+            new = RENAMED[key, value]
+            raise ConfigError(f"{key}={value} was renamed {key}={new}: change it in the config or override")
         text = str(value)
         raise ConfigError(
             f"{key}={value!r} is not allowed; expected one of {', '.join(repr(a) for a in allowed)}"

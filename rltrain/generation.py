@@ -4,7 +4,7 @@ Below the engine and the rollout, which both use it (the engine's client and ser
 parse these; the rollout turns completions into samples).
 
 Both servers rltrain drives speak this: real SGLang (`python -m sglang.launch_server`) and the
-embedded engine (`python -m rltrain.engine.native`). Token ids in, token ids out
+embedded engine (`python -m rltrain.engine.embedded`). Token ids in, token ids out
 (`skip_tokenizer_init`): tokenisation stays in the trainer process, so both sides agree on ids.
 """
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -26,7 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models import make_model  # noqa: E402
-from rltrain.config import EngineConfig  # noqa: E402
+from rltrain.config import EmbeddedEngineConfig, EngineConfig  # noqa: E402
 from rltrain.engine.client import EngineClient  # noqa: E402
 from rltrain.engine.launcher import EngineProcess, server_command  # noqa: E402
 from rltrain.runtime.net import free_port  # noqa: E402
@@ -66,7 +67,10 @@ def model_b(tmp_path_factory) -> Path:
 
 
 def engine_config(kind: str, **kw) -> EngineConfig:
-    cfg = EngineConfig(**{"backend": kind, "device": "cpu", "dtype": "float32", "startup_timeout_s": 180, **kw})
+    """`kw`: EngineConfig's keys, and the embedded engine's own (EmbeddedEngineConfig) beside them."""
+    own = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(EmbeddedEngineConfig)] if k in kw}
+    kw = {"backend": kind, "device": "cpu", "dtype": "float32", "startup_timeout_s": 180, **kw}
+    cfg = EngineConfig(**kw, embedded=EmbeddedEngineConfig(**own))
     if kind == "sglang":
         # CPU settings from shared/sglang-cpu/README.md.
         cfg.mem_fraction_static = 0.1
@@ -104,7 +108,7 @@ def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | No
     return start_server(engine_config(kind, **kw), model, log_dir / f"{kind}.log", env)
 
 
-@pytest.fixture(scope="session", params=["native", "sglang"])
+@pytest.fixture(scope="session", params=["embedded", "sglang"])
 def server(request, model_a, tmp_path_factory):
     """A live engine serving model A: the embedded engine, and real SGLang on CPU."""
     if request.param == "sglang" and not HAVE_SGLANG:
@@ -124,9 +128,9 @@ def big_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def native(big_model, tmp_path_factory):
+def embedded(big_model, tmp_path_factory):
     # With a backup: these tests check that release and resume keep what the engine serves.
-    srv = start_engine("native", big_model, tmp_path_factory.mktemp("native_logs"), weights_backup=True)
+    srv = start_engine("embedded", big_model, tmp_path_factory.mktemp("embedded_logs"), weights_backup=True)
     yield srv
     srv.client.close()
     srv.process.stop()

@@ -84,17 +84,17 @@ def test_a_buffer_that_is_not_bytes_is_refused():
 # --------------------------------------------------------------------------- the engine's side
 
 
-def test_tensor_payload_refuses_code(native):
+def test_tensor_payload_refuses_code(embedded):
     import base64
     import os
     import pickle
 
     evil = base64.b64encode(pickle.dumps(os.system)).decode()
-    r = native.client._http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
+    r = embedded.client._http.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil]})
     assert r.status_code == 400 and "not allowed" in r.json()["message"]
 
 
-def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_model):
+def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(embedded, big_model):
     """The sync's buffer reuse against this engine: inside a session a refilled buffer is served
     from the kept mapping, and the engine copies what the buffer holds now, not what it held."""
     from safetensors.torch import load_file
@@ -109,27 +109,27 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(native, big_
     ring = [torch.empty(1 << 16, dtype=torch.uint8).share_memory_() for _ in range(2)]
     mapped = []
     try:
-        native.client.begin_weight_update()
+        embedded.client.begin_weight_update()
         for slot, (name, value) in enumerate([(name_a, 1.0), (name_b, 3.0), (name_a, 2.0)]):
             bucket = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=ring[slot % 2])
-            rep = native.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
+            rep = embedded.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
             mapped.append(rep["mapped"])
     finally:
         # The session's end can carry the engine's checksum report (the sync asks so).
-        ended = native.client.end_weight_update(checksum=True)
+        ended = embedded.client.end_weight_update(checksum=True)
     assert mapped == [True, True, False]
     expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
-    rep = native.client.weights_checksum()
+    rep = embedded.client.weights_checksum()
     assert rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
     assert ended["weights_checksum"] == rep and rep["weight_version"] == "reuse"
     with pytest.raises(EngineError, match="weights_checksum must be true or false") as bad:
-        native.client._checked("/end_weight_update", {"weights_checksum": "yes"})
+        embedded.client._checked("/end_weight_update", {"weights_checksum": "yes"})
     assert bad.value.status == 400
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
+    embedded.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert embedded.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 
 
-def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it(native, big_model):
+def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it(embedded, big_model):
     """The engine's buffer-slot extension (what the sync uses against it): a buffer's handle
     comes once with its slot number, later buckets name the slot only and are read from what the
     buffer holds now; a slot never sent, one out of range, or a slot outside a session is a 400
@@ -139,7 +139,7 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
     from rltrain.weights import bucket as tensor_payload
     from rltrain.weights.checksum import combine, entry
 
-    assert native.client.server_info()["weight_buffer_slots"] >= 3
+    assert embedded.client.server_info()["weight_buffer_slots"] >= 3
     state = {}
     for f in sorted(big_model.glob("*.safetensors")):
         state.update(load_file(str(f)))
@@ -149,12 +149,12 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
     def send(name, value, slot, handle):
         md = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=buf)["metadata"]
         payload = {"flattened_tensor": buf if handle else None, "metadata": md, "buffer": slot}
-        return native.client.update_weights_from_tensor([tensor_payload.serialize(payload)], weight_version="slots")
+        return embedded.client.update_weights_from_tensor([tensor_payload.serialize(payload)], weight_version="slots")
 
     with pytest.raises(EngineError, match="begin_weight_update"):
         send(name_a, 1.0, 0, True)
     try:
-        native.client.begin_weight_update()
+        embedded.client.begin_weight_update()
         with pytest.raises(EngineError, match="slot 1 has no buffer"):
             send(name_a, 1.0, 1, False)
         with pytest.raises(EngineError, match=r"expected an int in \[0, "):
@@ -163,20 +163,20 @@ def test_buffer_slots_carry_a_handle_once_per_session_and_are_refused_outside_it
         assert send(name_b, 3.0, 1, False)["mapped"] is False  # the same buffer, refilled
         assert send(name_a, 2.0, 1, False)["mapped"] is False
     finally:
-        native.client.end_weight_update()
+        embedded.client.end_weight_update()
     expected = dict(state, **{name_a: torch.full_like(state[name_a], 2.0), name_b: torch.full_like(state[name_b], 3.0)})
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    assert embedded.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
     try:
-        native.client.begin_weight_update()
+        embedded.client.begin_weight_update()
         with pytest.raises(EngineError, match="slot 1 has no buffer"):  # the last session's slots are gone
             send(name_a, 5.0, 1, False)
     finally:
-        native.client.end_weight_update()
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
+        embedded.client.end_weight_update()
+    embedded.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert embedded.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in state.items()})
 
 
-def test_one_request_opens_loads_and_closes_a_session_with_its_reports(native, big_model):
+def test_one_request_opens_loads_and_closes_a_session_with_its_reports(embedded, big_model):
     """The inline-session extension (what the sync uses against this engine): one update request
     opens the weight-update session, loads its bucket into a slot, closes the session and
     answers with the checksum report and the probe's scores, as /weights_checksum and a scoring
@@ -187,7 +187,7 @@ def test_one_request_opens_loads_and_closes_a_session_with_its_reports(native, b
     from rltrain.weights import bucket as tensor_payload
     from rltrain.weights.checksum import combine, entry
 
-    assert native.client.server_info()["weight_update_sessions"] == "inline"
+    assert embedded.client.server_info()["weight_update_sessions"] == "inline"
     state = {}
     for f in sorted(big_model.glob("*.safetensors")):
         state.update(load_file(str(f)))
@@ -205,40 +205,40 @@ def test_one_request_opens_loads_and_closes_a_session_with_its_reports(native, b
         ({"end_session": True, "probe": [1, 8192]}, r"in \[0, 8192\)"),
     ]:
         with pytest.raises(EngineError, match=match) as err:
-            native.client.update_weights_from_tensor([payload(5.0)], weight_version="bad", begin_session=True, **bad)
+            embedded.client.update_weights_from_tensor([payload(5.0)], weight_version="bad", begin_session=True, **bad)
         assert err.value.status == 400
     with pytest.raises(EngineError, match="must be true or false") as err:
-        native.client._lean_post(
+        embedded.client._lean_post(
             "/update_weights_from_tensor",
             {"serialized_named_tensors": [payload(5.0)], "load_format": "flattened_bucket", "end_weight_update": 1},
         )
     assert err.value.status == 400
-    assert native.client.weights_checksum()["checksum"] == base  # nothing loaded
+    assert embedded.client.weights_checksum()["checksum"] == base  # nothing loaded
     with pytest.raises(EngineError, match="begin_weight_update"):  # and no session was left open
-        native.client.update_weights_from_tensor([payload(5.0, handle=False)], weight_version="bad")
+        embedded.client.update_weights_from_tensor([payload(5.0, handle=False)], weight_version="bad")
 
-    answer = native.client.update_weights_from_tensor(
+    answer = embedded.client.update_weights_from_tensor(
         [payload(2.0)], weight_version="inline", begin_session=True, end_session=True, checksum=True, probe=probe
     )
     expected = dict(state, **{name: torch.full_like(state[name], 2.0)})
-    rep = native.client.weights_checksum()
+    rep = embedded.client.weights_checksum()
     assert rep["weight_version"] == "inline" and rep["checksum"] == combine({n: entry(t) for n, t in expected.items()})
     assert answer["weights_checksum"] == rep
-    assert answer["probe_logprobs"] == native.client.score(probe)
+    assert answer["probe_logprobs"] == embedded.client.score(probe)
     with pytest.raises(EngineError, match="begin_weight_update"):  # closed: its slot is gone
-        native.client.update_weights_from_tensor([payload(3.0, handle=False)], weight_version="after")
+        embedded.client.update_weights_from_tensor([payload(3.0, handle=False)], weight_version="after")
 
     # A bucket the engine refuses (no such slot) in a request asked to close the session: closed all the same.
-    native.client.update_weights_from_tensor([payload(4.0, slot=1)], begin_session=True)
+    embedded.client.update_weights_from_tensor([payload(4.0, slot=1)], begin_session=True)
     with pytest.raises(EngineError, match="slot 2 has no buffer"):
-        native.client.update_weights_from_tensor([payload(1.0, slot=2, handle=False)], end_session=True)
+        embedded.client.update_weights_from_tensor([payload(1.0, slot=2, handle=False)], end_session=True)
     with pytest.raises(EngineError, match="begin_weight_update"):
-        native.client.update_weights_from_tensor([payload(1.0, slot=1, handle=False)])
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == base
+        embedded.client.update_weights_from_tensor([payload(1.0, slot=1, handle=False)])
+    embedded.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert embedded.client.weights_checksum()["checksum"] == base
 
 
-def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big_model):
+def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(embedded, big_model):
     """A bucket naming an unknown weight or the wrong shape is refused whole (nothing of it is
     copied, also when its layout was seen before); a bucket in another dtype goes through the
     casting path and loads."""
@@ -252,7 +252,7 @@ def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big
         state.update(load_file(str(f)))
     good, other = "model.norm.weight", "model.layers.0.input_layernorm.weight"
     base = combine({n: entry(t) for n, t in state.items()})
-    send = lambda named: native.client.update_weights_from_tensor(  # noqa: E731
+    send = lambda named: embedded.client.update_weights_from_tensor(  # noqa: E731
         [tensor_payload.serialize(tensor_payload.flatten_bucket(named))], weight_version="bad"
     )
     with pytest.raises(EngineError, match="unknown parameter 'model.nope'"):
@@ -261,9 +261,9 @@ def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(native, big
     for _ in range(2):  # the second time from the kept layout check
         with pytest.raises(EngineError, match="does not match the model's"):
             send([(good, torch.full_like(state[good], 7.0)), (other, wrong)])
-    assert native.client.weights_checksum()["checksum"] == base
+    assert embedded.client.weights_checksum()["checksum"] == base
     send([(good, torch.full_like(state[good], 0.5, dtype=torch.float64))])
     expected = dict(state, **{good: torch.full_like(state[good], 0.5)})
-    assert native.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
-    native.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
-    assert native.client.weights_checksum()["checksum"] == base
+    assert embedded.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
+    embedded.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
+    assert embedded.client.weights_checksum()["checksum"] == base

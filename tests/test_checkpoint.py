@@ -285,7 +285,7 @@ def test_a_second_engine_death_stops_the_job_with_the_engines_log(tmp_path):
     r = _engine_dies(tmp_path, "1,2", "loop.steps=4", "rollout.max_new_tokens=2")
     assert r.returncode != 0
     assert "the engine died again after 1 restart(s)" in r.stderr, r.stderr[-3000:]
-    assert "last lines of" in r.stderr and "rltrain.engine.native" in r.stderr, r.stderr[-3000:]
+    assert "last lines of" in r.stderr and "rltrain.engine.embedded" in r.stderr, r.stderr[-3000:]
     assert [x["step"] for x in rows(tmp_path / "quickstart")] == [1, 2]  # steps done before it stay recorded
 
 

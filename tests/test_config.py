@@ -41,10 +41,30 @@ def test_impossible_combinations_are_rejected():
         load_config(None, REQUIRED + ["algo.kl_in=reward", "algo.kl_coef=0.1"])
     with pytest.raises(ConfigError, match="the embedded engine's TP ranks are one process.*tensor or disk"):
         load_config(
-            None, REQUIRED + ["engine.backend=native", "engine.gpus_per_engine=2", "sync.transport=distributed"]
+            None, REQUIRED + ["engine.backend=embedded", "engine.gpus_per_engine=2", "sync.transport=distributed"]
         )
     with pytest.raises(ConfigError, match="engine.tp_size moved to engine.gpus_per_engine"):
         load_config(None, REQUIRED + ["engine.tp_size=2"])
+
+
+def test_renamed_values_and_keys_are_errors_that_name_the_new_ones(tmp_path):
+    """engine.backend=native is the embedded engine, trainer.backend=native the FSDP2 trainer;
+    the embedded engine's own keys live under engine.embedded.*: the old spellings are refused
+    with the new ones named, from the command line and from a YAML file."""
+    with pytest.raises(ConfigError, match="engine.backend=native was renamed engine.backend=embedded"):
+        load_config(None, REQUIRED + ["engine.backend=native"])
+    with pytest.raises(ConfigError, match="trainer.backend=native was renamed trainer.backend=fsdp"):
+        load_config(None, REQUIRED + ["trainer.backend=native"])
+    for key, value in [("max_batch_size", "64"), ("compile", "false"), ("memory_saver", "auto"), ("start", "exec")]:
+        with pytest.raises(ConfigError, match=f"engine.{key} moved to engine.embedded.{key}"):
+            load_config(None, REQUIRED + [f"engine.{key}={value}"])
+        assert str(getattr(load_config(None, REQUIRED + [f"engine.embedded.{key}={value}"]).engine.embedded, key))
+    old = tmp_path / "old.yaml"
+    old.write_text("engine:\n  backend: native\n  max_batch_size: 64\n")
+    with pytest.raises(ConfigError, match="engine.max_batch_size moved to engine.embedded.max_batch_size"):
+        load_config(old, REQUIRED)
+    cfg = load_config(None, REQUIRED + ["engine.backend=embedded", "engine.embedded.max_batch_size=64"])
+    assert (cfg.engine.backend, cfg.engine.embedded.max_batch_size, cfg.trainer.backend) == ("embedded", 64, "fsdp")
 
 
 def test_unknown_key_names_the_key_and_the_close_match():

@@ -1,7 +1,7 @@
 """One contract, two servers: the embedded engine and real SGLang (CPU), endpoint by endpoint.
 
 Every test runs against a live server process over HTTP (fixture `server`, parametrised over
-"native" and "sglang"). Tests that change the served weights put model A back before they end.
+"embedded" and "sglang"). Tests that change the served weights put model A back before they end.
 """
 
 from __future__ import annotations

@@ -75,11 +75,11 @@ def _routed_rank(
                 return {"error": str(e), "version": client.weight_version()}
             return {"error": None}
         stats = sync.push("routed")
-        probe = sync.probe_engines() if backend == "native" else {}
+        probe = sync.probe_engines() if backend == "embedded" else {}
         return {
             "stats": stats,
             "probe": probe,
-            "engine": client.weights_checksum() if backend == "native" else None,
+            "engine": client.weights_checksum() if backend == "embedded" else None,
             "routed": sync.plan.routed,
             "reason": sync.plan.fallback_reason,
             "ep_ranks": sync.plan.engine_ep_ranks,
@@ -149,11 +149,11 @@ def test_experts_routed_inside_the_embedded_engine_laid_out_like_sglang(tmp_path
 
     a = make_moe_model(tmp_path / "a", seed=1)
     b = make_moe_model(tmp_path / "b", seed=2)
-    srv = start_engine("native", a, tmp_path, extra_args=["--tp-size", "2", "--ep-size", "2"])
+    srv = start_engine("embedded", a, tmp_path, extra_args=["--tp-size", "2", "--ep-size", "2"])
     try:
         info = srv.client.server_info()
-        r0, r1 = values(run_ranks(_routed_rank, 2, str(b), str(a), srv.process.url, "native", deadline_s=200))
-        bad, _ = values(run_ranks(_routed_rank, 2, str(a), str(a), srv.process.url, "native", True, deadline_s=200))
+        r0, r1 = values(run_ranks(_routed_rank, 2, str(b), str(a), srv.process.url, "embedded", deadline_s=200))
+        bad, _ = values(run_ranks(_routed_rank, 2, str(a), str(a), srv.process.url, "embedded", True, deadline_s=200))
         after = srv.client.weights_checksum()
     finally:
         srv.client.close()

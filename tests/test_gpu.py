@@ -54,7 +54,7 @@ def test_nccl_world_destroy_rebuild_with_subgroups(monkeypatch):
 
 @pytest.fixture(scope="module")
 def cuda_native(model_a, tmp_path_factory):
-    srv = start_engine("native", model_a, tmp_path_factory.mktemp("gpu_native"), device="cuda", weights_backup=True)
+    srv = start_engine("embedded", model_a, tmp_path_factory.mktemp("gpu_native"), device="cuda", weights_backup=True)
     yield srv
     srv.client.close()
     srv.process.stop()
@@ -88,7 +88,7 @@ def test_cuda_ipc_flattened_bucket_update(cuda_native, model_a, model_b):
 
 def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, model_a, model_b):
     """The tensor sync's two refilled buffers: the engine keeps their mappings for the session and
-    copies what each holds now (the CUDA twin of the shared-memory test in test_native_engine)."""
+    copies what each holds now (the CUDA twin of the shared-memory test in test_embedded_engine)."""
     state = sorted(load_file(str(model_b / "model.safetensors"), device="cuda").items())
     half = len(state) // 2
     parts = [state[:half], state[half:], state[:half]]
@@ -249,7 +249,7 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     device = world.device
     port = free_port()
     engine = EngineProcess.start(
-        server_command(EngineConfig(backend="native", device="cuda", dtype="bfloat16"), model, port),
+        server_command(EngineConfig(backend="embedded", device="cuda", dtype="bfloat16"), model, port),
         f"http://127.0.0.1:{port}",
         Path(log_dir) / "engine.log",
     )
@@ -395,10 +395,10 @@ def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
     """The paged path on the GPU (CUDA graphs replayed, Triton decode attention, continuous
     batching) against transformers' own cache in the same engine class: greedy tokens equal
     (fp32: and transformers' greedy), log-probs equal to float rounding; seeded samples too."""
-    from rltrain.engine.native.engine import NativeEngine
+    from rltrain.engine.embedded.engine import EmbeddedEngine
 
-    hf = NativeEngine(str(model_a), device="cuda", dtype=dtype, decode="hf")
-    paged = NativeEngine(str(model_a), device="cuda", dtype=dtype, decode="paged")
+    hf = EmbeddedEngine(str(model_a), device="cuda", dtype=dtype, decode="hf")
+    paged = EmbeddedEngine(str(model_a), device="cuda", dtype=dtype, decode="paged")
     try:
         assert paged.decoder is not None and paged.decoder.cuda_graphs
         prompts = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64, [4, 4]]
@@ -437,7 +437,7 @@ def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
 def test_cuda_seeded_draw_kernel_picks_what_the_torch_ops_pick():
     """The fused seeded draw (kernels/triton_sampling.py) against sampling.py's torch ops on the
     same device: the same token for every row, -inf columns and all-(-inf) rows included."""
-    from rltrain.engine.native.sampling import _row_hash, seeded_uniform
+    from rltrain.engine.embedded.sampling import _row_hash, seeded_uniform
     from rltrain.kernels.triton_sampling import seeded_argmax
 
     torch.manual_seed(0)
@@ -457,7 +457,7 @@ def test_cuda_one_pass_sampling_matches_the_torch_ops(dtype, temperature):
     """The one-pass sampling kernel (what decode steps sample with on CUDA) against sampling.py's
     unfused ops on the same device, at the RL rollout's size: the same token for seeded and
     greedy rows, log-probs to float32 rounding; bf16 logits are read as they are."""
-    from rltrain.engine.native.sampling import SamplingPlan, sample
+    from rltrain.engine.embedded.sampling import SamplingPlan, sample
     from rltrain.generation import SamplingParams
 
     torch.manual_seed(0)
@@ -481,7 +481,7 @@ def test_cuda_unseeded_rows_draw_from_their_distribution_in_the_one_pass_kernel(
     gives per row and step: their tokens follow softmax(logits / T) (counts within 5 sigma over
     8192 rows), their log-probs are the distribution's, a second step draws afresh, the same
     generator seed repeats the draws, and seeded rows beside them draw what they draw alone."""
-    from rltrain.engine.native.sampling import SamplingPlan, sample
+    from rltrain.engine.embedded.sampling import SamplingPlan, sample
     from rltrain.generation import SamplingParams
 
     rows, vocab, dev = 8192, 151936, torch.device("cuda")
@@ -520,7 +520,7 @@ def test_cuda_memory_saver_keeps_the_graphs_through_release_and_resume(model_a, 
     from rltrain.runtime.ledger import device_used
 
     dev = torch.device("cuda", 0)
-    srv = start_engine("native", model_a, tmp_path, device="cuda", memory_saver=True, weights_backup=True)
+    srv = start_engine("embedded", model_a, tmp_path, device="cuda", memory_saver=True, weights_backup=True)
     try:
         info = srv.client.server_info()
         assert info["enable_memory_saver"] is True
@@ -543,7 +543,7 @@ def test_cuda_memory_saver_keeps_the_graphs_through_release_and_resume(model_a, 
     finally:
         srv.client.close()
         srv.process.stop()
-    srv = start_engine("native", model_a, tmp_path / "discard", device="cuda", memory_saver=True)
+    srv = start_engine("embedded", model_a, tmp_path / "discard", device="cuda", memory_saver=True)
     try:
         before = greedy(srv.client)
         srv.client.release(["weights"])

@@ -45,11 +45,11 @@ LOGP_ATOL = 5e-5  # fp32 on the GPU (TF32 off) against the HF model in fp32 on t
 
 
 def _engine(path: Path, log_dir: Path, *extra: str):
-    return start_engine("native", path, log_dir, env=ON_GPU1, device="cuda", extra_args=list(extra))
+    return start_engine("embedded", path, log_dir, env=ON_GPU1, device="cuda", extra_args=list(extra))
 
 
 def test_full_tensors_gathers_row_shards_over_nccl():
-    """The native trainer's export gathers a chunk of parameters with one NCCL all-gather."""
+    """The FSDP2 trainer's export gathers a chunk of parameters with one NCCL all-gather."""
     for rank, r in enumerate(values(run_ranks(_gather_rank, 2, "cuda", deadline_s=120))):
         assert all(r["equal"]) and all(r["dtypes"]), r
         assert r["shards"] == [x[rank] for x in [[3, 3], [3, 2], [1, 0], [4, 3], [1, 1]]]
@@ -191,7 +191,7 @@ DET = (
 )
 
 
-@pytest.mark.parametrize("backend", ["native", "megatron"])
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
 def test_release_train_across_two_gpus_equals_a_run_without_release(tmp_path, backend):
     """The quickstart loop under torchrun on both GPUs (FSDP2 sharded over them, or megatron at
     TP=2), colocated with the embedded engine on GPU, NCCL world destroyed and rebuilt every step:

@@ -181,7 +181,7 @@ def test_pyproject_lists_every_package():
 
 
 def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, monkeypatch):
-    """The native trainer computes log-probs through the fused LM head; the same trainer with the
+    """The FSDP2 trainer computes log-probs through the fused LM head; the same trainer with the
     head left alone (logits, then the log-softmax path on CPU, the logits kernel on CUDA) gives
     the same log-probs, entropies and GRPO step within float32 rounding."""
     from models import make_model

@@ -24,7 +24,7 @@ def _launch_rank(rank: int, world_size: int, model: str, run_dir: str) -> tuple:
     from rltrain.runtime.world import World
 
     world = World(backend="gloo", timeout=120)
-    node = NodeEngine.launch(engine_config("native"), model, world, Path(run_dir))
+    node = NodeEngine.launch(engine_config("embedded"), model, world, Path(run_dir))
     try:
         out = node.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
         pid = node.process.proc.pid if node.process else None
@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from conftest import engine_config
 from rltrain.engine.launcher import NodeEngine
-proc = NodeEngine._start_healthy(engine_config("native"), {model!r}, Path({log!r}))
+proc = NodeEngine._start_healthy(engine_config("embedded"), {model!r}, Path({log!r}))
 print(proc.proc.pid, flush=True)
 if {mode!r} == "raise":
     raise RuntimeError("the job crashed")
@@ -103,7 +103,7 @@ from rltrain.engine.launcher import EngineCrashed, NodeEngine
 from rltrain.engine.client import EngineClient
 from rltrain.generation import SamplingParams
 
-cfg = engine_config("native")
+cfg = engine_config("embedded")
 first = NodeEngine._start_healthy(cfg, {model!r}, Path({log!r}))
 os.kill(first.proc.pid, signal.SIGKILL)
 first.proc.wait(30)
@@ -120,9 +120,9 @@ proc.stop()  # SIGINT: the server shuts down cleanly
 print("stopped", proc.proc.poll(), flush=True)
 busy = threading.Thread(target=time.sleep, args=(5,))
 busy.start()
-cmd = ["python", "-m", "rltrain.engine.native", "--device", "cpu"]
+cmd = ["python", "-m", "rltrain.engine.embedded", "--device", "cpu"]
 print("blocked", forked.blocker(cmd), flush=True)
-print("gpu", forked.blocker(["python", "-m", "rltrain.engine.native", "--device", "cuda:0"]), flush=True)
+print("gpu", forked.blocker(["python", "-m", "rltrain.engine.embedded", "--device", "cuda:0"]), flush=True)
 """
 
 
@@ -141,7 +141,7 @@ def test_a_forked_engine_serves_stops_and_is_reported_as_a_new_one_is(model_a, t
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
-    srv = start_engine("native", model_a, tmp_path)  # a new interpreter (this process runs threads)
+    srv = start_engine("embedded", model_a, tmp_path)  # a new interpreter (this process runs threads)
     try:
         want = srv.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
     finally:
@@ -157,14 +157,14 @@ def test_a_forked_engine_serves_stops_and_is_reported_as_a_new_one_is(model_a, t
 
 
 def test_crashed_engine_is_reported_with_its_log_tail(model_a, tmp_path):
-    srv = start_engine("native", model_a, tmp_path)
+    srv = start_engine("embedded", model_a, tmp_path)
     try:
         node = NodeEngine(srv.client, srv.process.url, srv.process)
         node.check_alive()
         os.kill(srv.process.proc.pid, signal.SIGKILL)
         srv.process.proc.wait(30)
         with pytest.raises(
-            EngineCrashed, match=r"exited \(exit code -9\); last lines of .*native.log:\n(.|\n)*serving"
+            EngineCrashed, match=r"exited \(exit code -9\); last lines of .*embedded.log:\n(.|\n)*serving"
         ):
             node.check_alive()
         failed = srv.client.generate([[1, 2]], SamplingParams(max_new_tokens=2))
@@ -174,7 +174,7 @@ def test_crashed_engine_is_reported_with_its_log_tail(model_a, tmp_path):
 
 
 def test_engine_that_cannot_start_reports_why(tmp_path):
-    cfg = engine_config("native")
+    cfg = engine_config("embedded")
     with pytest.raises(EngineCrashed, match=r"did not become healthy.*\n(.|\n)*does-not-exist"):
         NodeEngine._start_healthy(cfg, str(tmp_path / "does-not-exist"), tmp_path / "engine.log")
 
@@ -190,7 +190,7 @@ def test_set_up_failing_while_the_engine_starts_stops_the_engine(tmp_path, model
         raise RuntimeError("the trainer could not be built")
 
     with pytest.raises(RuntimeError, match="could not be built"):
-        NodeEngine._start_healthy(engine_config("native"), str(model_a), tmp_path / "engine.log", meanwhile=set_up)
+        NodeEngine._start_healthy(engine_config("embedded"), str(model_a), tmp_path / "engine.log", meanwhile=set_up)
     assert len(started) == 1, started  # the engine's process was running during the set-up ...
     assert not psutil.pid_exists(started[0])  # ... and is gone (stopped and reaped)
 
@@ -225,8 +225,8 @@ def test_sglang_spans_the_node_by_default_and_the_embedded_engine_takes_one_gpu_
     sg = [EngineLayout.of(EngineConfig(backend="sglang"), "sglang", _env(r), 8) for r in range(8)]
     assert {(x.engines_per_node, x.gpus_per_engine, x.engine) for x in sg} == {(1, 8, 0)}
     assert [x.tp_rank for x in sg] == list(range(8)) and [x.is_engine_leader for x in sg] == [True] + [False] * 7
-    native = [EngineLayout.of(EngineConfig(backend="native"), "native", _env(r), 8) for r in range(8)]
-    assert [(x.engine, x.tp_rank, x.base_gpu_id, x.is_engine_leader) for x in native] == [
+    embedded = [EngineLayout.of(EngineConfig(backend="embedded"), "embedded", _env(r), 8) for r in range(8)]
+    assert [(x.engine, x.tp_rank, x.base_gpu_id, x.is_engine_leader) for x in embedded] == [
         (r, 0, r, True) for r in range(8)
     ]
     four = [
@@ -248,8 +248,8 @@ def test_engine_layouts_that_cannot_work_are_refused_with_what_to_set():
     with pytest.raises(ConfigError, match=r"LOCAL_WORLD_SIZE=8 ranks .* only 4 GPU\(s\) visible.*--nproc-per-node=4"):
         EngineLayout.of(EngineConfig(backend="sglang"), "sglang", _env(0), 4)
     # The embedded engine over two GPUs: one process taking both TP ranks' payloads.
-    native = EngineLayout.of(EngineConfig(backend="auto", gpus_per_engine=2), "native", _env(0), 8)
-    assert native.gpus_per_engine == 2
+    embedded = EngineLayout.of(EngineConfig(backend="auto", gpus_per_engine=2), "embedded", _env(0), 8)
+    assert embedded.gpus_per_engine == 2
 
 
 def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monkeypatch):
@@ -265,10 +265,10 @@ def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monke
     assert "--enable-weights-cpu-backup" in server_command(
         EngineConfig(**{**cfg.__dict__, "weights_backup": True}), "/m", 1
     )
-    native = server_command(EngineConfig(backend="native", device="cuda"), "/m", 1, layout=EngineLayout(3, 8, 0, 1))
-    assert native[native.index("--device") + 1] == "cuda:3" and "--weights-backup" not in native
-    assert "--tp-size" not in native
-    over_two = server_command(EngineConfig(backend="native", device="cuda"), "/m", 1, layout=EngineLayout(2, 8, 0, 2))
+    embedded = server_command(EngineConfig(backend="embedded", device="cuda"), "/m", 1, layout=EngineLayout(3, 8, 0, 1))
+    assert embedded[embedded.index("--device") + 1] == "cuda:3" and "--weights-backup" not in embedded
+    assert "--tp-size" not in embedded
+    over_two = server_command(EngineConfig(backend="embedded", device="cuda"), "/m", 1, layout=EngineLayout(2, 8, 0, 2))
     assert over_two[over_two.index("--device") + 1] == "cuda:2" and over_two[over_two.index("--tp-size") + 1] == "2"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
@@ -286,7 +286,7 @@ def test_what_sglang_cannot_do_where_it_runs_is_refused_at_start_up():
 
     with pytest.raises(ConfigError, match="SGLang on CPU cannot be deterministic"):
         check_engine(EngineConfig(backend="sglang", device="cpu", deterministic=True), seeded=True)
-    check_engine(EngineConfig(backend="native", device="cpu", deterministic=True), seeded=True)
+    check_engine(EngineConfig(backend="embedded", device="cpu", deterministic=True), seeded=True)
     with pytest.raises(ConfigError, match="NCCL refuses .* use sync.transport=tensor"):
         load_config(
             None, ["model.path=/m", "data.path=synthetic:addition", "sync.transport=distributed", "engine.device=cuda"]
@@ -327,33 +327,39 @@ def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeyp
     """engine.memory_saver: auto turns it on for the embedded engine on CUDA where
     torch_memory_saver is installed; true where it cannot run is refused with what to do; the
     engine's program itself refuses the flag without the package, before it loads anything."""
-    from rltrain.config import ConfigError, EngineConfig
+    from rltrain.config import ConfigError, EmbeddedEngineConfig, EngineConfig
     from rltrain.engine import launcher
-    from rltrain.engine.native import saver
+    from rltrain.engine.embedded import saver
 
-    cuda = EngineConfig(backend="native", device="cuda")
+    cuda = EngineConfig(backend="embedded", device="cuda")
     for installed in (False, True):
         monkeypatch.setattr(saver, "installed", lambda v=installed: v)
         assert (saver.FLAG in launcher.server_command(cuda, "/m", 1)) == installed
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         env = launcher.server_environment(cuda)
         assert ("PYTORCH_CUDA_ALLOC_CONF" in env and env["PYTORCH_CUDA_ALLOC_CONF"] is None) == installed
-        off = EngineConfig(backend="native", device="cuda", memory_saver=False)
+        off = EngineConfig(backend="embedded", device="cuda", embedded=EmbeddedEngineConfig(memory_saver=False))
         assert saver.FLAG not in launcher.server_command(off, "/m", 1)
-        assert saver.FLAG not in launcher.server_command(EngineConfig(backend="native", device="cpu"), "/m", 1)
+        assert saver.FLAG not in launcher.server_command(EngineConfig(backend="embedded", device="cpu"), "/m", 1)
     with pytest.raises(ConfigError, match="memory saver is CUDA-only"):
-        launcher.check_engine(EngineConfig(backend="native", device="cpu", memory_saver=True), seeded=False)
+        launcher.check_engine(
+            EngineConfig(backend="embedded", device="cpu", embedded=EmbeddedEngineConfig(memory_saver=True)),
+            seeded=False,
+        )
     monkeypatch.setattr(saver, "installed", lambda: False)
     with pytest.raises(ConfigError, match="pip install torch_memory_saver"):
-        launcher.check_engine(EngineConfig(backend="native", device="cuda", memory_saver=True), seeded=False)
-    from rltrain.engine.native.engine import NativeEngine
+        launcher.check_engine(
+            EngineConfig(backend="embedded", device="cuda", embedded=EmbeddedEngineConfig(memory_saver=True)),
+            seeded=False,
+        )
+    from rltrain.engine.embedded.engine import EmbeddedEngine
 
     with pytest.raises(ValueError, match="CUDA only"):  # (before it loads anything)
-        NativeEngine("/no/such/model", device="cpu", memory_saver=True)
+        EmbeddedEngine("/no/such/model", device="cpu", memory_saver=True)
     monkeypatch.undo()
     if not saver.installed():  # (CI, this machine): the engine's program says what to install
         r = subprocess.run(
-            [sys.executable, "-m", "rltrain.engine.native", "--model-path", "/m", saver.FLAG],
+            [sys.executable, "-m", "rltrain.engine.embedded", "--model-path", "/m", saver.FLAG],
             capture_output=True,
             text=True,
             timeout=60,

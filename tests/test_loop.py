@@ -50,7 +50,7 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     assert r.returncode == 0, r.stderr[-4000:]
     # On the CPU the trainer is built while the engines start (on GPUs after: SGLang sizes its KV
     # pool from the free memory it sees at start-up).
-    started, created = r.stderr.index("engine started: pid"), r.stderr.index("trainer created (native), while")
+    started, created = r.stderr.index("engine started: pid"), r.stderr.index("trainer created (fsdp), while")
     assert started < created < r.stderr.index("engine healthy at")
     run_dir = tmp_path / "quickstart"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

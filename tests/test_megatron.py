@@ -337,7 +337,7 @@ def megatron_runs(tmp_path_factory):
     path = make_model(root / "m", seed=11, arch="qwen3")
     port = free_port()
     proc = EngineProcess.start(
-        server_command(EngineConfig(backend="native", device="cpu", dtype="float32"), str(path), port),
+        server_command(EngineConfig(backend="embedded", device="cpu", dtype="float32"), str(path), port),
         f"http://127.0.0.1:{port}",
         root / "engine.log",
     )
@@ -494,7 +494,7 @@ def moe_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     path = make_moe_model(root / "moe", seed=2)
     engines = [
-        start_engine("native", path, root / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+        start_engine("embedded", path, root / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
         for r in range(2)
     ]
     try:
@@ -723,7 +723,7 @@ def test_the_loop_trains_with_the_megatron_backend(tmp_path, tp, pp):
     assert ledger["trainer_host"] > 0 and ledger["rss"] > ledger["trainer_host"], ledger
 
 
-@pytest.mark.parametrize("backend", ["megatron", "native"])
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
 def test_a_moe_loop_routes_experts_inside_the_engine_on_every_sync(tmp_path, backend):
     """The loop with a tiny Qwen3-MoE, one embedded engine over both ranks laid out as SGLang
     lays out `--tp-size 2 --ep-size 2`, tensor sync: every sync sends each TP rank the dense

@@ -1,4 +1,4 @@
-"""The embedded engine's paged path (engine/native/paged.py): paged KV cache, continuous batching,
+"""The embedded engine's paged path (engine/embedded/paged.py): paged KV cache, continuous batching,
 shared prompt pages, and the decode-attention kernel it reads the cache with.
 
 On CPU the paged path runs when asked for (`decode="paged"`; the CPU default stays on
@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from models import hf_greedy, make_model
-from rltrain.engine.native.engine import NativeEngine
-from rltrain.engine.native.paged import PAGE_SIZE
+from rltrain.engine.embedded.engine import EmbeddedEngine
+from rltrain.engine.embedded.paged import PAGE_SIZE
 from rltrain.generation import SamplingParams
 from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
 
@@ -32,8 +32,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(model):
-    hf = NativeEngine(str(model), decode="hf")
-    paged = NativeEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
+    hf = EmbeddedEngine(str(model), decode="hf")
+    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
     yield hf, paged
     hf.shutdown()
     paged.shutdown()
@@ -139,7 +139,7 @@ def test_fused_sampling_kernel_picks_the_torch_ops_tokens(temperature, margin):
     """kernels/triton_sampling.sample_tokens (the CUDA path's one pass; here under Triton's
     interpreter) against sampling.sample's torch ops: the same token for greedy and seeded
     rows over several vocabulary chunks, -inf columns included, and the same log-prob."""
-    from rltrain.engine.native.sampling import SamplingPlan, sample
+    from rltrain.engine.embedded.sampling import SamplingPlan, sample
     from rltrain.kernels.triton_sampling import CHUNK, sample_tokens
 
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ def test_no_garbage_collection_runs_while_either_path_generates(engines):
     pending: list = []
 
     def seen(phase, info):
-        if phase == "start" and threading.current_thread().name == "rltrain-native-scheduler":
+        if phase == "start" and threading.current_thread().name == "rltrain-embedded-scheduler":
             if pending and not pending[0].done():
                 during.append(f"generation {info['generation']}")
 
@@ -267,7 +267,7 @@ def test_a_growing_batch_takes_the_largest_graph_captured_before_and_a_shrinking
 def test_samples_share_their_prompts_pages(model):
     """A prompt of two full pages and a partial one, 4 samples: 2 shared pages + 4 x 1 own page
     fit a 7-page pool (4 x 3 unshared pages would not), and the samples equal their lone runs."""
-    engine = NativeEngine(str(model), decode="paged", max_total_tokens=7 * PAGE_SIZE)
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=7 * PAGE_SIZE)
     try:
         prompt = [(5 * i) % 200 + 1 for i in range(2 * PAGE_SIZE + 10)]
         params = SamplingParams(max_new_tokens=8, temperature=1.0, n=4, sampling_seed=2, ignore_eos=True)
@@ -325,14 +325,14 @@ def test_a_model_the_paged_path_cannot_run_is_refused_with_the_reason(tmp_path):
     )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="--decode paged: .*sliding-window"):
-        NativeEngine(str(tmp_path), decode="paged")
+        EmbeddedEngine(str(tmp_path), decode="paged")
 
 
 def test_fused_projections_compute_what_the_separate_ones_do_in_any_call_order(model):
     """q, k, v (and gate, up) as one GEMM: the same logits as the model before, a member called
     with another input computes its own, nothing is kept between forwards, and torch.compile
     traces a decoder layer whole (no graph break)."""
-    from rltrain.engine.native.fused import FusedProjections
+    from rltrain.engine.embedded.fused import FusedProjections
 
     m = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     ids = torch.tensor([[3, 9, 27, 81, 243 % 256, 5]])

@@ -1,11 +1,11 @@
-"""The embedded engine's /generate request model (engine/native/requests.py): every field checked
+"""The embedded engine's /generate request model (engine/embedded/requests.py): every field checked
 before anything is queued, errors naming the field, the value and what is allowed."""
 
 from __future__ import annotations
 
 import pytest
 
-from rltrain.engine.native.requests import BadRequest, Limits, parse_generate
+from rltrain.engine.embedded.requests import BadRequest, Limits, parse_generate
 
 LIMITS = Limits(vocab_size=256, context_length=64, max_rows=32)
 

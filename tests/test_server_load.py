@@ -18,8 +18,8 @@ from rltrain.generation import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def native(model_a, tmp_path_factory):
-    srv = start_engine("native", model_a, tmp_path_factory.mktemp("load_logs"), max_batch_size=64)
+def embedded(model_a, tmp_path_factory):
+    srv = start_engine("embedded", model_a, tmp_path_factory.mktemp("load_logs"), max_batch_size=64)
     yield srv
     srv.client.close()
     srv.process.stop()
@@ -61,27 +61,29 @@ def status_of(answer: bytes) -> int:
     ],
     ids=["negative", "not-a-number", "absurd", "truncated", "bad-chunk"],
 )
-def test_malformed_framing_is_a_4xx_at_once_and_the_server_goes_on(native, framing, status):
+def test_malformed_framing_is_a_4xx_at_once_and_the_server_goes_on(embedded, framing, status):
     t0 = time.perf_counter()
-    answer = raw_exchange(native, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing)
+    answer = raw_exchange(
+        embedded, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + framing
+    )
     assert status_of(answer) == status and b"message" in answer
     assert time.perf_counter() - t0 < 5  # answered, not left waiting for a body
-    assert native.client.health()
+    assert embedded.client.health()
 
 
-def test_a_chunked_request_is_served(native):
+def test_a_chunked_request_is_served(embedded):
     body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}'
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:10], body[10:])) + b"0\r\n\r\n"
     head = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-    answer = raw_exchange(native, head + chunks)
+    answer = raw_exchange(embedded, head + chunks)
     assert status_of(answer) == 200 and b'"output_ids"' in answer
 
 
-def test_a_burst_of_connections_at_once_is_served_without_resets(native):
+def test_a_burst_of_connections_at_once_is_served_without_resets(embedded):
     """200 clients connect before any of them sends; each then asks /health and gets its answer.
     (With the standard library's listen backlog of 5 this burst still got through here; the
     load test below is the one that failed with it, with transport errors.)"""
-    host, port = address(native)
+    host, port = address(embedded)
     socks = [socket.create_connection((host, port), timeout=30) for _ in range(200)]
     try:
         for s in socks:
@@ -108,7 +110,7 @@ BAD_BODIES = [
 ]
 
 
-def test_hundreds_of_requests_from_many_connections_a_share_malformed(native):
+def test_hundreds_of_requests_from_many_connections_a_share_malformed(embedded):
     """300 requests from 48 clients at once, a quarter malformed: every good one answered with its
     samples, every bad one a 4xx, no 5xx, no transport error; the server answers afterwards."""
     rng = random.Random(0)
@@ -116,7 +118,7 @@ def test_hundreds_of_requests_from_many_connections_a_share_malformed(native):
     results: list[tuple[bool, int, object]] = []
     lock = threading.Lock()
     start = threading.Barrier(48)
-    url = native.process.url
+    url = embedded.process.url
 
     def client(k: int) -> None:
         with httpx.Client(timeout=120) as c:
@@ -146,8 +148,8 @@ def test_hundreds_of_requests_from_many_connections_a_share_malformed(native):
             assert 400 <= status < 500 and out["error"]["message"], (status, out)  # type: ignore[index]
         else:
             assert status == 200 and len(out) == 2 and all(len(s["output_ids"]) <= 4 for s in out), out  # type: ignore[arg-type]
-    assert native.client.health()
-    after = native.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert embedded.client.health()
+    after = embedded.client.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert after[0].ok and len(after[0].output_ids) == 3
 
 

@@ -286,7 +286,7 @@ def assert_a_whole_readable_checkpoint(version: Path, trainer_now: Path, tokeniz
 def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a, big_b, transport):
     """Two FSDP ranks hold model B, the engine serves model A; after the sync (several buckets)
     the engine's greedy output is the trainer's and its checksum matched (else push raises)."""
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         assert engine_greedy(eng.client, PROMPTS, 6) != hf_greedy(big_b, PROMPTS, 6)
         r0, r1 = values(
@@ -322,7 +322,7 @@ def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a,
 
 @pytest.mark.parametrize("transport", ["disk", "delta"])
 def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previous(tmp_path, big_a, transport):
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         r0, _ = values(
             run_ranks(
@@ -355,7 +355,7 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
     `distributed`), or the weight-update session (begun on a sender thread while the first bucket
     is gathered): every rank raises, nobody waits for the timeout, the old version stays served;
     a session never begun is not ended."""
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         r0, r1 = values(
             run_ranks(
@@ -384,7 +384,7 @@ def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path,
 def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a):
     """Rank 0's writes fail past 4 KiB (EFBIG) while version 2 is published: every rank raises a
     SyncError naming the failure, no part of version 2 is left, and version 1 stays served."""
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         r0, r1 = values(
             run_ranks(
@@ -416,7 +416,7 @@ def test_a_read_only_weights_directory_fails_the_sync_and_keeps_the_previous_ver
     whole and served."""
     from readonly import tmpfs
 
-    eng = start_engine("native", big_a, tmp_path / "logs")
+    eng = start_engine("embedded", big_a, tmp_path / "logs")
     try:
         with tmpfs(tmp_path / "w"):
             r0, r1 = values(
@@ -451,7 +451,7 @@ def test_moe_experts_reach_only_their_ep_rank_and_match(tmp_path):
     a = make_moe_model(tmp_path / "moe_a", seed=1)
     b = make_moe_model(tmp_path / "moe_b", seed=2)
     engines = [
-        start_engine("native", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
+        start_engine("embedded", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
         for r in range(2)
     ]
     try:
@@ -492,7 +492,7 @@ def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
     names and still generates exactly as the trainer's weights."""
     a = make_moe_model(tmp_path / "moe_a", seed=1)
     b = make_moe_model(tmp_path / "moe_b", seed=2)
-    eng = start_engine("native", a, tmp_path)
+    eng = start_engine("embedded", a, tmp_path)
     try:
         values(
             run_ranks(
@@ -506,7 +506,7 @@ def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
 
 
 def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_path, big_a):
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         ranks = values(
             run_ranks(
@@ -586,7 +586,7 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
     config = json.loads((served / "config.json").read_text())
     config["rms_norm_eps"] = 0.5
     (served / "config.json").write_text(json.dumps(config))
-    eng = start_engine("native", served, tmp_path)
+    eng = start_engine("embedded", served, tmp_path)
     try:
         ranks = values(run_ranks(_probe_rank, 2, str(big_a), eng.process.url, str(served), awake, deadline_s=240))
     finally:
@@ -616,7 +616,7 @@ def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_e
     config = json.loads((served / "config.json").read_text())
     config["rms_norm_eps"] = 0.5
     (served / "config.json").write_text(json.dumps(config))
-    right, wrong = start_engine("native", big_a, tmp_path / "a"), start_engine("native", served, tmp_path / "b")
+    right, wrong = start_engine("embedded", big_a, tmp_path / "a"), start_engine("embedded", served, tmp_path / "b")
     try:
         urls, models = [right.process.url, wrong.process.url], [str(big_a), str(served)]
         ranks = values(run_ranks(_probe_rank, 2, str(big_a), urls, models, True, deadline_s=240))
@@ -662,7 +662,7 @@ def _stale_rank(rank: int, world_size: int, model: str, url: str) -> str:
 def test_a_stale_engine_is_reported_stale_even_where_the_probe_runs_in_the_push(tmp_path, big_a):
     """An engine at the previous version also scores the probe otherwise: the sync names the
     stale version (StaleWeightsError), as where the probe runs once the engines are awake."""
-    eng = start_engine("native", big_a, tmp_path)
+    eng = start_engine("embedded", big_a, tmp_path)
     try:
         ranks = values(run_ranks(_stale_rank, 2, str(big_a), eng.process.url, deadline_s=240))
     finally:

@@ -90,13 +90,13 @@ def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(
 def test_a_refused_rebind_re_shards_fresh_modules_and_says_so_once(tmp_path, monkeypatch, caplog):
     """Where `sharding.rebind` cannot re-bind (another torch's FSDP2 internals), onload falls back
     to fresh modules filled from the local shards, logs why once, and trains on the same."""
-    import rltrain.trainer.fsdp as native
+    import rltrain.trainer.fsdp as fsdp
     from rltrain.runtime.world import World
     from rltrain.trainer.sharding import rebind
 
     path = make_model(tmp_path / "m", seed=5)
     assert rebind(AutoModelForCausalLM.from_pretrained(path), None) == "no FSDP2 parameter groups"
-    monkeypatch.setattr(native, "rebind", lambda model, group: "refused by this test")
+    monkeypatch.setattr(fsdp, "rebind", lambda model, group: "refused by this test")
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     world = World(backend="gloo", timeout=60)
@@ -109,7 +109,7 @@ def test_a_refused_rebind_re_shards_fresh_modules_and_says_so_once(tmp_path, mon
                 world.destroy()
                 world.rebuild()
                 t.onload()
-                assert t.model is not model and t._group is native.current_group()
+                assert t.model is not model and t._group is fsdp.current_group()
                 norms.append(one_step(t, fixed_batch())["grad_norm"])
         weights = dict(t.export_weights())
     finally:

@@ -3,7 +3,7 @@
     python -m rltrain.bench.e2e                        # Qwen3-1.7B shape, 4 steps (the first warms up)
     python -m rltrain.bench.e2e --shape 0.6b --steps 3 --max-new-tokens 256
     python -m rltrain.bench.e2e --shape 0.6b --nproc 2    # the trainer sharded over two GPUs
-    python -m rltrain.bench.e2e --shape 0.6b --engine sglang native   # both engines, same prompts
+    python -m rltrain.bench.e2e --shape 0.6b --engine sglang embedded   # both engines, same prompts
     python -m rltrain.bench.e2e --packing padded packed --stop-tokens 300 --max-new-tokens 1024
                                           # variable response lengths, the trainer padded and padding-free
 
@@ -86,7 +86,7 @@ def stop_token_ids(vocab: int, count: int) -> list[int]:
 
 
 def run_loop(
-    root: Path, model: Path, a: argparse.Namespace, engine: str = "native", packed: bool = False
+    root: Path, model: Path, a: argparse.Namespace, engine: str = "embedded", packed: bool = False
 ) -> Path | None:
     """One loop run under torchrun; its run directory, or None (said, with the log's tail) if it failed."""
     label = engine + ("-packed" if packed else "")
@@ -101,7 +101,7 @@ def run_loop(
         "world.backend=nccl",
         "engine.device=cuda",
         "engine.dtype=bfloat16",
-        f"engine.max_batch_size={a.prompts * a.n}",
+        f"engine.embedded.max_batch_size={a.prompts * a.n}",
         "trainer.dtype=bfloat16",
         "trainer.lr=1e-6",
         f"trainer.micro_batch_size={a.micro}",
@@ -231,7 +231,7 @@ def compare(
 
 
 def report(
-    run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a: argparse.Namespace, engine: str = "native"
+    run_dir: Path, params: int, tflops: float, h2d: float, d2h: float, a: argparse.Namespace, engine: str = "embedded"
 ) -> list[str]:
     rows, steady = _rows(run_dir)
     mean = lambda f: _mean(steady, f)  # noqa: E731
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--transport", default="tensor", choices=["tensor", "disk", "distributed"])
     ap.add_argument("--nproc", type=int, default=1, help="ranks, one per GPU")
-    ap.add_argument("--engine", nargs="+", default=["native"], choices=["native", "sglang"])
+    ap.add_argument("--engine", nargs="+", default=["embedded"], choices=["embedded", "sglang"])
     ap.add_argument(
         "--packing",
         nargs="+",

@@ -2,16 +2,16 @@
 
     python -m rltrain.bench.engine                         # CPU: embedded engine, SGLang (if installed), HF
     python -m rltrain.bench.engine --device cuda --hidden 2048 --layers 8 --prompts 256
-    python -m rltrain.bench.engine --device cuda --engine sglang native --sglang-args "--attention-backend triton"
+    python -m rltrain.bench.engine --device cuda --engine sglang embedded --sglang-args "--attention-backend triton"
     python -m rltrain.bench.engine --device cuda --shape 1.7b --prompts 512 --prompt-len 24 40 --new-tokens 256 \
-        --engine native native-hf                       # #30's shape: the paged path against the plain one
+        --engine embedded embedded-hf                       # #30's shape: the paged path against the plain one
 
 A Qwen2-shaped model (or with --shape a Qwen3 one of bench.trainers' shapes) with random weights
 is built locally (no downloads). Every engine gets the same prompts and sampling settings
 (temperature 1, fixed output length); the baseline is transformers' own batched `generate` with
 its static KV cache on the same model and device in the same run (the baseline each engine is
-compared with). `native` is the embedded engine as configured by default (on CUDA its paged,
-graph-replayed path), `native-hf` the same engine on transformers' own cache (`--decode hf`).
+compared with). `embedded` is the embedded engine as configured by default (on CUDA its paged,
+graph-replayed path), `embedded-hf` the same engine on transformers' own cache (`--decode hf`).
 On CUDA the decode memory-bandwidth limit of the workload is computed from the model and the
 device's copy bandwidth measured in the same run (`rltrain.bench.limits`).
 Then each engine's release/resume latency, as the loop does it (every region, after a pause),
@@ -35,7 +35,7 @@ import psutil
 import torch
 
 from rltrain.bench.models import SHAPES, build, build_model
-from rltrain.config import EngineConfig
+from rltrain.config import EmbeddedEngineConfig, EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
 from rltrain.generation import SamplingParams
@@ -105,10 +105,10 @@ def _start(
     kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int, a: argparse.Namespace
 ) -> tuple[EngineProcess, EngineClient]:
     cfg = EngineConfig(
-        backend="native" if kind == "native-hf" else kind,
+        backend="embedded" if kind == "embedded-hf" else kind,
         device=device,
         dtype=dtype,
-        max_batch_size=max_batch,
+        embedded=EmbeddedEngineConfig(max_batch_size=max_batch),
         startup_timeout_s=600,
         prompts_per_request=max_batch,
         max_inflight=8,
@@ -117,7 +117,7 @@ def _start(
     if kind == "sglang" and device != "cpu":
         cfg.mem_fraction_static = a.mem_fraction
         cfg.extra_args = shlex.split(a.sglang_args)
-    if kind == "native-hf":
+    if kind == "embedded-hf":
         cfg.extra_args = ["--decode", "hf"]
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         dest="engines",
         nargs="+",
-        default=["native", "sglang"],
-        choices=["native", "native-hf", "sglang"],
+        default=["embedded", "sglang"],
+        choices=["embedded", "embedded-hf", "sglang"],
     )
     ap.add_argument("--shape", default=None, choices=["tiny", "0.6b", "1.7b"], help="a Qwen3 shape (bench.trainers)")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def sampling(vocab: int, row_counts: list[int], repeats: int, copy: float) -> None:
     """The engine's per-step seeded draw + log-prob: the unfused torch path vs `sample_tokens`."""
-    from rltrain.engine.native.sampling import _row_hash
+    from rltrain.engine.embedded.sampling import _row_hash
     from rltrain.kernels.triton_sampling import sample_tokens, seeded_argmax
 
     print(f"\nsampling one token + its log-prob per row from bf16 logits [rows x {vocab}] (seeded, temperature 1)")

@@ -7,7 +7,7 @@ A Qwen3-30B-A3B-shaped MoE (128 experts, top 8, every layer sparse) at 1/`width`
 in every dimension (hidden, expert and attention sizes, vocabulary), so dense, expert and
 embedding weights keep the real model's shares of the bytes. Per EP size `ep`: `ep` trainer
 ranks (real processes, FSDP2 over a gloo world) and one embedded engine laid out as SGLang lays
-out `--tp-size ep --ep-size ep` (its TP ranks take SGLang's per-rank payloads; engine/native).
+out `--tp-size ep --ep-size ep` (its TP ranks take SGLang's per-rank payloads; engine/embedded).
 The loop's own `WeightSync` pushes a version by `sync.transport=tensor` (one warm-up, then timed),
 verified as in the loop (each TP rank's checksum, the version). Reported per TP rank:
 
@@ -87,7 +87,7 @@ def _rank(rank: int, ep: int, port: int, model: str, url: str, repeats: int, out
     client = EngineClient(url, request_timeout_s=600)
     trainer = FSDPTrainer(TrainerConfig(dtype="bfloat16"), AlgoConfig(), model, torch.device("cpu"))
     trainer.create()
-    layout = EngineLayout.of(EngineConfig(backend="native", gpus_per_engine=ep), "native", world.env, None)
+    layout = EngineLayout.of(EngineConfig(backend="embedded", gpus_per_engine=ep), "embedded", world.env, None)
     sync = WeightSync(cfg, world, trainer, [client], model, engine=layout)
     seconds = []
     for i in range(repeats + 1):
@@ -122,9 +122,9 @@ def measure(model: Path, ep: int, routed: bool, repeats: int, log_dir: Path) -> 
     from rltrain.runtime.env import DistEnv
     from rltrain.runtime.net import free_port
 
-    cfg = EngineConfig(backend="native", device="cpu", dtype="bfloat16", gpus_per_engine=ep, startup_timeout_s=600)
+    cfg = EngineConfig(backend="embedded", device="cpu", dtype="bfloat16", gpus_per_engine=ep, startup_timeout_s=600)
     cfg.extra_args = ["--ep-size", str(ep)] if routed else []
-    layout = EngineLayout.of(cfg, "native", DistEnv(0, ep, 0, ep, 0, None, None, False), None)
+    layout = EngineLayout.of(cfg, "embedded", DistEnv(0, ep, 0, ep, 0, None, None, False), None)
     port = free_port()
     proc = EngineProcess.start(
         server_command(cfg, str(model), port, layout=layout),

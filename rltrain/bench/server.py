@@ -4,9 +4,9 @@ routes served by SGLang's own stack (uvicorn + Starlette), and a bare HTTP serve
     python -m rltrain.bench.server                    # CPU, a tiny model; ~1 minute
     python -m rltrain.bench.server --requests 4000 --clients 64
 
-Each front is its own server process over the same engine code (`NativeServer` routes to a
-`NativeEngine` on the CPU with a tiny random model): `stdlib`, the embedded engine as shipped
-(`python -m rltrain.engine.native`); `asgi`, the same `NativeServer` behind uvicorn + Starlette
+Each front is its own server process over the same engine code (`EmbeddedServer` routes to a
+`EmbeddedEngine` on the CPU with a tiny random model): `stdlib`, the embedded engine as shipped
+(`python -m rltrain.engine.embedded`); `asgi`, the same `EmbeddedServer` behind uvicorn + Starlette
 (what SGLang's HTTP server is built on; blocking calls in Starlette's thread pool), started by
 this module (`--serve asgi`); `echo`, a socket server that sends back what it reads: the loopback
 round trip between two processes with no HTTP, the floor of any request (its figure is in the
@@ -59,12 +59,12 @@ def serve_asgi(model: str, port: int) -> None:
     from starlette.responses import JSONResponse, PlainTextResponse, Response
     from starlette.routing import Route
 
-    from rltrain.engine.native.engine import EngineStateError, NativeEngine
-    from rltrain.engine.native.requests import BadRequest
-    from rltrain.engine.native.server import NativeServer
+    from rltrain.engine.embedded.engine import EmbeddedEngine, EngineStateError
+    from rltrain.engine.embedded.requests import BadRequest
+    from rltrain.engine.embedded.server import EmbeddedServer
 
     torch.set_num_threads(1)
-    server = NativeServer(NativeEngine(model, device="cpu", dtype="float32", max_batch_size=256))
+    server = EmbeddedServer(EmbeddedEngine(model, device="cpu", dtype="float32", max_batch_size=256))
 
     async def handle(request: Request) -> Response:
         path = request.url.path
@@ -137,7 +137,7 @@ def start(front: str, model: Path, log: Path) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise SystemExit("the echo server did not start")
     if front == "stdlib":
-        cmd = [sys.executable, "-m", "rltrain.engine.native", "--model-path", str(model), "--port", str(port)]
+        cmd = [sys.executable, "-m", "rltrain.engine.embedded", "--model-path", str(model), "--port", str(port)]
         cmd += ["--dtype", "float32", "--log-level", "WARNING"]
     else:
         cmd = [

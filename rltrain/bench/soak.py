@@ -89,7 +89,7 @@ def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None
             "model": {"path": args["model"]},
             "data": {"path": "synthetic:addition"},
             "engine": {
-                "backend": "native",
+                "backend": "embedded",
                 "device": device.type,
                 "dtype": "float32" if device.type == "cpu" else "bfloat16",
                 "gpus_per_engine": 1,  # the embedded engine's layout: one per GPU, each rank its own

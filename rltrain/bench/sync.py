@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if first:
             port = free_port()
             ecfg = EngineConfig(
-                backend="native",
+                backend="embedded",
                 device=device.type,
                 dtype=str(dtype).removeprefix("torch."),
                 extra_args=["--log-level", "DEBUG"] if a.profile else [],

@@ -2,14 +2,14 @@
 
     python -m rltrain.bench.trainers --device cuda                       # both backends, Qwen3-1.7B shape
     python -m rltrain.bench.trainers --backends megatron --shape 0.6b
-    python -m rltrain.bench.trainers --backends native,native-packed --response 64-1024 --samples 64
+    python -m rltrain.bench.trainers --backends fsdp,fsdp-packed --response 64-1024 --samples 64
 
 `--response LO-HI`: responses of lengths uniform in [LO, HI] after a `--prompt`-token prompt (an
-RL batch), right-padded as the loop pads them; `native-packed` is the native backend padding-free
+RL batch), right-padded as the loop pads them; `fsdp-packed` is the fsdp backend padding-free
 (`trainer.max_tokens_per_micro_batch` = micro-batch x the longest sequence: the padded path's
 tokens per forward). Rates and MFU count real tokens only, so padding is counted as lost time.
 
-One rank (a one-rank world: FSDP2 over one rank for `native`, TP=1 for `megatron`), a
+One rank (a one-rank world: FSDP2 over one rank for `fsdp`, TP=1 for `megatron`), a
 Qwen3-shaped model with random weights built locally, bf16 on GPU. Per backend: create, old
 log-probs, a train step (one optimizer step over the batch), offload, onload — each timed, with
 the GPU memory in use after it (`torch.cuda.mem_get_info`: everything the process holds,
@@ -89,20 +89,20 @@ def profiled(into: dict[str, str], name: str, top: int):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--backends", default="native,megatron")
+    ap.add_argument("--backends", default="fsdp,megatron")
     ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens, with --response")
     ap.add_argument("--response", default="", help="LO-HI: variable response lengths (default: --seq tokens each)")
-    ap.add_argument("--attention", default="auto", help="trainer.attention of the native backend")
+    ap.add_argument("--attention", default="auto", help="trainer.attention of the fsdp backend")
     ap.add_argument("--budget", type=int, default=0, help="packed: tokens per micro-batch (0: micro x longest)")
     ap.add_argument(
         "--compile",
         default="off",
         choices=["off", "on", "both"],
-        help="trainer.compile of the native backend (both: each native backend twice, eager then compiled)",
+        help="trainer.compile of the fsdp backend (both: each fsdp backend twice, eager then compiled)",
     )
     ap.add_argument("--profile", type=int, default=0, help="print the N kernels that took most GPU time per phase")
     a = ap.parse_args(argv)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for name in a.backends.split(","):
         modes = {"off": [False], "on": [True], "both": [False, True]}[a.compile]
-        runs += [(name, c) for c in (modes if name.startswith("native") else [False])]
+        runs += [(name, c) for c in (modes if name.startswith("fsdp") else [False])]
     for name, compiled in runs:
         backend = name.removesuffix("-packed")
         b = batch(a.samples, a.seq, vocab, a.prompt, response)  # type: ignore[arg-type]
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             lr=1e-6,
             micro_batch_size=a.micro,
             max_tokens_per_micro_batch=budget,
-            attention=a.attention if backend == "native" else "auto",  # type: ignore[arg-type]
+            attention=a.attention if backend == "fsdp" else "auto",  # type: ignore[arg-type]
             compile=compiled,
         )
         algo = AlgoConfig()

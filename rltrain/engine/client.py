@@ -44,7 +44,7 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    """Client of one engine server (real SGLang or `rltrain.engine.native`)."""
+    """Client of one engine server (real SGLang or `rltrain.engine.embedded`)."""
 
     def __init__(
         self,

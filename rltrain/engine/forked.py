@@ -12,7 +12,7 @@ instead, where a fork is safe:
   - CUDA is not initialised in the rank.
 
 Otherwise (and for a restart in the middle of a run, when the rank has threads of its own) the
-engine is a new interpreter, as always. The child is what `python -m rltrain.engine.native` would
+engine is a new interpreter, as always. The child is what `python -m rltrain.engine.embedded` would
 be: its own session, its log on stdout and stderr, stdin from /dev/null, the environment the
 launcher gives it, `sitecustomize` run again under that environment (as a new interpreter would
 run it), the same signal set-up and parent-death signal, and `os._exit` at the end (the rank's
@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-MODULE = "rltrain.engine.native"
+MODULE = "rltrain.engine.embedded"
 
 
 def blocker(cmd: list[str]) -> str | None:
@@ -112,7 +112,7 @@ def fork_engine(cmd: list[str], log_path: str, env: dict[str, str], preexec: Cal
         custom = sys.modules.get("sitecustomize")
         if custom is not None:
             importlib.reload(custom)
-        from rltrain.engine.native.server import main  # noqa: PLC0415 - in the child only
+        from rltrain.engine.embedded.server import main  # noqa: PLC0415 - in the child only
 
         code = main(args)
     except SystemExit as e:

@@ -30,8 +30,8 @@ import torch
 from rltrain.config import ConfigError, EngineConfig
 from rltrain.engine import forked
 from rltrain.engine.client import EngineClient, EngineError
+from rltrain.engine.embedded import saver
 from rltrain.engine.layout import EngineLayout
-from rltrain.engine.native import saver
 from rltrain.interfaces import World
 from rltrain.runtime.net import free_port
 
@@ -56,15 +56,15 @@ def resolve_backend(backend: str) -> str:
                 return "sglang"
         except (ImportError, ValueError):
             pass
-    return "native"
+    return "embedded"
 
 
 def memory_saver_on(cfg: EngineConfig) -> bool:
-    """Whether the embedded engine runs with its memory saver (engine/native/saver.py):
-    engine.memory_saver, auto resolved (on CUDA where torch_memory_saver is installed)."""
-    if resolve_backend(cfg.backend) != "native" or resolve_device(cfg.device) == "cpu":
+    """Whether the embedded engine runs with its memory saver (engine/embedded/saver.py):
+    engine.embedded.memory_saver, auto resolved (on CUDA where torch_memory_saver is installed)."""
+    if resolve_backend(cfg.backend) != "embedded" or resolve_device(cfg.device) == "cpu":
         return False
-    return cfg.memory_saver is True or (cfg.memory_saver == "auto" and saver.installed())
+    return cfg.embedded.memory_saver is True or (cfg.embedded.memory_saver == "auto" and saver.installed())
 
 
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the embedded engine reads its API key here
@@ -78,18 +78,18 @@ def check_engine(cfg: EngineConfig, seeded: bool) -> None:
             "engine.deterministic=true: SGLang on CPU cannot be deterministic (it refuses "
             "--enable-deterministic-inference with the torch_native attention it runs on CPU); set "
             "engine.deterministic=false (rollouts are then not repeatable), or use the embedded engine "
-            "(engine.backend=native), which is deterministic everywhere"
+            "(engine.backend=embedded), which is deterministic everywhere"
         )
-    if cfg.memory_saver is True and backend == "native":
+    if cfg.embedded.memory_saver is True and backend == "embedded":
         if device != "cuda":
             raise ConfigError(
-                f"engine.memory_saver=true: the embedded engine's memory saver is CUDA-only (the engine runs on "
-                f"{device}); set engine.memory_saver=auto"
+                "engine.embedded.memory_saver=true: the embedded engine's memory saver is CUDA-only (the engine "
+                f"runs on {device}); set engine.embedded.memory_saver=auto"
             )
         if not saver.installed():
             raise ConfigError(
-                "engine.memory_saver=true: torch_memory_saver is not installed (pip install torch_memory_saver), "
-                "or set engine.memory_saver=auto"
+                "engine.embedded.memory_saver=true: torch_memory_saver is not installed (pip install "
+                "torch_memory_saver), or set engine.embedded.memory_saver=auto"
             )
     if backend == "sglang" and seeded and not cfg.deterministic:
         log.warning(
@@ -113,11 +113,11 @@ def server_command(
     backend = resolve_backend(cfg.backend)
     device = resolve_device(cfg.device)
     tp_size, base_gpu = (layout.gpus_per_engine, layout.base_gpu_id) if layout is not None else (1, 0)
-    if backend == "native":
+    if backend == "embedded":
         cmd = [
             sys.executable,
             "-m",
-            "rltrain.engine.native",
+            "rltrain.engine.embedded",
             "--model-path",
             model_path,
             "--host",
@@ -131,17 +131,17 @@ def server_command(
             "--seed",
             str(cfg.seed),
             "--max-batch-size",
-            str(cfg.max_batch_size),
+            str(cfg.embedded.max_batch_size),
             "--parent-pid",
             str(os.getpid()),
         ]
         if device != "cpu":  # the paged KV cache's share of the GPU, as SGLang's
             cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-            if cfg.compile:
+            if cfg.embedded.compile:
                 cmd.append("--enable-torch-compile")
             if memory_saver_on(cfg):
                 cmd.append(saver.FLAG)
-        if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/native/engine.py)
+        if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/embedded/engine.py)
             cmd += ["--tp-size", str(tp_size)]
         if cfg.deterministic:
             cmd.append("--deterministic")
@@ -185,7 +185,7 @@ def server_command(
         if cfg.api_key:
             cmd += ["--api-key", cfg.api_key]
     else:
-        raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, native or sglang")
+        raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, embedded or sglang")
     return cmd + list(cfg.extra_args)
 
 
@@ -281,7 +281,7 @@ class EngineProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {k: v for k, v in {**engine_environment(), **(env or {})}.items() if v is not None}
         parent = os.getpid()
-        why_not = forked.blocker(cmd) if fork else "engine.start=exec"
+        why_not = forked.blocker(cmd) if fork else "engine.embedded.start=exec"
         how = "forked from its rank" if why_not is None else "a new interpreter"
         with open(log_path, "ab") as out:
             out.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} ({how}) {' '.join(cmd)}\n".encode())
@@ -461,7 +461,7 @@ class NodeEngine:
             retries=cfg.retries,
             api_key=cfg.api_key,
             vocab_size=vocab_size,
-            logprob_values=backend == "native",
+            logprob_values=backend == "embedded",
         )
         return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases, device == "cuda")
 
@@ -593,7 +593,7 @@ class NodeEngine:
                 url,
                 log_path,
                 env=server_environment(cfg, layout),
-                fork=cfg.start == "auto",
+                fork=cfg.embedded.start == "auto",
             )
             if meanwhile is not None:
                 try:

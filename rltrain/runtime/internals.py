@@ -47,7 +47,7 @@ REGISTRY: dict[str, Internal] = {
         # torch
         Internal(
             "torch._foreach_copy_",
-            "weights/bucket.py, engine/native/engine.py, runtime/memory.py, trainer/sharding.py",
+            "weights/bucket.py, engine/embedded/engine.py, runtime/memory.py, trainer/sharding.py",
             "one fused copy per group of tensors instead of one launch each",
             _TORCH,
         ),
@@ -188,7 +188,7 @@ REGISTRY: dict[str, Internal] = {
         ),
         Internal(
             "torch._dynamo.config",
-            "engine/native/paged.py: PagedDecoder",
+            "engine/embedded/paged.py: PagedDecoder",
             "allow_unspec_int_on_nn_module: the compiled blocks pass their layer index to the paged cache; "
             "without it dynamo compiles one graph per layer and stops at its recompile limit",
             _TORCH,
@@ -196,7 +196,7 @@ REGISTRY: dict[str, Internal] = {
         # transformers
         Internal(
             "transformers.PreTrainedConfig._attn_implementation",
-            "engine/native/paged.py: PagedDecoder._forward",
+            "engine/embedded/paged.py: PagedDecoder._forward",
             "the paged path's attention for its own forwards only (set and restored around each): "
             "set_attn_implementation would switch the model for every caller",
             "transformers 5.17, 5.19",

@@ -1,4 +1,4 @@
-"""`trainer.backend: native` — a transformers causal LM, AdamW, FSDP2 data parallel.
+"""`trainer.backend: fsdp` — a transformers causal LM, AdamW, FSDP2 data parallel.
 
 Data parallelism. Under torch.distributed the model is sharded with FSDP2 (`fully_shard`) over
 the world's *current* default group, gloo on CPU and NCCL on GPU; every rank trains on its own

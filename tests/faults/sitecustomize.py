@@ -41,10 +41,10 @@ if _DIE and os.environ.get("RANK") is None:
     import signal
     from pathlib import Path
 
-    import rltrain.engine.native.server as _server
+    import rltrain.engine.embedded.server as _server
 
     _versions, _marks = _DIE.split(":", 1)
-    _generate = _server.NativeServer._generate
+    _generate = _server.EmbeddedServer._generate
 
     def _dying_generate(self, body):
         if "logprob_start_len" in body:  # the sync's probe, not the rollout
@@ -56,7 +56,7 @@ if _DIE and os.environ.get("RANK") is None:
             os.kill(os.getpid(), signal.SIGKILL)
         return _generate(self, body)
 
-    _server.NativeServer._generate = _dying_generate
+    _server.EmbeddedServer._generate = _dying_generate
 
 # RLTRAIN_TEST_BAD_GENERATE="<rank>:<k>" makes that rank's k-th /generate request (0-based) carry
 # max_new_tokens=-1 in every row: the engine (real SGLang included) refuses it, and its samples

@@ -1,9 +1,9 @@
 import sys
 
-from rltrain.engine.native.saver import exec_preloaded
+from rltrain.engine.embedded.saver import exec_preloaded
 
 exec_preloaded(sys.argv[1:])  # (before the server's imports: with --enable-memory-saver, preloaded)
 
-from rltrain.engine.native.server import main  # noqa: E402
+from rltrain.engine.embedded.server import main  # noqa: E402
 
 raise SystemExit(main())

@@ -24,70 +24,70 @@ def greedy(client):
     return engine_greedy(client, PROMPTS, 5)
 
 
-def test_release_frees_memory_generate_fails_clearly_resume_restores(native, big_model):
-    before = greedy(native.client)
+def test_release_frees_memory_generate_fails_clearly_resume_restores(embedded, big_model):
+    before = greedy(embedded.client)
     assert before == hf_greedy(big_model, PROMPTS, 5)
-    m0 = memory(native)
-    native.client.release(["weights", "kv_cache"])
-    m1 = memory(native)
+    m0 = memory(embedded)
+    embedded.client.release(["weights", "kv_cache"])
+    m1 = memory(embedded)
     assert m1["released"] == ["kv_cache", "weights"]
     assert m1["weight_bytes"] == 0 and m0["weight_bytes"] > 30e6
     # The weights' bytes left the process (backup went to disk, not to another buffer in RAM).
     assert m0["rss_bytes"] - m1["rss_bytes"] > 0.6 * m0["weight_bytes"], (m0, m1)
-    failed = native.client.generate(PROMPTS, SamplingParams(max_new_tokens=5))
+    failed = embedded.client.generate(PROMPTS, SamplingParams(max_new_tokens=5))
     assert all(not c.ok for c in failed)
     assert all("released" in c.error and "resume_memory_occupation" in c.error for c in failed)
     with pytest.raises(EngineError, match="resume weights before updating"):
-        native.client.update_weights_from_disk(str(big_model))
-    native.client.resume(["weights"])
-    assert memory(native)["released"] == ["kv_cache"]
-    assert all(not c.ok for c in native.client.generate(PROMPTS, SamplingParams(max_new_tokens=2)))
-    native.client.resume(["kv_cache"])
-    assert greedy(native.client) == before
-    assert memory(native)["weight_bytes"] == m0["weight_bytes"]
+        embedded.client.update_weights_from_disk(str(big_model))
+    embedded.client.resume(["weights"])
+    assert memory(embedded)["released"] == ["kv_cache"]
+    assert all(not c.ok for c in embedded.client.generate(PROMPTS, SamplingParams(max_new_tokens=2)))
+    embedded.client.resume(["kv_cache"])
+    assert greedy(embedded.client) == before
+    assert memory(embedded)["weight_bytes"] == m0["weight_bytes"]
 
 
-def test_release_resume_repeatedly_keeps_outputs(native):
-    before = greedy(native.client)
+def test_release_resume_repeatedly_keeps_outputs(embedded):
+    before = greedy(embedded.client)
     for _ in range(3):
-        native.client.release()
-        native.client.resume()
-    assert greedy(native.client) == before
+        embedded.client.release()
+        embedded.client.resume()
+    assert greedy(embedded.client) == before
 
 
-def test_unknown_memory_tag_is_rejected(native):
+def test_unknown_memory_tag_is_rejected(embedded):
     with pytest.raises(EngineError, match="unknown memory tags"):
-        native.client.release(["weightz"])
+        embedded.client.release(["weightz"])
 
 
-def test_server_rejects_out_of_vocabulary_ids(native):
-    bad = native.client.generate([[10**7]], SamplingParams(max_new_tokens=2))
+def test_server_rejects_out_of_vocabulary_ids(embedded):
+    bad = embedded.client.generate([[10**7]], SamplingParams(max_new_tokens=2))
     assert not bad[0].ok and "outside the vocabulary" in bad[0].error  # a failure with its reason, never a sample
-    assert greedy(native.client)
+    assert greedy(embedded.client)
 
 
-def test_malformed_bodies_get_400_with_reason(native):
-    http = native.client._http
+def test_malformed_bodies_get_400_with_reason(embedded):
+    http = embedded.client._http
     r = http.post("/generate", content=b"{not json")
     assert r.status_code == 400 and "not JSON" in r.json()["message"]
     r = http.post("/generate", json={"input_ids": [[1, 2]], "sampling_params": {"top_p": 0}})
     assert r.status_code == 400 and "top_p" in r.json()["message"]
     r = http.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["AAAA"]})
     assert r.status_code == 400 and "cannot deserialize" in r.json()["message"]
-    assert greedy(native.client)
+    assert greedy(embedded.client)
 
 
-def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(native, big_model, tmp_path):
-    before = greedy(native.client)
+def test_corrupt_weight_file_is_a_clear_error_and_changes_nothing(embedded, big_model, tmp_path):
+    before = greedy(embedded.client)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
     with pytest.raises(EngineError, match="cannot read weight file"):
-        native.client.update_weights_from_disk(str(tmp_path))
+        embedded.client.update_weights_from_disk(str(tmp_path))
     partial = make_model(tmp_path / "other", seed=4)  # a different (smaller) architecture
     with pytest.raises(EngineError, match="shape|missing"):
-        native.client.update_weights_from_disk(str(partial))
-    assert greedy(native.client) == before  # nothing was half-loaded
-    native.client.update_weights_from_disk(str(big_model), weight_version="default")
-    assert greedy(native.client) == hf_greedy(big_model, PROMPTS, 5)
+        embedded.client.update_weights_from_disk(str(partial))
+    assert greedy(embedded.client) == before  # nothing was half-loaded
+    embedded.client.update_weights_from_disk(str(big_model), weight_version="default")
+    assert greedy(embedded.client) == hf_greedy(big_model, PROMPTS, 5)
 
 
 def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_model, tmp_path):
@@ -103,7 +103,7 @@ def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_mode
     from rltrain.engine.launcher import EngineProcess, secret_environment, server_command
     from rltrain.runtime.net import free_port
 
-    cfg = engine_config("native", api_key="s3cret-key")
+    cfg = engine_config("embedded", api_key="s3cret-key")
     root = tmp_path / "weights"
     (root / "weight_v000001").mkdir(parents=True)
     for f in big_model.iterdir():
@@ -141,13 +141,13 @@ def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_mode
         proc.stop()
 
 
-def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
+def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(embedded):
     """What an engine restart retries (`positions`): the same samples as in the full call."""
     from rltrain.engine.client import EngineClient
 
     prompts = [[1, 2, 3], [5, 6, 7], [9, 10, 11], [4, 4, 4]]
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, sampling_seed=1234, ignore_eos=True)
-    client = EngineClient(native.process.url, prompts_per_request=1, max_inflight=1)
+    client = EngineClient(embedded.process.url, prompts_per_request=1, max_inflight=1)
     try:
         full = client.generate(prompts, params)
         part = client.generate([prompts[1], prompts[3]], params, positions=[1, 3])
@@ -158,25 +158,25 @@ def test_a_retried_subset_of_prompts_gets_the_indices_and_seeds_it_had(native):
     assert len({tuple(c.output_ids) for c in full}) > 1  # sampled, not greedy: the seeds matter
 
 
-def test_log_probs_as_values_are_sglangs_triples_values(native):
+def test_log_probs_as_values_are_sglangs_triples_values(embedded):
     """The engine's `logprob_format: "values"` (what the loop's client asks of it): the same
     samples, their log-probs as one list of values instead of [log-prob, token, null] per token;
     a client asking so reads the same completions."""
     from rltrain.engine.client import EngineClient
     from rltrain.generation import generate_body
 
-    assert native.client.server_info()["logprob_formats"] == ["triples", "values"]
+    assert embedded.client.server_info()["logprob_formats"] == ["triples", "values"]
     params = SamplingParams(max_new_tokens=6, n=3, sampling_seed=11, ignore_eos=True)
-    triples = native.client._post("/generate", generate_body(PROMPTS, params))
-    values = native.client._post("/generate", generate_body(PROMPTS, params, logprob_values=True))
+    triples = embedded.client._post("/generate", generate_body(PROMPTS, params))
+    values = embedded.client._post("/generate", generate_body(PROMPTS, params, logprob_values=True))
     assert [x["output_ids"] for x in triples] == [y["output_ids"] for y in values]
     for x, y in zip(triples, values):
         assert "output_token_logprobs" not in y["meta_info"]
         assert y["meta_info"]["output_token_logprob_values"] == [e[0] for e in x["meta_info"]["output_token_logprobs"]]
         assert [e[1] for e in x["meta_info"]["output_token_logprobs"]] == y["output_ids"]
-    lean = EngineClient(native.process.url, logprob_values=True)
+    lean = EngineClient(embedded.process.url, logprob_values=True)
     try:
-        got, want = lean.generate(PROMPTS, params), native.client.generate(PROMPTS, params)
+        got, want = lean.generate(PROMPTS, params), embedded.client.generate(PROMPTS, params)
     finally:
         lean.close()
     assert [(c.output_ids, c.logprobs, c.finish_reason) for c in got] == [
@@ -197,7 +197,7 @@ def test_log_probs_as_values_are_sglangs_triples_values(native):
 def test_seeded_sampling_noise_is_uniform_and_samples_the_softmax():
     """The counter-based noise behind seeded sampling: uniform, different per step and seed, and
     its Gumbel-max draws follow the softmax."""
-    from rltrain.engine.native.sampling import seeded_uniform
+    from rltrain.engine.embedded.sampling import seeded_uniform
 
     seeds = torch.arange(40000) * 1_000_003 + 12345
     u = seeded_uniform(seeds, step=3, vocab=8)
@@ -219,7 +219,7 @@ def discarding(model_a, tmp_path_factory):
     # A context beyond the model's 1024 positions (RoPE extends): room for a request that is
     # still decoding when the release aborts it.
     srv = start_engine(
-        "native", model_a, tmp_path_factory.mktemp("discarding_logs"), extra_args=["--context-length", "8192"]
+        "embedded", model_a, tmp_path_factory.mktemp("discarding_logs"), extra_args=["--context-length", "8192"]
     )
     yield srv
     srv.client.close()
@@ -298,13 +298,13 @@ def test_the_backup_directory_is_removed_at_stop_and_a_dead_engines_is_removed_a
     from pathlib import Path  # noqa: PLC0415
 
     from conftest import start_engine  # noqa: PLC0415
-    from rltrain.engine.native.engine import BACKUP_PREFIX  # noqa: PLC0415
+    from rltrain.engine.embedded.engine import BACKUP_PREFIX  # noqa: PLC0415
 
     tmp = Path(tempfile.gettempdir())
     stale = tmp / f"{BACKUP_PREFIX}999999999-left"  # a pid no process has: its engine was killed
     stale.mkdir()
     (stale / "weights_backup.safetensors").write_bytes(b"x" * 1000)
-    srv = start_engine("native", big_model, tmp_path / "logs", weights_backup=True)
+    srv = start_engine("embedded", big_model, tmp_path / "logs", weights_backup=True)
     try:
         srv.client.release(["weights"])  # the CPU backup goes to a file
         mine = list(tmp.glob(f"{BACKUP_PREFIX}{srv.process.proc.pid}-*"))

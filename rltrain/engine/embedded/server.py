@@ -1,6 +1,6 @@
 """HTTP front of the embedded engine: SGLang's native endpoints over the standard library server.
 
-    python -m rltrain.engine.native --model-path DIR --port 30000 [--device cuda] [--dtype bfloat16]
+    python -m rltrain.engine.embedded --model-path DIR --port 30000 [--device cuda] [--dtype bfloat16]
 
 Each HTTP request runs in its own thread; generation requests are queued to the engine's
 scheduler, so concurrent clients are batched together and each gets exactly its own results.
@@ -31,24 +31,28 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging as hf_logging
 
-from rltrain.engine.native.engine import EngineStateError, NativeEngine
-from rltrain.engine.native.requests import LOGPROB_FORMATS, BadRequest, Limits, parse_generate
+from rltrain.engine.embedded.engine import EmbeddedEngine, EngineStateError
+from rltrain.engine.embedded.requests import LOGPROB_FORMATS, BadRequest, Limits, parse_generate
 from rltrain.generation import SamplingParams
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights.bucket import BucketViews, deserialize
 
-log = logging.getLogger("rltrain.engine.native")
+log = logging.getLogger("rltrain.engine.embedded")
 
 
 BUCKET_PAYLOAD = "a flattened_bucket payload is {'flattened_tensor': uint8 tensor, 'metadata': [...]}"
 KEEP_MAPPED = 4  # tensor payload buffers kept mapped during a weight-update session (the sender uses 3)
 
 
-class NativeServer:
-    """Routes SGLang endpoints to a `NativeEngine`."""
+class EmbeddedServer:
+    """Routes SGLang endpoints to a `EmbeddedEngine`."""
 
     def __init__(
-        self, engine: NativeEngine, tp_rank: int = 0, weights_roots: list[str] | tuple[str, ...] = (), api_key: str = ""
+        self,
+        engine: EmbeddedEngine,
+        tp_rank: int = 0,
+        weights_roots: list[str] | tuple[str, ...] = (),
+        api_key: str = "",
     ):
         self.engine = engine
         self.tp_rank = tp_rank
@@ -85,12 +89,12 @@ class NativeServer:
                 "model_path": self.engine.model_path,
                 "weight_version": self.engine.weight_version,
                 "is_generation": True,
-                "engine": "rltrain.native",
+                "engine": "rltrain.embedded",
                 "architectures": getattr(self.engine.config, "architectures", None),
             }
         if path in ("/server_info", "/get_server_info"):
             return 200, {
-                "engine": "rltrain.native",
+                "engine": "rltrain.embedded",
                 "device": str(self.engine.device),
                 "dtype": str(self.engine.dtype),
                 "max_batch_size": self.engine.max_batch_size,
@@ -523,7 +527,7 @@ class EngineHTTPServer(ThreadingHTTPServer):
     request_queue_size = BACKLOG
 
 
-def make_handler(server: NativeServer, max_body: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:
+def make_handler(server: EmbeddedServer, max_body: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         # Headers and body leave in two writes; with Nagle's algorithm the body then waits for
@@ -660,7 +664,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m rltrain.engine.native",
+        prog="python -m rltrain.engine.embedded",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -741,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()  # a crash in native code (CUDA, a driver) leaves its Python stack in the log
     logging.basicConfig(
         level=args.log_level,
-        format="%(asctime)s native-engine %(levelname)s: %(message)s",
+        format="%(asctime)s embedded-engine %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stdout,
         force=True,
@@ -752,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     t0 = time.perf_counter()
-    engine = NativeEngine(
+    engine = EmbeddedEngine(
         args.model_path,
         device=args.device,
         dtype=args.dtype,
@@ -775,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = os.environ.pop("RLTRAIN_ENGINE_API_KEY", "")  # every endpoint needs it when set
     httpd = EngineHTTPServer(
         (args.host, args.port),
-        make_handler(NativeServer(engine, weights_roots=args.weights_root, api_key=api_key), args.max_body_mb << 20),
+        make_handler(EmbeddedServer(engine, weights_roots=args.weights_root, api_key=api_key), args.max_body_mb << 20),
     )
     for sig in (signal.SIGINT, signal.SIGTERM):
         # Started by rltrain's launcher SIGTERM is ignored (the job's stop signal is for its

@@ -51,13 +51,13 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from rltrain.engine.native.rows import GenRequest, Row
-from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, device_tensor, sample
-from rltrain.engine.native.saver import MemorySaver, in_region
+from rltrain.engine.embedded.rows import GenRequest, Row
+from rltrain.engine.embedded.sampling import LogitShaper, SamplingPlan, device_tensor, sample
+from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.runtime import internals
 
-log = logging.getLogger("rltrain.engine.native")
+log = logging.getLogger("rltrain.engine.embedded")
 
 PAGE_SIZE = 64  # tokens per KV page
 ATTENTION = "rltrain_paged"

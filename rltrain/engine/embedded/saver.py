@@ -1,6 +1,6 @@
 """Release that keeps every address: the embedded engine's memory through torch_memory_saver.
 
-    python -m rltrain.engine.native --device cuda --enable-memory-saver ...   # as SGLang's flag
+    python -m rltrain.engine.embedded --device cuda --enable-memory-saver ...   # as SGLang's flag
 
 SGLang's memory saver, for the embedded engine. The engine's weights, its paged KV pool and its
 CUDA graphs' memory pool are allocated through torch_memory_saver: preloaded into the engine's
@@ -76,7 +76,7 @@ def exec_preloaded(argv: list[str]) -> None:
             "without it (its graphs are then captured again after each release)"
         )
     env = {**os.environ, **preload_environment()}
-    os.execve(sys.executable, [sys.executable, "-m", "rltrain.engine.native", *argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "rltrain.engine.embedded", *argv], env)
 
 
 class MemorySaver:
@@ -86,7 +86,7 @@ class MemorySaver:
         if not preloaded():
             raise RuntimeError(
                 f"the memory saver needs {PRELOAD} preloaded into the engine's process from its start: "
-                f"start it as `python -m rltrain.engine.native {FLAG} ...`, which does that"
+                f"start it as `python -m rltrain.engine.embedded {FLAG} ...`, which does that"
             )
         from torch_memory_saver import torch_memory_saver  # noqa: PLC0415 - optional, CUDA only
 

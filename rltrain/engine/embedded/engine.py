@@ -43,11 +43,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rltrain.engine.native.fused import FusedProjections
-from rltrain.engine.native.paged import PagedDecoder, unsupported
-from rltrain.engine.native.rows import GenRequest, Row
-from rltrain.engine.native.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
-from rltrain.engine.native.saver import MemorySaver, in_region
+from rltrain.engine.embedded.fused import FusedProjections
+from rltrain.engine.embedded.paged import PagedDecoder, unsupported
+from rltrain.engine.embedded.rows import GenRequest, Row
+from rltrain.engine.embedded.sampling import LogitShaper, SamplingPlan, sample, token_hash_of
+from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.generation import SamplingParams
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
@@ -61,15 +61,15 @@ from rltrain.weights.hf_files import context_length_of
 from rltrain.weights.names import checkpoint_index, classify, num_experts, write
 from rltrain.weights.versions import read_weights
 
-log = logging.getLogger("rltrain.engine.native")
-BACKUP_PREFIX = "rltrain-native-backup-"  # + pid: a dead process's directory is removed
+log = logging.getLogger("rltrain.engine.embedded")
+BACKUP_PREFIX = "rltrain-embedded-backup-"  # + pid: a dead process's directory is removed
 
 
 class EngineStateError(RuntimeError):
     """The request cannot run in the engine's current state (released, paused, no weights)."""
 
 
-class NativeEngine:
+class EmbeddedEngine:
     """A transformers causal LM behind a batching scheduler thread."""
 
     def __init__(
@@ -196,7 +196,7 @@ class NativeEngine:
         # it again (generation runs with no automatic collection at all: `gc_paused`).
         gc.collect()
         gc.freeze()
-        self._thread = threading.Thread(target=self._loop, name="rltrain-native-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="rltrain-embedded-scheduler", daemon=True)
         self._thread.start()
 
     def _paged_decoder(
