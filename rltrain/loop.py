@@ -1,9 +1,10 @@
 """The driver loop: every rank runs this, one step per iteration, phases in order.
 
-ROLLOUT        engines awake; each rank samples its prompts' groups and scores them
+ROLLOUT        engines awake; each rank samples its prompts' groups and scores them, more prompts
+               while DAPO's dynamic sampling wants them (rollout/step.py)
 ENGINE ->      pause the engines, release their memory (weights, KV cache, CUDA graphs) [colocate]
 TRAIN          world rebuild, trainer back on the device (re-created if released), old/ref
-               log-probs, advantages, optimizer steps, checkpoint
+               log-probs and advantages (rollout/prepare.py), optimizer steps, checkpoint
 SYNC           engine resumes weights; the trainer gathers its shards and sends the new
                version (sync.transport), every engine loads it; version and checksum verified
 RELEASE WORLD  world destroy (NCCL freed in the background; the Gloo bridge stays)
@@ -19,36 +20,20 @@ saved and recorded, its weights not synced); then the loop ends.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-import torch
-
-from rltrain.algo.advantages import compute_advantages, overlong_penalty, return_moments
-from rltrain.algo.losses import kl_penalty
-from rltrain.batch import TrainBatch
 from rltrain.config import Config
-from rltrain.generation import SamplingParams
-from rltrain.interfaces import Trainer, World
+from rltrain.interfaces import World
 from rltrain.metrics import MetricsWriter, PhaseClock
-from rltrain.rollout.collect import (
-    Rollout,
-    build_batch,
-    collect,
-    extend,
-    informative,
-    keep_informative,
-    quotas,
-    retry_failed,
-)
+from rltrain.rollout.prepare import prepare_batch
+from rltrain.rollout.step import StepRollout
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.runtime.stop import StopRequest, write_marker
 from rltrain.setup import RunParts, setup_run
-from rltrain.weights.versions import StaleWeightsError
 
 log = logging.getLogger("rltrain.loop")
 
@@ -66,14 +51,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
         ),
     )
     writer = MetricsWriter(cfg, world, parts.start_step)
-    params = SamplingParams(
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        n=cfg.rollout.n,
-        stop_token_ids=list(cfg.rollout.stop_token_ids) or None,
-    )
+    rollouts = StepRollout(cfg, world, sampler, parts.tokenizer, parts.rewards)
     version = parts.initial_version
     last: dict[str, float] = {}
     world.destroy()  # rollout runs with the NCCL world down
@@ -92,34 +70,17 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 _stop_at_step_boundary(cfg, parts, world, step, reason)
                 break
             with clock.phase("rollout"):
-                step_params = params
-                if cfg.rollout.seeded:
-                    step_params = dataclasses.replace(
-                        params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank)
-                    )
-                prompts = sampler.next_batch(world.rank, world.world_size)
-                rollout = collect(engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
-                batches = 1
-                # DAPO's dynamic sampling: more prompts while too few groups are informative.
-                while cfg.algo.dynamic_sampling and batches < cfg.algo.dynamic_sampling_max_batches:
-                    if sum(_informative_counts(world, rollout)) >= cfg.data.prompts_per_step:
-                        break
-                    more = sampler.next_batch(world.rank, world.world_size)
-                    fresh = collect(engine.client, more, step_params, parts.tokenizer, parts.rewards, len(prompts))
-                    rollout, prompts, batches = extend(rollout, fresh), prompts + more, batches + 1
+                rollout = rollouts.collect(engine.client, step)
             if engine.recover():  # an engine died: restarted (or the job stops, with its log tail)
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
                     _send_weights_again(parts, world, version)
-                    rollout = retry_failed(rollout, engine.client, prompts, step_params, parts.tokenizer, parts.rewards)
-                    rollout.stats["engine_restarts"] = 1.0
+                    rollout = rollouts.retry_failed(engine.client, rollout)
             with clock.phase("rollout"):
-                _check_versions(rollout, version, world.rank)
-                if cfg.algo.dynamic_sampling:
-                    rollout = _keep_informative(cfg, world, rollout, batches)
+                rollout = rollouts.for_training(rollout, version)
             _to_training(clock.phase, parts, world)
             with clock.phase("logprobs"):
-                batch, rewards, adv_stats = _prepare(cfg, trainer, rollout)
+                batch, rewards, adv_stats = prepare_batch(cfg, trainer, rollout)
             with clock.phase("train"):
                 train_stats = trainer.train_step(batch)
                 cycle.after_train()
@@ -142,27 +103,6 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
         writer.close()
         parts.close()
     return last
-
-
-def _informative_counts(world: World, rollout: Rollout) -> list[int]:
-    """Each rank's number of kept groups whose rewards differ (over the bridge: the world is down)."""
-    return world.bridge.all_gather_object(sum(map(informative, rollout.groups)), phase="dynamic sampling")
-
-
-def _keep_informative(cfg: Config, world: World, rollout: Rollout, batches: int) -> Rollout:
-    """data.prompts_per_step informative groups over all ranks (fewer, said, if the budget ran out)."""
-    counts = _informative_counts(world, rollout)
-    share = quotas(counts, cfg.data.prompts_per_step)
-    if world.rank == 0 and sum(share) < cfg.data.prompts_per_step:
-        log.warning(
-            "dynamic sampling: %d of %d groups informative after %d batches of prompts "
-            "(algo.dynamic_sampling_max_batches=%d); training on those",
-            sum(share),
-            cfg.data.prompts_per_step,
-            batches,
-            cfg.algo.dynamic_sampling_max_batches,
-        )
-    return keep_informative(rollout, share[world.rank], batches)
 
 
 def _stop_at_step_boundary(cfg: Config, parts: RunParts, world: World, done: int, reason: str) -> None:
@@ -230,89 +170,3 @@ def _send_weights_again(parts: RunParts, world: World, version: str | None) -> N
     _to_training(untimed, parts, world)
     _to_rollout(untimed, parts, world, version)
     log.info("engine restarted: weight version %s sent again", version)
-
-
-def rollout_seed(seed: int, step: int, rank: int) -> int:
-    """Sampling seed of a rank's requests at a step: spaced so no two samples share a stream."""
-    return (seed * 1_000_003 + step * 1_009 + rank) * 1_000_000
-
-
-def _check_versions(rollout: Rollout, expected: str | None, rank: int) -> None:
-    """Never train on samples from stale weights: every completion must carry the current version."""
-    if expected is None:
-        return
-    seen = {s.completion.weight_version for g in rollout.groups for s in g}
-    if seen - {expected}:
-        raise StaleWeightsError(
-            f"rank {rank}: rollout produced by weight version(s) {sorted(map(str, seen))}, "
-            f"expected {expected}; the engine did not load the published weights"
-        )
-
-
-def _prepare(
-    cfg: Config, trainer: Trainer, rollout: Rollout
-) -> tuple[TrainBatch, torch.Tensor | None, dict[str, float]]:
-    """Old/ref log-probs and advantages for this rank's kept groups (an empty batch if none:
-    the rank still joins every collective of the train step)."""
-    batch, rewards = build_batch(rollout.groups, trainer.pad_id)
-    fused = cfg.algo.old_logp_from_training  # then the training forward's, detached (rl_update.micro_loss)
-    if not fused:
-        batch.old_logp, _ = trainer.logprobs(batch)  # collectives: also on a rank without samples
-    if cfg.algo.kl_coef > 0:
-        batch.ref_logp, _ = trainer.logprobs(batch, reference=True)
-    algo = cfg.algo
-    # REINFORCE++ normalises over the whole batch: its moments are summed over the data ranks.
-    global_sum = _data_sum(trainer) if algo.advantage.startswith("reinforce_plus_plus") else None
-    if len(batch) == 0 or rewards is None:
-        if global_sum is not None:
-            return_moments(torch.zeros(0), global_sum)  # the collective the other ranks run
-        return batch, rewards, {}
-    stats: dict[str, float] = {}
-    samples = [s for g in rollout.groups for s in g]
-    if algo.overlong_buffer:
-        lengths = torch.tensor([len(s.completion.output_ids) for s in samples])
-        penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer, algo.overlong_penalty)
-        rewards = rewards + penalty.reshape(rewards.shape)
-        stats["overlong_penalty"] = float(penalty.mean())
-    token_kl = None
-    if algo.kl_coef > 0:
-        assert batch.ref_logp is not None and batch.old_logp is not None
-        token_kl = kl_penalty(batch.old_logp, batch.ref_logp, algo.kl_estimator) * batch.loss_mask
-    in_reward = algo.kl_in == "reward" and algo.kl_coef > 0
-    batch.advantages = compute_advantages(
-        algo.advantage,
-        rewards,
-        batch.loss_mask,
-        norm_std=algo.norm_std,
-        token_kl=token_kl if in_reward else None,
-        kl_coef=algo.kl_coef if in_reward else 0.0,
-        gamma=algo.gamma,
-        global_sum=global_sum,
-    )
-    if algo.overlong_filter:  # DAPO: a response cut at the limit is kept out of the loss
-        cut = torch.tensor([s.completion.finish_reason == "length" for s in samples])
-        batch.loss_mask[cut] = 0.0
-        batch.advantages = batch.advantages * batch.loss_mask
-        stats["overlong_filtered"] = float(cut.sum())
-    if fused:  # the distance to the engine's log-probs is measured in the training forward
-        return batch, rewards, stats
-    # How far the engine's log-probs are from the trainer's for the same tokens and weights.
-    mask = batch.loss_mask.bool()
-    assert batch.rollout_logp is not None and batch.old_logp is not None
-    diff = float((batch.old_logp - batch.rollout_logp)[mask].abs().mean())
-    if cfg.algo.tis_cap is None:
-        batch.rollout_logp = None
-    return batch, rewards, {"logp_diff_engine_trainer": diff, **stats}
-
-
-def _data_sum(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A sum over the trainer's data-parallel ranks (the ranks that hold different samples)."""
-
-    def total(t: torch.Tensor) -> torch.Tensor:
-        if not torch.distributed.is_initialized():
-            return t
-        on = t.to(trainer.device)
-        torch.distributed.all_reduce(on, group=trainer.data_group())
-        return on.cpu()
-
-    return total

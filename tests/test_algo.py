@@ -203,8 +203,9 @@ def test_reinforce_plus_plus_normalises_over_the_global_batch_on_real_ranks():
 
 def test_dynamic_sampling_keeps_the_informative_groups_up_to_the_target_over_the_ranks():
     from rltrain.generation import Completion
-    from rltrain.rollout.collect import Rollout, Sample, informative, keep_informative, quotas
+    from rltrain.rollout.collect import Rollout, Sample, informative
     from rltrain.rollout.data import Prompt
+    from rltrain.rollout.dynamic_sampling import keep_informative, quotas
 
     assert quotas([5, 5], 8) == [4, 4]  # even shares
     assert quotas([1, 9], 8) == [1, 7]  # a short rank's share goes to the other

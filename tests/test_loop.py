@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from multiproc import run_torchrun
-from rltrain.loop import _check_versions
+from rltrain.rollout.step import check_versions
 from rltrain.weights.versions import StaleWeightsError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,8 +162,8 @@ class _S:
 def test_samples_from_stale_weights_are_refused():
     rollout = type("R", (), {"groups": [[_S("4"), _S("3")]]})()
     with pytest.raises(StaleWeightsError, match=r"weight version\(s\) \['3', '4'\], expected 4"):
-        _check_versions(rollout, "4", rank=1)
-    _check_versions(type("R", (), {"groups": [[_S("4")]]})(), "4", rank=0)
+        check_versions(rollout, "4", rank=1)
+    check_versions(type("R", (), {"groups": [[_S("4")]]})(), "4", rank=0)
 
 
 @pytest.mark.parametrize(

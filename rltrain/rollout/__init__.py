@@ -1,1 +1,2 @@
-"""Prompts in, scored samples out: datasets, rewards, and collection into train batches."""
+"""Prompts in, a train batch out: datasets, rewards, collection, a step's rollout (step.py), DAPO's
+dynamic sampling, and the batch's preparation (log-probs, advantages: prepare.py)."""

@@ -77,36 +77,6 @@ def informative(group: list[Sample]) -> bool:
     return len({s.reward for s in group}) > 1
 
 
-def keep_informative(rollout: Rollout, quota: int, batches: int) -> Rollout:
-    """DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2) on this rank: of the kept groups, those
-    whose rewards differ, at most `quota` of them; what was sampled, dropped and kept is counted."""
-    useful = [g for g in rollout.groups if informative(g)]
-    kept = useful[:quota]
-    stats = dict(rollout.stats)
-    stats.update(
-        dynamic_groups_sampled=float(len(rollout.every_group)),
-        dynamic_groups_zero_advantage=float(len(rollout.groups) - len(useful)),
-        dynamic_groups_surplus=float(len(useful) - len(kept)),
-        dynamic_groups_kept=float(len(kept)),
-        dynamic_batches=float(batches),
-    )
-    stats["response_tokens"] = float(sum(len(s.completion.output_ids) for g in kept for s in g))
-    stats["groups_zero_advantage"] = 0.0
-    return Rollout(kept, stats, rollout.every_group)
-
-
-def quotas(counts: list[int], target: int) -> list[int]:
-    """How many informative groups each rank keeps so that the ranks keep `target` in all (or all
-    they have): an even share first, then the rest to the ranks with more, in rank order."""
-    share = [min(c, target // len(counts) + (r < target % len(counts))) for r, c in enumerate(counts)]
-    left = target - sum(share)
-    for r, c in enumerate(counts):
-        extra = min(c - share[r], max(left, 0))
-        share[r] += extra
-        left -= extra
-    return share
-
-
 def retry_failed(
     rollout: Rollout,
     client: RolloutClient,
@@ -163,8 +133,8 @@ def _generate(
 def decode_responses(tokenizer: Any, responses: list[list[int]]) -> list[str]:
     """Each response's text (special tokens skipped), as `tokenizer.decode` gives it: in one call
     into the Rust tokenizer where transformers' decode would add nothing to it (a fast tokenizer
-    whose decode is the base class's and cleans up no spaces; its per-call Python costs ~50 us,
-    a rollout of 512 responses ~25 ms), else one `decode` per response."""
+    whose decode is the base class's and cleans up no spaces; its per-call Python cost adds up over
+    a rollout's many responses), else one `decode` per response."""
     fast = transformers.PreTrainedTokenizerFast
     kind = type(tokenizer)
     if (
