@@ -181,11 +181,12 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     )
     if world.rank == 0:  # what each phase switch does here, decided from the config and the machine
         log.info(
-            "phase switches: world: %s; engines: %s; sync.transport=%s%s; old log-probs: %s",
+            "phase switches: world: %s; engines: %s; sync.transport=%s%s; sync probe: %s; old log-probs: %s",
             "torn down and rebuilt" if world.reload else f"stays up ({world.backend}: nothing to free)",
             "release their memory" if engine.releases else "keep their memory",
             cfg.sync.transport,
             f": {cfg.sync_transport}" if cfg.sync.transport == "auto" else "",
+            sync.checks.probe.value,
             "from the training forward" if cfg.algo.old_logp_from_training else "a separate pass",
         )
     initial = None

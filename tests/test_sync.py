@@ -3,7 +3,6 @@ engines on real processes — after a sync the engine serves exactly the trainer
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -219,9 +218,7 @@ def _sync_rank(
                 nth = 2
                 if fault == "refuse_begin":  # SGLang's explicit session (the embedded engine opens it inline)
                     name, nth = "begin_weight_update", 1
-                    ctx = sync.transport.ctx
-                    explicit = dataclasses.replace(ctx.caps, inline_sessions=False)
-                    sync.transport.ctx = dataclasses.replace(ctx, caps=explicit)
+                    sync.transport.inline_sessions = False
                 real_update = getattr(client, name)
 
                 def refusing(*a, **k):
@@ -261,6 +258,30 @@ def big_b(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def engines(tmp_path):
+    """`engines(model, log_dir=tmp_path, **kw)` starts an embedded engine serving `model` (the
+    keywords: `start_engine`'s); every engine started is stopped after the test."""
+    started = []
+
+    def start(model: Path, log_dir: Path | None = None, **kw):
+        eng = start_engine("embedded", model, tmp_path if log_dir is None else log_dir, **kw)
+        started.append(eng)
+        return eng
+
+    yield start
+    for eng in started:
+        eng.client.close()
+        eng.process.stop()
+
+
+def sync_ranks(trainer: Path, engine: Path, urls: list[str], transport: str, weights_dir: Path, fault=None, **kw):
+    """Every rank's `_sync_rank` outcome: two trainer ranks of `trainer`'s weights syncing to the
+    engines at `urls` (which serve `engine`), with `fault`; `kw`: `run_ranks`'."""
+    args = (str(trainer), str(engine), urls, transport, str(weights_dir), fault)
+    return values(run_ranks(_sync_rank, 2, *args, **kw))
+
+
 def assert_a_whole_readable_checkpoint(version: Path, trainer_now: Path, tokenizer_from: Path) -> None:
     """A published version loads with transformers alone, tokenizer included, readable by every
     user, and scores as the trainer's weights do."""
@@ -283,66 +304,34 @@ def assert_a_whole_readable_checkpoint(version: Path, trainer_now: Path, tokeniz
 
 
 @pytest.mark.parametrize("transport", ["tensor", "disk", "distributed", "delta"])
-def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, big_a, big_b, transport):
+def test_after_sync_the_engine_generates_exactly_as_the_trainer(tmp_path, engines, big_a, big_b, transport):
     """Two FSDP ranks hold model B, the engine serves model A; after the sync (several buckets)
     the engine's greedy output is the trainer's and its checksum matched (else push raises)."""
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        assert engine_greedy(eng.client, PROMPTS, 6) != hf_greedy(big_b, PROMPTS, 6)
-        r0, r1 = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(big_b),
-                str(big_a),
-                [eng.process.url],
-                transport,
-                str(tmp_path / "w"),
-                None,
-                deadline_s=240,
-            )
-        )
-        assert "v2_error" not in r0, r0.get("v2_error")
-        assert eng.client.weight_version() == ("2" if transport == "delta" else "1")
-        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(tmp_path / "w" / "trainer_now", PROMPTS, 6)
-        if transport in ("tensor", "distributed"):
-            assert r0["buckets"] >= 3
-        if transport == "tensor":  # the engine keeps the 3 buffers by slot: from the 4th bucket on, slots only
-            assert r0["slotted"] and r0["buckets"] >= 4, r0["buckets"]
-            assert r0["v1"]["sync_bytes"] == r0["bytes_to"][0]
-            assert eng.client.weights_checksum()["bytes_loaded"] == r0["bytes_to"][0]
-        if transport == "delta":
-            assert r0["v2"]["sync_bytes"] < 0.05 * r0["v1"]["sync_bytes"]  # 1% of one matrix changed
-        if transport == "disk":  # (the version the trainer's state now matches: 1, as loaded)
-            assert_a_whole_readable_checkpoint(tmp_path / "w" / "weight_v000001", tmp_path / "w" / "trainer_now", big_b)
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(big_a)
+    assert engine_greedy(eng.client, PROMPTS, 6) != hf_greedy(big_b, PROMPTS, 6)
+    r0, r1 = sync_ranks(big_b, big_a, [eng.process.url], transport, tmp_path / "w", deadline_s=240)
+    assert "v2_error" not in r0, r0.get("v2_error")
+    assert eng.client.weight_version() == ("2" if transport == "delta" else "1")
+    assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(tmp_path / "w" / "trainer_now", PROMPTS, 6)
+    if transport in ("tensor", "distributed"):
+        assert r0["buckets"] >= 3
+    if transport == "tensor":  # the engine keeps the 3 buffers by slot: from the 4th bucket on, slots only
+        assert r0["slotted"] and r0["buckets"] >= 4, r0["buckets"]
+        assert r0["v1"]["sync_bytes"] == r0["bytes_to"][0]
+        assert eng.client.weights_checksum()["bytes_loaded"] == r0["bytes_to"][0]
+    if transport == "delta":
+        assert r0["v2"]["sync_bytes"] < 0.05 * r0["v1"]["sync_bytes"]  # 1% of one matrix changed
+    if transport == "disk":  # (the version the trainer's state now matches: 1, as loaded)
+        assert_a_whole_readable_checkpoint(tmp_path / "w" / "weight_v000001", tmp_path / "w" / "trainer_now", big_b)
 
 
 @pytest.mark.parametrize("transport", ["disk", "delta"])
-def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previous(tmp_path, big_a, transport):
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        r0, _ = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(big_a),
-                str(big_a),
-                [eng.process.url],
-                transport,
-                str(tmp_path / "w"),
-                "corrupt",
-                deadline_s=240,
-            )
-        )
-        assert "checksum" in r0["v2_error"] and "keeps" in r0["v2_error"], r0["v2_error"]
-        assert eng.client.weight_version() == "1"
-        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(big_a, PROMPTS, 6)
-    finally:
-        eng.client.close()
-        eng.process.stop()
+def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previous(tmp_path, engines, big_a, transport):
+    eng = engines(big_a)
+    r0, _ = sync_ranks(big_a, big_a, [eng.process.url], transport, tmp_path / "w", "corrupt", deadline_s=240)
+    assert "checksum" in r0["v2_error"] and "keeps" in r0["v2_error"], r0["v2_error"]
+    assert eng.client.weight_version() == "1"
+    assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(big_a, PROMPTS, 6)
 
 
 @pytest.mark.parametrize(
@@ -350,182 +339,88 @@ def test_a_corrupted_version_is_refused_and_the_engine_keeps_serving_the_previou
     [("tensor", "refuse"), ("distributed", "refuse"), ("tensor", "refuse_begin")],
     ids=["tensor-bucket", "distributed-bucket", "tensor-session"],
 )
-def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path, big_a, transport, fault):
+def test_a_refused_bucket_fails_the_sync_on_every_rank_without_hanging(tmp_path, engines, big_a, transport, fault):
     """The engine refuses one bucket in the middle (the sender thread of `tensor`, the broadcast of
     `distributed`), or the weight-update session (begun on a sender thread while the first bucket
     is gathered): every rank raises, nobody waits for the timeout, the old version stays served;
     a session never begun is not ended."""
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        r0, r1 = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(big_a),
-                str(big_a),
-                [eng.process.url],
-                transport,
-                str(tmp_path / "w"),
-                fault,
-                deadline_s=120,
-            )
-        )
-        for r in (r0, r1):
-            assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
-        assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
-        if transport == "tensor":
-            assert r0["session_ends"] == ([] if fault == "refuse_begin" else [1])
-        assert eng.client.weight_version() == "1"
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(big_a)
+    r0, r1 = sync_ranks(big_a, big_a, [eng.process.url], transport, tmp_path / "w", fault, deadline_s=120)
+    for r in (r0, r1):
+        assert "v2_error" in r and "SyncError" in r["v2_error"], r.get("v2_error")
+    assert "refused by the test" in r0["v2_error"] + r1["v2_error"]
+    if transport == "tensor":
+        assert r0["session_ends"] == ([] if fault == "refuse_begin" else [1])
+    assert eng.client.weight_version() == "1"
 
 
-def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a):
+def test_a_full_disk_during_publish_fails_the_sync_and_keeps_the_previous_version(tmp_path, engines, big_a):
     """Rank 0's writes fail past 4 KiB (EFBIG) while version 2 is published: every rank raises a
     SyncError naming the failure, no part of version 2 is left, and version 1 stays served."""
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        r0, r1 = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(big_a),
-                str(big_a),
-                [eng.process.url],
-                "disk",
-                str(tmp_path / "w"),
-                "full",
-                deadline_s=120,
-            )
-        )
-        for r in (r0, r1):
-            assert "SyncError" in r.get("v2_error", "") and "File too large" in r["v2_error"], r.get("v2_error")
-        assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) == [
-            "weight_v000001"
-        ]
-        assert eng.client.weight_version() == "1"
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(big_a)
+    r0, r1 = sync_ranks(big_a, big_a, [eng.process.url], "disk", tmp_path / "w", "full", deadline_s=120)
+    for r in (r0, r1):
+        assert "SyncError" in r.get("v2_error", "") and "File too large" in r["v2_error"], r.get("v2_error")
+    assert sorted(p.name for p in (tmp_path / "w").iterdir() if p.name.startswith(("weight_v", ".weight_v"))) == [
+        "weight_v000001"
+    ]
+    assert eng.client.weight_version() == "1"
 
 
-def test_a_read_only_weights_directory_fails_the_sync_and_keeps_the_previous_version(tmp_path, big_a):
+def test_a_read_only_weights_directory_fails_the_sync_and_keeps_the_previous_version(tmp_path, engines, big_a):
     """The weights directory's filesystem turns read-only (a real tmpfs remounted ro) before
     version 2 is published: every rank raises a SyncError with the reason, version 1 stays
     whole and served."""
     from readonly import tmpfs
 
-    eng = start_engine("embedded", big_a, tmp_path / "logs")
-    try:
-        with tmpfs(tmp_path / "w"):
-            r0, r1 = values(
-                run_ranks(
-                    _sync_rank,
-                    2,
-                    str(big_a),
-                    str(big_a),
-                    [eng.process.url],
-                    "disk",
-                    str(tmp_path / "w"),
-                    "readonly",
-                    deadline_s=120,
-                )
-            )
-            for r in (r0, r1):
-                assert "SyncError" in r.get("v2_error", "") and "Read-only file system" in r["v2_error"], r.get(
-                    "v2_error"
-                )
-            assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["weight_v000001"]
-            assert (tmp_path / "w" / "weight_v000001" / "rltrain_version.json").is_file()
-            assert eng.client.weight_version() == "1"
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(big_a, tmp_path / "logs")
+    with tmpfs(tmp_path / "w"):
+        r0, r1 = sync_ranks(big_a, big_a, [eng.process.url], "disk", tmp_path / "w", "readonly", deadline_s=120)
+        for r in (r0, r1):
+            assert "SyncError" in r.get("v2_error", "") and "Read-only file system" in r["v2_error"], r.get("v2_error")
+        assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["weight_v000001"]
+        assert (tmp_path / "w" / "weight_v000001" / "rltrain_version.json").is_file()
+        assert eng.client.weight_version() == "1"
 
 
-def test_moe_experts_reach_only_their_ep_rank_and_match(tmp_path):
+def test_moe_experts_reach_only_their_ep_rank_and_match(tmp_path, engines):
     """A tiny Qwen3-MoE (4 experts) synced to two engines that are EP ranks 0 and 1: each gets the
     dense weights and its own two experts (bytes counted on both sides), and each one's checksum
     over what it owns equals the trainer's."""
     a = make_moe_model(tmp_path / "moe_a", seed=1)
     b = make_moe_model(tmp_path / "moe_b", seed=2)
-    engines = [
-        start_engine("embedded", a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)])
-        for r in range(2)
-    ]
-    try:
-        r0, _ = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(b),
-                str(a),
-                [e.process.url for e in engines],
-                "distributed",
-                str(tmp_path / "w"),
-                None,
-                deadline_s=240,
-            )
-        )
-        assert r0["routed"]
-        for r, e in enumerate(engines):
-            rep = e.client.weights_checksum()  # push already compared it with the trainer's
-            assert rep["weight_version"] == "1" and rep["bytes_loaded"] == r0["bytes_to"][r]
-        assert r0["v1"]["sync_bytes"] == r0["moved"] == sum(r0["bytes_to"])
-        # Without routing each EP rank would receive all four experts of every layer.
-        from transformers import AutoModelForCausalLM
+    ep = [engines(a, tmp_path / f"ep{r}", extra_args=["--ep-size", "2", "--ep-rank", str(r)]) for r in range(2)]
+    r0, _ = sync_ranks(b, a, [e.process.url for e in ep], "distributed", tmp_path / "w", deadline_s=240)
+    assert r0["routed"]
+    for r, e in enumerate(ep):
+        rep = e.client.weights_checksum()  # push already compared it with the trainer's
+        assert rep["weight_version"] == "1" and rep["bytes_loaded"] == r0["bytes_to"][r]
+    assert r0["v1"]["sync_bytes"] == r0["moved"] == sum(r0["bytes_to"])
+    # Without routing each EP rank would receive all four experts of every layer.
+    from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(b)
-        total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".experts." in n)
-        assert r0["bytes_to"] == [total - experts // 2] * 2
-        assert r0["moved"] == 2 * total - experts < 2 * total
-    finally:
-        for e in engines:
-            e.client.close()
-            e.process.stop()
+    model = AutoModelForCausalLM.from_pretrained(b)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    experts = sum(t.numel() * t.element_size() for n, t in model.state_dict().items() if ".experts." in n)
+    assert r0["bytes_to"] == [total - experts // 2] * 2
+    assert r0["moved"] == 2 * total - experts < 2 * total
 
 
-def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path):
+def test_a_fused_expert_moe_model_syncs_by_checkpoint_names(tmp_path, engines):
     """transformers keeps Qwen3-MoE experts fused; the engine receives per-expert checkpoint
     names and still generates exactly as the trainer's weights."""
     a = make_moe_model(tmp_path / "moe_a", seed=1)
     b = make_moe_model(tmp_path / "moe_b", seed=2)
-    eng = start_engine("embedded", a, tmp_path)
-    try:
-        values(
-            run_ranks(
-                _sync_rank, 2, str(b), str(a), [eng.process.url], "tensor", str(tmp_path / "w"), None, deadline_s=240
-            )
-        )
-        assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(b, PROMPTS, 6)
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(a)
+    sync_ranks(b, a, [eng.process.url], "tensor", tmp_path / "w", deadline_s=240)
+    assert engine_greedy(eng.client, PROMPTS, 6) == hf_greedy(b, PROMPTS, 6)
 
 
-def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_path, big_a):
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        ranks = values(
-            run_ranks(
-                _sync_rank,
-                2,
-                str(big_a),
-                str(big_a),
-                [eng.process.url],
-                "tensor",
-                str(tmp_path / "w"),
-                "tamper",
-                deadline_s=240,
-            )
-        )
-        for r in ranks:
-            assert r["verify_error"].startswith("WeightMismatchError") and "checksum" in r["verify_error"]
-    finally:
-        eng.client.close()
-        eng.process.stop()
+def test_an_engine_holding_other_weights_fails_the_checksum_on_every_rank(tmp_path, engines, big_a):
+    eng = engines(big_a)
+    ranks = sync_ranks(big_a, big_a, [eng.process.url], "tensor", tmp_path / "w", "tamper", deadline_s=240)
+    for r in ranks:
+        assert r["verify_error"].startswith("WeightMismatchError") and "checksum" in r["verify_error"]
 
 
 def _probe_rank(
@@ -574,7 +469,7 @@ def _probe_rank(
 
 
 @pytest.mark.parametrize("awake", [True, False], ids=["probed-in-the-push", "probed-once-awake"])
-def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_path, big_a, awake):
+def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_path, engines, big_a, awake):
     """The engine holds exactly the trainer's weights (the checksum agrees) but runs another
     model (its config's norm epsilon): the probe fails the sync on every rank. Engines that keep
     their memory score it in the push, while the trainer does; the others once awake."""
@@ -586,12 +481,8 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
     config = json.loads((served / "config.json").read_text())
     config["rms_norm_eps"] = 0.5
     (served / "config.json").write_text(json.dumps(config))
-    eng = start_engine("embedded", served, tmp_path)
-    try:
-        ranks = values(run_ranks(_probe_rank, 2, str(big_a), eng.process.url, str(served), awake, deadline_s=240))
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(served)
+    ranks = values(run_ranks(_probe_rank, 2, str(big_a), eng.process.url, str(served), awake, deadline_s=240))
     for r in ranks:
         error = r["push_error"] if awake else r["probe_error"]
         assert "log-probs of the probe sequence differ" in error and "node0-engine0" in error, r
@@ -604,7 +495,7 @@ def test_an_engine_that_computes_otherwise_fails_the_probe_on_every_rank(tmp_pat
     assert "checksum" not in (ranks[0]["push_error"] if awake else ranks[0]["probe_error"])
 
 
-def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_engine(tmp_path, big_a):
+def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_engine(tmp_path, engines, big_a):
     """With its weights gathered on every rank, the trainer's probe forward is no collective:
     rank 0 takes it for all, and every rank judges every rank's engine against it. Rank 1's own
     engine runs another model: both ranks fail the sync naming rank 1's engine, not rank 0's."""
@@ -616,14 +507,9 @@ def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_e
     config = json.loads((served / "config.json").read_text())
     config["rms_norm_eps"] = 0.5
     (served / "config.json").write_text(json.dumps(config))
-    right, wrong = start_engine("embedded", big_a, tmp_path / "a"), start_engine("embedded", served, tmp_path / "b")
-    try:
-        urls, models = [right.process.url, wrong.process.url], [str(big_a), str(served)]
-        ranks = values(run_ranks(_probe_rank, 2, str(big_a), urls, models, True, deadline_s=240))
-    finally:
-        for eng in (right, wrong):
-            eng.client.close()
-            eng.process.stop()
+    right, wrong = engines(big_a, tmp_path / "a"), engines(served, tmp_path / "b")
+    urls, models = [right.process.url, wrong.process.url], [str(big_a), str(served)]
+    ranks = values(run_ranks(_probe_rank, 2, str(big_a), urls, models, True, deadline_s=240))
     for r in ranks:
         error = r["push_error"]
         assert error.startswith("rank 1: version 1: node0-engine1"), r
@@ -659,15 +545,11 @@ def _stale_rank(rank: int, world_size: int, model: str, url: str) -> str:
         world.close()
 
 
-def test_a_stale_engine_is_reported_stale_even_where_the_probe_runs_in_the_push(tmp_path, big_a):
+def test_a_stale_engine_is_reported_stale_even_where_the_probe_runs_in_the_push(tmp_path, engines, big_a):
     """An engine at the previous version also scores the probe otherwise: the sync names the
     stale version (StaleWeightsError), as where the probe runs once the engines are awake."""
-    eng = start_engine("embedded", big_a, tmp_path)
-    try:
-        ranks = values(run_ranks(_stale_rank, 2, str(big_a), eng.process.url, deadline_s=240))
-    finally:
-        eng.client.close()
-        eng.process.stop()
+    eng = engines(big_a)
+    ranks = values(run_ranks(_stale_rank, 2, str(big_a), eng.process.url, deadline_s=240))
     for r in ranks:
         assert r.startswith("StaleWeightsError") and "serves weight version '1' after loading '2'" in r, r
         assert "probe" not in r
@@ -869,8 +751,6 @@ def test_weights_checker_capability_is_the_endpoint_not_one_answer(status, has):
     """A colocated SGLang is probed while its weights are released: its /weights_checker answers
     an error (it cannot hash released memory) but exists, and is used after each sync. Only a
     missing endpoint means the engine has none. (A real HTTP server answering as such an engine.)"""
-    from rltrain.sync.transport import _has_weights_checker  # noqa: PLC0415
-
     error = b'{"error": "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"}'
     with answering_server(lambda _: (status, error)) as client:
-        assert _has_weights_checker(client) is has
+        assert client.has_weights_checker() is has

@@ -5,17 +5,22 @@ retried with exponential backoff; HTTP errors are not (the server understood and
 A generate request that still fails is returned as failed `Completion`s with the reason: the
 caller can count and exclude them, and nothing downstream ever sees an empty or zero-reward
 sample in their place.
+
+What an engine can do beyond SGLang's API (the embedded engine's extensions, SGLang's
+/weights_checker) is asked of the engine itself, through the same endpoints that serve it:
+`EngineClient.capabilities()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +46,38 @@ class EngineError(RuntimeError):
         self.endpoint, self.status = endpoint, status
         where = f"HTTP {status}" if status is not None else "transport"
         super().__init__(f"engine {endpoint} failed ({where}): {message}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond the API both engines share, as its endpoints show it
+    (`EngineClient.capabilities`). SGLang has none of the embedded engine's extensions; the
+    embedded engine has no /weights_checker (it checksums what it owns instead)."""
+
+    dtype: str | None = None  # its weights' torch dtype ("bfloat16"), as its checksum report says
+    checksums: bool = False  # it reports weight checksums (/weights_checksum)
+    synchronous: bool = False  # its update requests answer only after the copies out of the sender's buffers
+    slots: int = 0  # buffers it keeps by slot number within a weight-update session (weights/bucket.py)
+    verifies_files: bool = False  # it checks a disk version's files against the version's manifest
+    weights_checker: bool = False  # it answers SGLang's /weights_checker (per-TP-rank sha256 of its parameters)
+    # Its tensor updates open and close the weight-update session themselves, and a session's end
+    # scores a probe sequence (the embedded engine's "weight_update_sessions": "inline").
+    inline_sessions: bool = False
+
+    @staticmethod
+    def shared(caps: Sequence[EngineCapabilities]) -> EngineCapabilities:
+        """What every one of several engines can do: the weakest decides (the dtype: the first's)."""
+        if not caps:
+            return EngineCapabilities()
+        return EngineCapabilities(
+            dtype=caps[0].dtype,
+            checksums=all(c.checksums for c in caps),
+            synchronous=all(c.synchronous for c in caps),
+            slots=min(c.slots for c in caps),
+            verifies_files=all(c.verifies_files for c in caps),
+            weights_checker=all(c.weights_checker for c in caps),
+            inline_sessions=all(c.inline_sessions for c in caps),
+        )
 
 
 class EngineClient:
@@ -457,6 +494,41 @@ class EngineClient:
 
     def model_info(self) -> dict:
         return _json_or_text(self._request("GET", "/model_info"))
+
+    def capabilities(self) -> EngineCapabilities:
+        """What this engine can do, asked of it: its /server_info (the embedded engine's
+        extensions), its /weights_checksum report (its dtype), and, for an engine that is not
+        the embedded one, whether it serves /weights_checker. An endpoint that fails counts as absent."""
+        try:
+            info = self.server_info()
+        except (EngineError, ValueError, TypeError):
+            info = {}
+        synchronous = info.get("weight_updates") == "synchronous"
+        slots = info.get("weight_buffer_slots", 0) if synchronous else 0
+        try:
+            rep = self.weights_checksum()
+        except (EngineError, ValueError, TypeError):
+            rep = None
+        return EngineCapabilities(
+            dtype=rep.get("dtype") if isinstance(rep, dict) else None,
+            checksums=isinstance(rep, dict) and "dtype" in rep,
+            synchronous=synchronous,
+            slots=slots if isinstance(slots, int) else 0,
+            verifies_files=info.get("weight_files") == "verified",
+            weights_checker=not synchronous and self.has_weights_checker(),  # SGLang's; the embedded engine has its own
+            inline_sessions=info.get("weight_update_sessions") == "inline",
+        )
+
+    def has_weights_checker(self) -> bool:
+        """Whether the engine serves /weights_checker. An engine whose weights are released at start-up
+        (colocated SGLang on a GPU) answers it with an error: it has it, and its digests are read after
+        each sync, when its weights are back. Only a missing endpoint (404/405) or no answer means no."""
+        try:
+            return bool(self.weights_checker())
+        except EngineError as e:
+            return e.status is not None and e.status not in (404, 405)
+        except (ValueError, TypeError):
+            return False
 
     # ------------------------------------------------------------------ scheduling
 

@@ -21,75 +21,12 @@ from typing import Any, Protocol
 import torch
 
 from rltrain.config import SyncConfig
-from rltrain.engine.client import EngineClient, EngineError
+from rltrain.engine.client import EngineCapabilities, EngineClient
 from rltrain.interfaces import World
 from rltrain.runtime.bridge import Bridge
 from rltrain.sync.plan import Bucket, SyncPlan
 
 Named = list[tuple[str, torch.Tensor]]
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineCaps:
-    """What every engine of this node can do, asked once (`probe`): the weakest engine decides."""
-
-    dtype: torch.dtype | None = None  # of the engine's weights, as its checksum report says
-    checksums: bool = False  # it reports weight checksums
-    synchronous: bool = False  # its update requests answer only after the copies out of the sender's buffers
-    slots: int = 0  # buffers it keeps by slot number within a weight-update session (bucket.py)
-    verifies_files: bool = False  # it checks a disk version's files against the version's manifest
-    weights_checker: bool = False  # it answers SGLang's /weights_checker (per-TP-rank sha256 of its parameters)
-    # Its tensor updates open and close the weight-update session themselves, and a session's end
-    # scores a probe sequence (the embedded engine's "weight_update_sessions": "inline").
-    inline_sessions: bool = False
-
-
-def probe(clients: list[EngineClient]) -> EngineCaps:
-    """The capabilities all of `clients` share (SGLang reports none of the embedded engine's)."""
-    caps = [_probe_one(c) for c in clients]
-    if not caps:
-        return EngineCaps()
-    return EngineCaps(
-        dtype=caps[0].dtype,
-        checksums=all(c.checksums for c in caps),
-        synchronous=all(c.synchronous for c in caps),
-        slots=min(c.slots for c in caps),
-        verifies_files=all(c.verifies_files for c in caps),
-        weights_checker=all(c.weights_checker for c in caps),
-        inline_sessions=all(c.inline_sessions for c in caps),
-    )
-
-
-def _probe_one(client: EngineClient) -> EngineCaps:
-    try:
-        info = client.server_info()
-    except (EngineError, ValueError, TypeError):
-        info = {}
-    synchronous = info.get("weight_updates") == "synchronous"
-    verifies = info.get("weight_files") == "verified"
-    slots = info.get("weight_buffer_slots", 0) if synchronous else 0
-    slots = slots if isinstance(slots, int) else 0
-    try:
-        rep = client.weights_checksum()
-    except (EngineError, ValueError, TypeError):
-        rep = None
-    checker = not synchronous and _has_weights_checker(client)  # SGLang's; the embedded engine has its own
-    inline = info.get("weight_update_sessions") == "inline"
-    if not isinstance(rep, dict) or "dtype" not in rep:
-        return EngineCaps(None, False, synchronous, slots, verifies, checker, inline)
-    return EngineCaps(getattr(torch, rep["dtype"]), True, synchronous, slots, verifies, checker, inline)
-
-
-def _has_weights_checker(client: EngineClient) -> bool:
-    """Whether the engine serves /weights_checker. An engine whose weights are released at start-up
-    (colocated SGLang on a GPU) answers it with an error: it has it, and its digests are read after
-    each sync, when its weights are back. Only a missing endpoint (404/405) or no answer means no."""
-    try:
-        return bool(client.weights_checker())
-    except EngineError as e:
-        return e.status is not None and e.status not in (404, 405)
-    except (ValueError, TypeError):
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +37,7 @@ class SyncContext:
     world: World
     receivers: list[EngineClient]  # this rank's engines, by EP rank; the sender talks to them
     plan: SyncPlan
-    caps: EngineCaps  # (the sender's probe; defaults on other ranks)
+    caps: EngineCapabilities  # what the engines can do (the leader asks, its TP ranks share it; else defaults)
     device: torch.device  # the trainer's
     model_path: str  # the trainer's model: config files of a published version
     weights_dir: Path
@@ -110,9 +47,10 @@ class SyncContext:
     tp_size: int = 1  # its engine's TP size
     tp_group: Bridge | None = None  # the engine's ranks, in TP order (tp_size > 1)
     engine_name: str = "engine"
-    # A sequence the engines score as their weight-update session ends, where they can
-    # (`caps.inline_sessions`; engines that keep their memory through the sync): the sync's
-    # probe without a request of its own. Empty: none.
+    # What the engines report as their weight-update session ends (`SessionEnds`): their
+    # checksum (`verify.Checks.checksums`), and a sequence they score, the sync's probe without
+    # a request of its own (`ProbeMoment.SESSION_END`; empty: none).
+    checksums: bool = False
     probe: tuple[int, ...] = ()
 
     @property
@@ -153,8 +91,7 @@ class SessionEnds:
     @staticmethod
     def asked(ctx: SyncContext) -> dict[str, Any]:
         """What a session's end asks these engines for (`checksum`, `probe` of the client's calls)."""
-        probe = list(ctx.probe) if ctx.caps.inline_sessions and ctx.probe else None
-        return {"checksum": ctx.caps.checksums and ctx.cfg.verify, "probe": probe}
+        return {"checksum": ctx.checksums, "probe": list(ctx.probe) or None}
 
     def keep(self, receiver: int, answer: dict[str, Any], closed: bool = False) -> None:
         if closed:
