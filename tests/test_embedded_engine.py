@@ -298,7 +298,7 @@ def test_the_backup_directory_is_removed_at_stop_and_a_dead_engines_is_removed_a
     from pathlib import Path  # noqa: PLC0415
 
     from conftest import start_engine  # noqa: PLC0415
-    from rltrain.engine.embedded.engine import BACKUP_PREFIX  # noqa: PLC0415
+    from rltrain.engine.embedded.residency import BACKUP_PREFIX  # noqa: PLC0415
 
     tmp = Path(tempfile.gettempdir())
     stale = tmp / f"{BACKUP_PREFIX}999999999-left"  # a pid no process has: its engine was killed
@@ -340,3 +340,89 @@ def test_a_prompt_sent_as_many_rows_is_prefilled_once_and_each_row_decodes_as_if
     ]
     assert [c.output_ids for c in seeded] == [c.output_ids for c in alone]
     assert len({tuple(c.output_ids) for c in seeded}) > 1
+
+
+# SGLang 0.5.23's spellings (srt/server_args.py) of the flags the embedded engine shares with it.
+SGLANG_FLAGS = [
+    "--model", "/m", "--random-seed", "3", "--max-running-requests", "8", "--enable-deterministic-inference",
+    "--enable-weights-cpu-backup", "--tensor-parallel-size", "2", "--expert-parallel-size", "2", "--dtype", "half",
+    "--device", "cuda", "--base-gpu-id", "1", "--disable-decode-cuda-graph", "--weight-version", "v0",
+    "--skip-tokenizer-init", "--sleep-on-idle", "--log-level", "info",
+]  # fmt: skip
+OWN_FLAGS = [
+    "--model-path", "/m", "--seed", "3", "--max-batch-size", "8", "--deterministic", "--weights-backup",
+    "--tp-size", "2", "--ep-size", "2", "--dtype", "float16", "--device", "cuda:1", "--disable-cuda-graph",
+    "--weight-version", "v0", "--log-level", "INFO",
+]  # fmt: skip
+
+
+def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
+    """A command line written for SGLang starts the embedded engine with the same settings as the
+    engine's own spellings; SGLang's flags without an effect here are accepted and change nothing."""
+    from rltrain.engine.embedded.main import engine_options, parse
+
+    sglang, own = parse(SGLANG_FLAGS), parse(OWN_FLAGS)
+    assert (sglang.model_path, sglang.log_level.upper()) == (own.model_path, own.log_level) == ("/m", "INFO")
+    assert engine_options(sglang) == engine_options(own)
+    opts = engine_options(sglang)
+    assert (opts["seed"], opts["max_batch_size"], opts["deterministic"], opts["weights_backup"]) == (3, 8, True, True)
+    assert (opts["tp_size"], opts["ep_size"], opts["dtype"], opts["device"]) == (2, 2, "float16", "cuda:1")
+    assert (opts["cuda_graphs"], opts["weight_version"]) == (False, "v0")
+    assert engine_options(parse(["--model", "/m", "--ep", "4", "--cuda-graph-backend-decode", "disabled"])) == (
+        engine_options(parse(["--model-path", "/m", "--ep-size", "4", "--disable-cuda-graph"]))
+    )
+    plain = engine_options(parse(["--model-path", "/m"]))
+    noop = engine_options(parse(["--model-path", "/m", "--skip-tokenizer-init", "--sleep-on-idle"]))
+    assert noop == plain and (plain["device"], plain["cuda_graphs"]) == ("cpu", True)
+    assert engine_options(parse(["--model-path", "/m", "--base-gpu-id", "3"]))["device"] == "cpu"  # (CUDA only)
+
+
+@pytest.mark.parametrize(
+    "argv,error",
+    [
+        (["--model-path", "/m", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--model-path", "/m", "--enable-weight-cpu-backup"], "unrecognized arguments: --enable-weight-cpu-backup"),
+        (["--model-path", "/m", "--device", "cuda:0", "--base-gpu-id", "1"], "give the device's index once"),
+        (["--model-path", "/m", "--cuda-graph-backend-decode", "breakable"], "invalid choice: 'breakable'"),
+        (["--random-seed", "1"], "required: --model-path/--model"),
+    ],
+)
+def test_an_unknown_or_conflicting_flag_is_a_clear_error(argv, error, capsys):
+    from rltrain.engine.embedded.main import parse
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    assert exit_.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_the_engine_serves_when_started_with_sglang_spellings(model_a, tmp_path):
+    """`python -m rltrain.engine.embedded` with SGLang's spellings only (the API key on the command
+    line, as SGLang takes it): it serves, with the settings those flags name."""
+    import sys
+
+    from rltrain.engine.client import EngineClient
+    from rltrain.engine.launcher import EngineProcess
+    from rltrain.runtime.net import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "rltrain.engine.embedded", "--model", str(model_a), "--port", str(port)]
+    cmd += ["--device", "cpu", "--dtype", "float", "--random-seed", "5", "--max-running-requests", "6"]
+    cmd += ["--enable-deterministic-inference", "--enable-weights-cpu-backup", "--skip-tokenizer-init"]
+    cmd += ["--sleep-on-idle", "--weight-version", "v0", "--api-key", "k3y", "--log-level", "info"]
+    proc = EngineProcess.start(cmd, f"http://127.0.0.1:{port}", tmp_path / "engine.log")
+    good, bad = EngineClient(proc.url, retries=0, api_key="k3y"), EngineClient(proc.url, retries=0)
+    try:
+        good.wait_healthy(120, alive=lambda: proc.alive)
+        info = good.server_info()
+        assert (info["max_batch_size"], info["dtype"], info["weight_version"]) == (6, "torch.float32", "v0")
+        with pytest.raises(EngineError, match="HTTP 401"):
+            bad.weight_version()
+        assert greedy(good) == hf_greedy(model_a, PROMPTS, 5)
+        good.release(["weights"])  # backed up (--enable-weights-cpu-backup): resume serves the same
+        good.resume(["weights"])
+        assert greedy(good) == hf_greedy(model_a, PROMPTS, 5)
+    finally:
+        good.close()
+        bad.close()
+        proc.stop()

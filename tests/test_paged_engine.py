@@ -1,5 +1,6 @@
-"""The embedded engine's paged path (engine/embedded/paged.py): paged KV cache, continuous batching,
-shared prompt pages, and the decode-attention kernel it reads the cache with.
+"""The embedded engine's paged path (engine/embedded/: paged.py, batching.py, kv_pool.py, graphs.py):
+paged KV cache, continuous batching, shared prompt pages, and the decode-attention kernel it reads the
+cache with.
 
 On CPU the paged path runs when asked for (`decode="paged"`; the CPU default stays on
 transformers' own cache) with the torch reference attention, without CUDA graphs; the Triton
@@ -20,7 +21,7 @@ import transformers
 
 from models import hf_greedy, make_model
 from rltrain.engine.embedded.engine import EmbeddedEngine
-from rltrain.engine.embedded.paged import PAGE_SIZE
+from rltrain.engine.embedded.kv_pool import PAGE_SIZE
 from rltrain.generation import SamplingParams
 from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
 
@@ -253,15 +254,15 @@ def test_a_growing_batch_takes_the_largest_graph_captured_before_and_a_shrinking
     size is gone): growing (a rollout's requests arriving), the largest size captured before
     within 4x, so the range takes one capture; shrinking (rows finishing), the smallest bucket.
     (On CPU nothing is captured: the sizes the policy picks are what is checked.)"""
-    decoder = engines[1].decoder
-    kept = decoder._captured, decoder.graphs
+    graphs = engines[1].decoder.graphs
+    kept = graphs.captured, graphs.by_size
     try:
-        decoder._captured, decoder.graphs = {128, 512, 48}, {}
-        decoder._rows = 0
-        assert [decoder._graph_for(n).size for n in (128, 300, 512, 40, 20, 3)] == [512, 512, 512, 48, 24, 3]
+        graphs.captured, graphs.by_size = {128, 512, 48}, {}
+        graphs.last_rows = 0
+        assert [graphs.for_rows(n).size for n in (128, 300, 512, 40, 20, 3)] == [512, 512, 512, 48, 24, 3]
     finally:
-        decoder._captured, decoder.graphs = kept
-        decoder._rows = 0
+        graphs.captured, graphs.by_size = kept
+        graphs.last_rows = 0
 
 
 def test_samples_share_their_prompts_pages(model):

@@ -112,7 +112,7 @@ def fork_engine(cmd: list[str], log_path: str, env: dict[str, str], preexec: Cal
         custom = sys.modules.get("sitecustomize")
         if custom is not None:
             importlib.reload(custom)
-        from rltrain.engine.embedded.server import main  # noqa: PLC0415 - in the child only
+        from rltrain.engine.embedded.main import main  # noqa: PLC0415 - in the child only
 
         code = main(args)
     except SystemExit as e:

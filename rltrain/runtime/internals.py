@@ -47,7 +47,7 @@ REGISTRY: dict[str, Internal] = {
         # torch
         Internal(
             "torch._foreach_copy_",
-            "weights/bucket.py, engine/embedded/engine.py, runtime/memory.py, trainer/sharding.py",
+            "weights/bucket.py, engine/embedded/writer.py, runtime/memory.py, trainer/sharding.py",
             "one fused copy per group of tensors instead of one launch each",
             _TORCH,
         ),

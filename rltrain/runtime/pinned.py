@@ -11,7 +11,7 @@ tensor on the buffer is gone. Every page-locked buffer rltrain keeps comes from 
     the trainer's offload buffer             trainer/sharding.py  HostPark
     megatron's host mirror of its state      trainer/megatron/trainer.py
     the trainer's host snapshot              trainer/sharding.py  capture
-    the engine's backup of released weights  engine/embedded/engine.py
+    the engine's backup of released weights  engine/embedded/residency.py
     the engine's disk-load upload ring       PinnedUpload (below)
     the disk sync's shard staging            weights/hf_files.py  HostStaging
 """

@@ -32,13 +32,13 @@ the buffers. Who keeps what, and why (each cache is bounded and dropped with wha
                      payload strings, by slot
       sent           (receiver, slot) pairs that hold       a handle goes once per session
                      the slot's current buffer
-    engine server (engine/embedded/server.py)
+    engine server (engine/embedded/receiver.py)
       slots          slot -> the sender's mapped buffer     the handle is opened once per session
       mapped         the last few buffers sent with a       torch's IPC cache then serves a
                      handle, kept mapped                    refilled buffer without a re-map
       decoded        handle-less payload string -> its      the same string every sync
                      decoded metadata
-    engine model (engine/embedded/engine.py)
+    engine model (engine/embedded/writer.py)
       bucket plans   layout key -> BucketViews and the      checked against the model once;
                      1-D parameter views it copies into     dropped when the weights are released
       bucket keys    id(metadata list) -> layout key        a decoded payload's list is reused

@@ -2,8 +2,8 @@ import sys
 
 from rltrain.engine.embedded.saver import exec_preloaded
 
-exec_preloaded(sys.argv[1:])  # (before the server's imports: with --enable-memory-saver, preloaded)
+exec_preloaded(sys.argv[1:])  # (before the engine's imports: with --enable-memory-saver, preloaded)
 
-from rltrain.engine.embedded.server import main  # noqa: E402
+from rltrain.engine.embedded.main import main  # noqa: E402
 
 raise SystemExit(main())

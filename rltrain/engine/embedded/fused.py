@@ -1,19 +1,19 @@
 """Projections of one input computed by one GEMM: an attention's q, k and v, an MLP's gate and up.
 
     fused = FusedProjections(model, device)  # after loading; the weights keep their names and values
-    fused.release()                          # with the weights (engine.release, without the memory saver)
-    fused.allocate()                         # before restoring them (engine.resume)
+    fused.release()                          # with the weights (residency.py, without the memory saver)
+    fused.allocate()                         # before restoring them (residency.py's resume)
 
-At a decode step's batch (hundreds of rows) each of these GEMMs is short: on the H200, for the
-1.7B shape at 512 rows, q, k and v took 13.5 us each, one GEMM of the three ~19 us. transformers'
-modules call the projections one by one; here each group's weights are rows of one tensor (each
-parameter is a view of its rows, so updates, backups and checksums by name see what they always
-saw) and the group's first projection called with an input computes every member's output from
-it at once; the others, called with the same input, take theirs. Called with another input
-while its output of the last one waits, a member computes its own alone; a member called again
-after taking its output starts afresh (any call order, any model, a forward that failed). The
-shared state is plain attributes, which torch.compile traces (the mutations cancel out within a
-block's forward).
+At a decode step's batch (hundreds of rows) each of these GEMMs is short, and one GEMM of the
+three takes little more than one of them (see BENCHMARKS.md). transformers' modules call the
+projections one by one; here each group's weights are rows of one tensor (each parameter is a
+view of its rows, so updates, backups and checksums by name see what they always saw) and the
+group's first projection called with an input computes every member's output from it at once;
+the others, called with the same input, take theirs. Called with another input while its
+output of the last one waits, a member computes its own alone; a member called again after
+taking its output starts afresh (any call order, any model, a forward that failed). The shared
+state is plain attributes, which torch.compile traces (the mutations cancel out within a block's
+forward).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class _Group:
             dst.copy_(src.detach())
         if bias is not None:
             for dst, src in zip(bias.split(self.sizes), (m.bias for m in linears)):
-                dst.copy_(src.detach())  # type: ignore[union-attr]
+                dst.copy_(src.detach())
         self.link(weight, bias)
         for i, m in enumerate(linears):
             m.forward = self._forward_of(i)  # type: ignore[method-assign]
@@ -60,7 +60,7 @@ class _Group:
         for m, n in zip(self.linears, self.sizes):
             m.weight.data = weight[start : start + n]
             if bias is not None:
-                m.bias.data = bias[start : start + n]  # type: ignore[union-attr]
+                m.bias.data = bias[start : start + n]
             start += n
 
     def _forward_of(self, i: int) -> Any:
@@ -94,8 +94,9 @@ class FusedProjections:
         self.groups: list[_Group] = []
         for parent in model.modules():
             for names in GROUPS:
-                linears = [getattr(parent, n, None) for n in names]
-                if not all(type(m) is torch.nn.Linear for m in linears):
+                found = [getattr(parent, n, None) for n in names]
+                linears = [m for m in found if type(m) is torch.nn.Linear]
+                if len(linears) != len(names):
                     continue
                 first = linears[0]
                 if any(
@@ -104,7 +105,7 @@ class FusedProjections:
                     for m in linears
                 ):
                     continue
-                self.groups.append(_Group(linears, device))  # type: ignore[arg-type]
+                self.groups.append(_Group(linears, device))
 
     @property
     def params(self) -> set[int]:

@@ -20,6 +20,9 @@ What is taken, by SGLang's field names (sglang 0.5.23, `managers/io_struct.py` a
   own `logprob_format`: "triples" (SGLang's `output_token_logprobs`, [log-prob, token, null] per
   token; the default) or "values" (`output_token_logprob_values`, the log-probs alone, the tokens
   being `output_ids`: a rollout's answer is parsed several times faster).
+
+The other endpoints' bodies are read field by field with `required` and `weight_version_of`,
+which raise `BadRequest` the same way.
 """
 
 from __future__ import annotations
@@ -346,6 +349,26 @@ def _ids(rid: Any, prompts: int, n: int, single: bool) -> list[str]:
 
 
 # ---------------------------------------------------------------------- field checks
+
+
+def required(body: dict[str, Any], key: str, kind: type) -> Any:
+    """`body[key]`, of type `kind` (an int may come as its decimal string)."""
+    if key not in body:
+        raise BadRequest(f"{key} is required")
+    v = body[key]
+    if kind is int and isinstance(v, (int, str)) and str(v).lstrip("-").isdigit():
+        return int(v)
+    if not isinstance(v, kind):
+        raise BadRequest(f"{key}: expected {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def weight_version_of(body: dict[str, Any]) -> str | None:
+    """The request's weight_version: a string, or absent (the engine's stays)."""
+    v = body.get("weight_version")
+    if v is not None and not isinstance(v, str):
+        raise BadRequest(f"weight_version={v!r}: expected a string")
+    return v
 
 
 def _int(

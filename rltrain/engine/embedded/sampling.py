@@ -109,6 +109,7 @@ def sample(
     # the greedy rows' answer (the others are overwritten)
     tokens = torch.argmax(logits, dim=-1) if plan.greedy else torch.empty_like(logits[:, 0], dtype=torch.long)
     if plan.seeded is not None:
+        assert plan.seeds is not None  # (set with `seeded`)
         every = plan.seeded.numel() == logits.shape[0]  # (then no gather, no scatter)
         rows = filtered if every else filtered[plan.seeded]
         row_steps = steps if isinstance(steps, int) or every else steps[plan.seeded]

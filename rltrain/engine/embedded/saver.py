@@ -9,7 +9,7 @@ unmapped and mapped again. Release unmaps a region's pages (the device memory go
 resume maps new pages at the same addresses. So the CUDA graphs captured before a release are
 still valid after it: a rollout replays the graphs of the last one instead of capturing again
 (without the saver the weights and the pool come back at new addresses, and every rollout after
-a release pays one capture: 0.05-0.10 s on the H200 for the 1.7B shape).
+a release pays one capture; see BENCHMARKS.md).
 
 What resume maps is new memory, its contents undefined: the weights are restored from their
 backup or rewritten by the next update (NaN until then, as without the saver), the KV cache and

@@ -1,0 +1,386 @@
+"""The paged path's runner: continuous batching over the paged decoder (paged.py).
+
+    batcher = ContinuousBatcher(decoder, generator, token_hash, eos_ids, deterministic)
+    batcher.serve(take, can_run, running, abort, weight_version)   # until nothing runs or waits
+
+**Admission.** Queued requests are admitted whole and in order, while they fit: the batch's rows
+(`max_rows`) and the KV pool's pages (kv_pool.py). A row reserves at admission the pages its
+prompt plus `max_new_tokens` can fill, so decoding never waits for memory; requests that do not
+fit wait until rows finish. The n samples of one prompt share the prompt's full pages (prefilled
+once) and each gets a copy of its last, partial page (copy-on-write at the fork).
+
+**Continuous batching.** Between decode steps, finished rows leave (their requests are answered
+at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
+Sampling runs after each step, batched, in one pass over the logits on CUDA (sampling.py).
+
+**Overlap.** Step t+1 is queued (its input tokens are step t's samples, on the device) before the
+host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rltrain.engine.embedded.paged import PagedDecoder
+from rltrain.engine.embedded.rows import GenRequest, Row
+from rltrain.engine.embedded.sampling import LogitShaper, SamplingPlan, device_tensor, sample
+
+log = logging.getLogger("rltrain.engine.embedded")
+
+PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (SGLang's chunked_prefill_size, larger)
+
+
+@dataclass
+class _Seq:
+    """A decoding row and its pages (its prompt's shared full pages first, then its own)."""
+
+    row: Row
+    pages: list[int]
+
+
+@dataclass
+class _Launched:
+    """A decode step queued on the device: its rows, and their sampled tokens and log-probs
+    ([2, rows] float64) being copied to the host, there once `ready` has passed (None: there)."""
+
+    seqs: list[_Seq]
+    host: torch.Tensor
+    ready: Any
+
+
+def _to_host(tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying (tokens, log-probs) to the host: (the host tensor, the event after which it
+    holds them; None on CPU)."""
+    both = torch.stack([tokens.double(), logps.double()])
+    if not both.is_cuda:
+        return both, None
+    host = both.to("cpu", non_blocking=True)  # (pinned, from the caching host allocator)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+class ContinuousBatcher:
+    """Continuously batched generation on one engine's paged decoder (module doc). `waiting`:
+    requests taken from the engine's queue, not yet admitted."""
+
+    def __init__(
+        self,
+        decoder: PagedDecoder,
+        generator: torch.Generator,
+        token_hash: Callable[[int], torch.Tensor | None],
+        eos_ids: set[int],
+        deterministic: bool = False,
+    ):
+        self.decoder = decoder
+        self.device = decoder.device
+        self.vocab = decoder.vocab
+        self.generator = generator
+        self.token_hash = token_hash
+        self.eos_ids = eos_ids
+        self.deterministic = deterministic
+        self.stats = decoder.stats  # (tokens are counted here, the forwards in the decoder)
+        self.waiting: deque[GenRequest] = deque()
+
+    def serve(
+        self,
+        take: Callable[[], GenRequest | None],
+        can_run: Callable[[GenRequest], bool],
+        running: threading.Event,
+        abort: threading.Event,
+        weight_version: Callable[[], str],
+    ) -> None:
+        """Generate until nothing runs and nothing waits. `take()`: the next queued request or
+        None; `can_run(req)`: False when the engine's state refuses it (the request has been
+        answered). While `running` is clear: with `abort` set, in-flight rows end now (finish
+        reason abort) and the waiting requests stay for later; else in-flight rows are held.
+        If anything fails, every request in flight or waiting gets the exception."""
+        remaining: dict[int, list[Any]] = {}  # id(request) -> [its rows, how many still run]
+        self.decoder.graphs.last_rows = 0
+        try:
+            self._serve(take, can_run, running, abort, weight_version, remaining)
+        except BaseException as e:
+            log.exception("generation failed; failing %d requests", len(remaining) + len(self.waiting))
+            for rows, _ in remaining.values():
+                if not rows[0].req.future.done():
+                    rows[0].req.future.set_exception(e)
+            while self.waiting:
+                self.waiting.popleft().future.set_exception(e)
+            self.decoder.free_memory(kv_cache=True)  # its pages' owners are gone: a fresh pool next time
+            if not isinstance(e, Exception):
+                raise
+
+    def _serve(
+        self,
+        take: Callable[[], GenRequest | None],
+        can_run: Callable[[GenRequest], bool],
+        running: threading.Event,
+        abort: threading.Event,
+        weight_version: Callable[[], str],
+        remaining: dict[int, list[Any]],
+    ) -> None:
+        """The scheduling loop. Decode steps overlap the host: step t+1 is launched (its inputs
+        are step t's sampled tokens, on the device) before the host reads step t's tokens,
+        appends them to the rows and answers the rows that finished, so the device never waits
+        for Python between steps. A row that finishes at step t has had step t+1 computed for
+        it too: that token is dropped, its key written to the row's own (reserved) page, which
+        is handed out again only after (the stream orders the writes). The host syncs with the
+        step in flight (`settle`) only where it must: before admitting queued requests, when
+        paused, and at every step where sampling reads host state (a min_new_tokens hold) or
+        the engine runs `deterministic`."""
+        seqs: list[_Seq] = []
+        state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
+        pending: _Launched | None = None  # the step in flight, its tokens not yet read
+        freed = True  # rows finished (or none ran) since the last try to admit
+        t0, before = time.perf_counter(), dict(self.stats)
+
+        def done(row: Row) -> None:
+            entry = remaining[id(row.req)]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del remaining[id(row.req)]
+                now = time.time()
+                row.req.future.set_result([r.result(weight_version(), now) for r in entry[0]])
+
+        def settle() -> None:
+            """Read the step in flight; drop the rows that finished from the batch (and from its
+            device tensors: the next step's inputs stay on the device)."""
+            nonlocal pending, seqs, freed
+            if pending is not None:
+                self._collect(pending, done)
+                pending = None
+            keep = [b for b, s in enumerate(seqs) if s.row.finish is None]
+            if len(keep) < len(seqs):
+                freed = True
+                seqs = [seqs[b] for b in keep]
+                if state:
+                    self._subset(state, seqs, keep)
+
+        while True:
+            while not running.is_set():
+                settle()
+                if abort.is_set():
+                    for s in seqs:
+                        s.row.finish = {"type": "abort", "message": "generation paused with mode=abort"}
+                        assert self.decoder.pool is not None
+                        self.decoder.pool.release(s.pages)
+                        done(s.row)
+                    return
+                if not seqs:
+                    return
+                running.wait(0.05)
+            while (req := take()) is not None:
+                self.waiting.append(req)
+                freed = True
+            admitted = 0
+            if self.waiting and freed and not (self.deterministic and seqs):
+                settle()
+                freed = False
+                joined, admitted = self._admit(can_run, len(seqs), remaining, done)
+                if joined:
+                    seqs += joined
+                    state.clear()
+            if not seqs:
+                settle()  # (nothing may run on the device once this returns: a release may follow)
+                if admitted or not self.waiting:
+                    if not self.waiting:
+                        n, dt = self.stats["tokens"] - before["tokens"], time.perf_counter() - t0
+                        log.info(
+                            "decoded %d tokens in %.2f s (%.0f tokens/s; %d graph captures took %.2f s of it)",
+                            n,
+                            dt,
+                            n / max(dt, 1e-9),
+                            self.stats["graph_captures"] - before["graph_captures"],
+                            self.stats["capture_s"] - before["capture_s"],
+                        )
+                        return
+                    freed = True
+                    continue
+                req = self.waiting.popleft()  # it does not fit even with nothing else running
+                assert self.decoder.pool is not None
+                need = sum(len(p) + (q.max_new_tokens or 0) * q.n for p, q in zip(req.input_ids, req.params))
+                req.future.set_exception(
+                    ValueError(
+                        f"the request's {need} tokens (prompts + max_new_tokens x n) do not fit the KV cache "
+                        f"({(self.decoder.pool.pages - 1) * self.decoder.page_size} tokens); raise "
+                        "--max-total-tokens or --mem-fraction-static, or send fewer samples per request"
+                    )
+                )
+                freed = True
+                continue
+            if pending is not None and all(len(s.row.out) + 1 >= s.row.max_new for s in seqs):
+                settle()  # every row ends with the step in flight: none after it
+                continue
+            if not state:
+                state.update(self._batch_state(seqs))
+            launched = self._launch(seqs, state)
+            settle()  # the step before it, read while this one runs
+            pending = launched
+            if self.deterministic or state["shaper"].hold:
+                settle()
+
+    def _launch(self, seqs: list[_Seq], state: dict[str, Any]) -> _Launched:
+        """Queue one decode step and its sampling for the rows; advance the batch's device
+        tensors to the next step (its input tokens are this step's samples) and start copying
+        the samples to the host."""
+        logits = self.decoder.decode(state["tokens"], state["pos"], state["table"])
+        shaper = state["shaper"]
+        shaped = shaper.shape(logits, [len(s.row.out) for s in seqs] if shaper.hold else 0)
+        tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
+        shaper.count(tokens)
+        state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
+        return _Launched(seqs, *_to_host(tokens, logps))
+
+    def _collect(self, launched: _Launched, done: Callable[[Row], None]) -> None:
+        """The launched step's tokens join their rows (rows that finished before it drop
+        theirs); a row that finishes gives its pages back and is answered."""
+        pool = self.decoder.pool
+        assert pool is not None
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        toks, lps = launched.host.tolist()
+        for b, s in enumerate(launched.seqs):
+            if s.row.finish is not None:
+                continue
+            self.stats["tokens"] += 1
+            if s.row.append(int(toks[b]), lps[b]):
+                pool.release(s.pages)
+                done(s.row)
+
+    def _subset(self, state: dict[str, Any], seqs: list[_Seq], keep: list[int]) -> None:
+        """The batch's device tensors for the rows `keep` (indices into the batch before), with
+        no host sync (the step in flight may still be running)."""
+        index = device_tensor(keep, torch.long, self.device)
+        for key in ("tokens", "pos", "table", "steps"):
+            state[key] = state[key][index]
+        state["plan"] = self._plan([s.row for s in seqs])
+        state["shaper"] = state["shaper"].subset(index, keep)
+
+    def _plan(self, rows: list[Row]) -> SamplingPlan:
+        """The rows' sampling plan (what stays the same at every step of this set of rows)."""
+        return SamplingPlan(
+            [r.params for r in rows], [r.seed for r in rows], self.vocab, self.device, self.token_hash(self.vocab)
+        )
+
+    def _batch_state(self, seqs: list[_Seq]) -> dict[str, Any]:
+        """Device tensors of the rows' next step: last token, its position, page tables, steps;
+        their sampling plan and logit shaper."""
+        dev = self.device
+        table = torch.zeros(len(seqs), self.decoder.max_pages, dtype=torch.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        rows = [s.row for s in seqs]
+        return {
+            "tokens": torch.tensor([r.out[-1] for r in rows], device=dev),
+            "pos": torch.tensor([len(r.prompt) + len(r.out) - 1 for r in rows], device=dev),
+            "table": table.to(dev),
+            "steps": torch.tensor([len(r.out) for r in rows], device=dev),
+            "plan": self._plan(rows),
+            "shaper": LogitShaper(
+                [r.params for r in rows], [r.stops for r in rows], self.vocab, dev, [r.out for r in rows]
+            ),
+        }
+
+    def _admit(
+        self,
+        can_run: Callable[[GenRequest], bool],
+        running: int,
+        remaining: dict[int, list[Any]],
+        done: Callable[[Row], None],
+    ) -> tuple[list[_Seq], int]:
+        """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
+        rows that go on decoding, how many requests were admitted). Requests are admitted whole
+        and in order."""
+        P = self.decoder.page_size
+        batch: list[tuple[GenRequest, list[Row]]] = []
+        tokens = 0
+        free = -1
+        while self.waiting:
+            req = self.waiting[0]
+            if not can_run(req):
+                self.waiting.popleft()
+                continue
+            if free < 0:
+                self.decoder.allocate()
+                assert self.decoder.pool is not None
+                free = self.decoder.pool.free
+            rows = req.rows(self.eos_ids)
+            pages = 0
+            for prompt in {tuple(r.prompt) for r in rows if r.finish is None}:
+                pages += len(prompt) // P
+            pages += sum(-(-(len(r.prompt) + r.max_new) // P) - len(r.prompt) // P for r in rows if r.finish is None)
+            new_tokens = sum(len(p) for p in {tuple(r.prompt) for r in rows})
+            if running + len(rows) > self.decoder.max_rows and (running or batch):
+                break
+            if pages > free or (batch and tokens + new_tokens > PREFILL_TOKENS):
+                break
+            self.waiting.popleft()
+            batch.append((req, rows))
+            free -= pages
+            tokens += new_tokens
+            running += len(rows)
+            if self.deterministic:
+                break
+        if not batch:
+            return [], 0
+        return self._prefill(batch, remaining, done), len(batch)
+
+    def _prefill(
+        self, batch: list[tuple[GenRequest, list[Row]]], remaining: dict[int, list[Any]], done: Callable[[Row], None]
+    ) -> list[_Seq]:
+        pool = self.decoder.pool
+        assert pool is not None
+        P = self.decoder.page_size
+        live: list[_Seq] = []
+        prompts: dict[tuple[int, ...], list[_Seq]] = {}
+        for req, rows in batch:
+            remaining[id(req)] = [rows, len(rows)]
+            for r in rows:
+                if r.finish is not None:
+                    continue
+                key = tuple(r.prompt)
+                group = prompts.setdefault(key, [])
+                full = len(r.prompt) // P
+                shared = group[0].pages[:full] if group else pool.alloc(full)
+                if group:
+                    pool.share(shared)
+                own = pool.alloc(-(-(len(r.prompt) + r.max_new) // P) - full)
+                s = _Seq(r, shared + own)
+                group.append(s)
+                live.append(s)
+        for rows in [rows for _, rows in batch]:
+            for r in rows:
+                if r.finish is not None:  # max_new_tokens 0
+                    done(r)
+        if not prompts:
+            return []
+        groups = list(prompts.values())
+        logits = self.decoder.prefill_forward([list(k) for k in prompts], [g[0].pages for g in groups])
+        # the prompt's last, partial page: copied from the first sample's to the others'
+        src, dst = [], []
+        for g in groups:
+            n = len(g[0].row.prompt)
+            if n % P:
+                for s in g[1:]:
+                    src.append(g[0].pages[n // P])
+                    dst.append(s.pages[n // P])
+        if src:
+            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+            pool.k[:, di] = pool.k[:, si]
+            pool.v[:, di] = pool.v[:, si]
+        of_seq = [u for u, g in enumerate(groups) for _ in g]
+        seqs = [s for g in groups for s in g]
+        rows = [s.row for s in seqs]
+        row_logits = logits[torch.tensor(of_seq, device=self.device)]
+        shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
+        tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
+        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done)
+        return [s for s in seqs if s.row.finish is None]

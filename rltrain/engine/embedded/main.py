@@ -1,0 +1,253 @@
+"""Start the embedded engine: its command line, the engine, and its HTTP server.
+
+    python -m rltrain.engine.embedded --model-path DIR --port 30000 [--device cuda] [--dtype bfloat16]
+
+The command line takes SGLang's spelling of every flag the two share (sglang 0.5.23,
+`srt/server_args.py`), beside this engine's own, so a command line written for one works for the
+other: --model, --random-seed, --max-running-requests, --enable-deterministic-inference,
+--enable-weights-cpu-backup, --tensor-parallel-size, --expert-parallel-size / --ep,
+--base-gpu-id (with --device cuda), --disable-decode-cuda-graph, --cuda-graph-backend-decode,
+--weight-version, --api-key, --dtype half / float, --log-level in lower case; --skip-tokenizer-init
+and --sleep-on-idle are accepted and change nothing here. Any other flag is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import gc
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from rltrain.engine.embedded.engine import EmbeddedEngine
+from rltrain.engine.embedded.http import MAX_BODY_BYTES, EngineHTTPServer, make_handler
+from rltrain.engine.embedded.server import EmbeddedServer
+
+log = logging.getLogger("rltrain.engine.embedded")
+
+API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the launcher's way: the key stays off the command line
+DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+SGLANG_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's other spellings
+
+
+def parser() -> argparse.ArgumentParser:
+    """The engine's flags; where SGLang has the same flag, its spelling too (module doc)."""
+    ap = argparse.ArgumentParser(
+        prog="python -m rltrain.engine.embedded",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--model-path", "--model", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<index>")
+    ap.add_argument(
+        "--base-gpu-id",
+        type=int,
+        default=None,
+        help="SGLang's: with --device cuda, the engine runs on cuda:<this> (no effect on the CPU)",
+    )
+    ap.add_argument("--dtype", default="auto", choices=[*DTYPES, *SGLANG_DTYPES])
+    ap.add_argument(
+        "--max-batch-size", "--max-running-requests", type=int, default=256, help="sequences generated at once"
+    )
+    ap.add_argument("--seed", "--random-seed", type=int, default=0)
+    ap.add_argument(
+        "--deterministic",
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="run each request as its own batch, so results do not depend on what else is queued",
+    )
+    ap.add_argument(
+        "--ep-size",
+        "--expert-parallel-size",
+        "--ep",
+        type=int,
+        default=1,
+        help="expert ownership: this engine holds experts of rank --ep-rank",
+    )
+    ap.add_argument("--ep-rank", type=int, default=0)
+    ap.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="take SGLang's per-TP-rank weight payloads for this many TP ranks (one process, one device; "
+        "with --ep-size, experts split over the ranks as SGLang splits them)",
+    )
+    ap.add_argument("--backup-dir", default=None, help="where released weights are backed up on CPU")
+    ap.add_argument(
+        "--weights-backup",
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep released weights in host memory and restore them on resume (default: discard them, "
+        "as SGLang does without --enable-weights-cpu-backup: garbage until updated)",
+    )
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument(
+        "--weights-root",
+        action="append",
+        default=[],
+        help="load weight versions only from inside this directory (repeatable; none: anywhere)",
+    )
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="prompt + new tokens per sequence (SGLang's flag; 0: the model config's own)",
+    )
+    ap.add_argument(
+        "--decode",
+        default="auto",
+        choices=["auto", "paged", "hf"],
+        help="paged: paged KV cache, CUDA graphs, continuous batching; hf: transformers' own cache, a batch at "
+        "a time; auto: paged on CUDA where the model passes its start-up probe, else hf",
+    )
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=0, help="tokens in the paged KV cache (0: from --mem-fraction-static)"
+    )
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.8,
+        help="share of the GPU for weights + paged KV cache, as SGLang's flag",
+    )
+    ap.add_argument(
+        "--disable-cuda-graph",
+        "--disable-decode-cuda-graph",
+        action="store_true",
+        help="paged decode without CUDA graphs (only decode steps are captured here)",
+    )
+    ap.add_argument(
+        "--cuda-graph-backend-decode",
+        choices=["full", "disabled"],
+        default=None,
+        help="SGLang's: disabled is --disable-cuda-graph; full (whole decode steps) is what is captured here",
+    )
+    ap.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="paged decode with the transformer blocks torch.compiled (as SGLang's flag; compiles at start-up)",
+    )
+    ap.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="CUDA: weights, KV cache and graphs' memory through torch_memory_saver (SGLang's flag): released "
+        "and resumed at the same addresses, so captured graphs are kept (saver.py)",
+    )
+    ap.add_argument("--weight-version", default="default", help="the weights' version until an update sets one")
+    ap.add_argument(
+        "--api-key",
+        default="",
+        help=f"every endpoint needs 'Authorization: Bearer <key>' (SGLang's flag; {API_KEY_VARIABLE} in the "
+        "environment, as the launcher passes it, keeps it off the command line and wins)",
+    )
+    ap.add_argument("--max-body-mb", type=int, default=MAX_BODY_BYTES >> 20, help="largest request body taken")
+    ap.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ... (any case)")
+    for flag in ("--skip-tokenizer-init", "--sleep-on-idle"):
+        ap.add_argument(
+            flag,
+            action="store_true",
+            help="SGLang's; changes nothing here (token ids in and out, no tokenizer; the idle scheduler waits)",
+        )
+    return ap
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, its flags checked together (an unknown flag: argparse's error, exit 2)."""
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.base_gpu_id is not None and args.device.startswith("cuda:"):
+        ap.error(f"--base-gpu-id {args.base_gpu_id} with --device {args.device}: give the device's index once")
+    return args
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """`EmbeddedEngine`'s keyword arguments for the parsed command line."""
+    device = args.device
+    if device == "cuda" and args.base_gpu_id is not None:
+        device = f"cuda:{args.base_gpu_id}"
+    return {
+        "device": device,
+        "dtype": SGLANG_DTYPES.get(args.dtype, args.dtype),
+        "max_batch_size": args.max_batch_size,
+        "seed": args.seed,
+        "backup_dir": args.backup_dir,
+        "weights_backup": args.weights_backup,
+        "deterministic": args.deterministic,
+        "ep_size": args.ep_size,
+        "ep_rank": args.ep_rank,
+        "tp_size": args.tp_size,
+        "context_length": args.context_length,
+        "decode": args.decode,
+        "max_total_tokens": args.max_total_tokens,
+        "mem_fraction_static": args.mem_fraction_static,
+        "cuda_graphs": not (args.disable_cuda_graph or args.cuda_graph_backend_decode == "disabled"),
+        "compile": args.enable_torch_compile,
+        "memory_saver": args.enable_memory_saver,
+        "weight_version": args.weight_version,
+    }
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent (the rank that launched us) is gone — a second guard next to PDEATHSIG."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            log.error("parent process %d is gone; shutting down", parent_pid)
+            os._exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    faulthandler.enable()  # a crash in native code (CUDA, a driver) leaves its Python stack in the log
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s embedded-engine %(levelname)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stdout,
+        force=True,
+    )
+    if args.parent_pid:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid,), daemon=True).start()
+    torch.set_num_threads(max(1, int(os.environ.get("RLTRAIN_ENGINE_THREADS", torch.get_num_threads()))))
+
+    hf_logging.disable_progress_bar()
+    t0 = time.perf_counter()
+    engine = EmbeddedEngine(args.model_path, **engine_options(args))
+    api_key = os.environ.pop(API_KEY_VARIABLE, "") or args.api_key  # every endpoint needs it when set
+    httpd = EngineHTTPServer(
+        (args.host, args.port),
+        make_handler(EmbeddedServer(engine, weights_roots=args.weights_root, api_key=api_key), args.max_body_mb << 20),
+    )
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        # Started by rltrain's launcher SIGTERM is ignored (the job's stop signal is for its
+        # ranks, which stop this server with SIGINT): kept so.
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
+    log.info(
+        "serving %s on http://%s:%d (%s, %s) after %.1fs",
+        args.model_path,
+        args.host,
+        httpd.server_address[1],
+        engine.device,
+        engine.dtype,
+        time.perf_counter() - t0,
+    )
+    gc.freeze()  # (the model's and the libraries' objects: no full collection walks them again)
+    try:
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        engine.shutdown()
+        httpd.server_close()
+    return 0
