@@ -38,7 +38,7 @@ def logprobs_entropy(
     targets: torch.Tensor,
     temperature: float = 1.0,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     valid: int | None = None,
     impl: str | None = None,
@@ -61,7 +61,7 @@ def linear_logprobs_entropy(
     targets: torch.Tensor,
     temperature: float = 1.0,
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     vocab_start: int = 0,
     valid: int | None = None,
     chunk_tokens: int | None = None,
@@ -135,7 +135,7 @@ def _grad(
     return full
 
 
-def _combine(st: torch.Tensor, group: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _combine(st: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-shard statistics -> (logsumexp, E[z], z[target]) over the whole vocabulary."""
     m, s, w, t = st
     if group is not None:
@@ -157,7 +157,7 @@ class _LogprobEntropy(torch.autograd.Function):
         inv_temp: float,
         vocab_start: int,
         valid: int,
-        group: Any,
+        group: dist.ProcessGroup | None,
         impl: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         local = (targets - vocab_start).contiguous()
@@ -167,7 +167,7 @@ class _LogprobEntropy(torch.autograd.Function):
         return t - lse, lse - mean
 
     @staticmethod
-    def backward(ctx: Any, glogp: torch.Tensor, gent: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, glogp: torch.Tensor, gent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local, lse, mean = ctx.saved_tensors
         inv_temp, valid, impl = ctx.args
         glogp = torch.zeros_like(lse) if glogp is None else glogp
@@ -185,7 +185,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         inv_temp: float,
         vocab_start: int,
         valid: int,
-        group: Any,
+        group: dist.ProcessGroup | None,
         impl: str,
         chunk: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +201,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         return t - lse, lse - mean
 
     @staticmethod
-    def backward(ctx: Any, glogp: torch.Tensor, gent: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, glogp: torch.Tensor, gent: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, local, lse, mean = ctx.saved_tensors
         inv_temp, valid, impl, chunk = ctx.args
         glogp = torch.zeros_like(lse) if glogp is None else glogp
@@ -224,8 +224,8 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 impl,
                 out=logits,
             )
-            if need_h:
+            if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[i : i + chunk])
-            if need_w:
+            if grad_w is not None:
                 grad_w.addmm_(g.t(), h)
         return grad_h, grad_w, None, None, None, None, None, None, None

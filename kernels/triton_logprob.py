@@ -30,8 +30,17 @@ BLOCK = 4096
 
 @triton.jit
 def _stats_kernel(
-    logits_ptr, stride, targets_ptr, inv_temp, m_ptr, s_ptr, w_ptr, t_ptr, valid: tl.constexpr, BLOCK_V: tl.constexpr
-):
+    logits_ptr: tl.tensor,
+    stride: tl.tensor,
+    targets_ptr: tl.tensor,
+    inv_temp: tl.tensor,
+    m_ptr: tl.tensor,
+    s_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    t_ptr: tl.tensor,
+    valid: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     # Per-lane running max / sums, reduced once at the end (no reduction per block).
@@ -60,20 +69,20 @@ def _stats_kernel(
 
 @triton.jit
 def _grad_kernel(
-    logits_ptr,
-    stride,
-    grad_ptr,
-    grad_stride,
-    targets_ptr,
-    inv_temp,
-    lse_ptr,
-    e_ptr,
-    gl_ptr,
-    gh_ptr,
+    logits_ptr: tl.tensor,
+    stride: tl.tensor,
+    grad_ptr: tl.tensor,
+    grad_stride: tl.tensor,
+    targets_ptr: tl.tensor,
+    inv_temp: tl.tensor,
+    lse_ptr: tl.tensor,
+    e_ptr: tl.tensor,
+    gl_ptr: tl.tensor,
+    gh_ptr: tl.tensor,
     valid: tl.constexpr,
     width: tl.constexpr,
     BLOCK_V: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     out = grad_ptr + row * grad_stride

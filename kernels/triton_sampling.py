@@ -7,8 +7,7 @@ step). Each program reads one chunk of one row's logits (any float dtype: the gr
 output is read as it is, never copied to float32) and writes four numbers: the best value of
 the chunk's draw and its column, and the chunk's max and sum of exp (an online logsumexp); a
 few torch ops on [rows, chunks] combine them. Splitting the vocabulary over programs keeps
-every SM busy at any batch size (one program per row was latency-bound: ~2 ms for 512 rows of
-152k on the H200).
+every SM busy at any batch size (one program per row was latency-bound at large vocabularies).
 
 The draw is exactly the torch ops' (`seeded_argmax` is the single-pass form, kept for the
 tests): scaled = logits / temperature (IEEE division; greedy rows divide by 1), then for
@@ -26,13 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # columns per iteration (1024: 347 us for 512 rows x 152k on the H200; 2048: 363, 4096: 445)
+BLOCK = 1024  # columns per iteration (measured fastest of 1024, 2048 and 4096 on the H200)
 CHUNK = 8192  # vocabulary columns per program
 MARGIN = 1e-3  # the float32 draw's lead that settles a chunk (its noise is within ~1e-4 of the exact)
 
 
 @triton.jit
-def _fmix32(h):
+def _fmix32(h: tl.tensor) -> tl.tensor:
     h = h ^ (h >> 16)
     h = (h * 0x85EBCA6B) & 0xFFFFFFFF
     h = h ^ (h >> 13)
@@ -41,14 +40,14 @@ def _fmix32(h):
 
 
 @triton.jit
-def _row_hash(seed, step):
+def _row_hash(seed: tl.tensor, step: tl.tensor) -> tl.tensor:
     """sampling._row_hash: the (seed, step) half of the noise, a 32-bit value in int64."""
     s = _fmix32((seed & 0xFFFFFFFF) ^ _fmix32((seed >> 32) & 0xFFFFFFFF))
     return _fmix32(s ^ ((step * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF))
 
 
 @triton.jit
-def _gumbel(s, cols):
+def _gumbel(s: tl.tensor, cols: tl.tensor) -> tl.tensor:
     """log(-log(u)) of the noise at `cols` for row hash `s`, float64 rounded to float32."""
     h = _fmix32(s ^ _fmix32((cols * 0x27D4EB2F) & 0xFFFFFFFF))
     u = (h.to(tl.float64) + 0.5) / 4294967296.0
@@ -56,7 +55,14 @@ def _gumbel(s, cols):
 
 
 @triton.jit
-def _seeded_argmax_kernel(x_ptr, stride, row_hash_ptr, out_ptr, V: tl.constexpr, BLOCK_V: tl.constexpr):
+def _seeded_argmax_kernel(
+    x_ptr: tl.tensor,
+    stride: tl.tensor,
+    row_hash_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     s = tl.load(row_hash_ptr + row)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -82,7 +88,7 @@ def seeded_argmax(x: torch.Tensor, row_hash: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _fmix32_u(h):
+def _fmix32_u(h: tl.tensor) -> tl.tensor:
     """_fmix32 in uint32 arithmetic: the same bits (the int64 form keeps the low 32 of each product)."""
     h = h ^ (h >> 16)
     h = h * 0x85EBCA6B
@@ -92,7 +98,7 @@ def _fmix32_u(h):
 
 
 @triton.jit
-def _gumbel_approx(s32, cols):
+def _gumbel_approx(s32: tl.tensor, cols: tl.tensor) -> tl.tensor:
     """log(-log(u)) of the same noise in float32 arithmetic, within ~1e-4 of `_gumbel` (-log(u) for
     u near 1 through its series in 1 - u, where 1 - u in float32 would lose it)."""
     h = _fmix32_u(s32 ^ _fmix32_u(cols.to(tl.uint32) * 0x27D4EB2F))
@@ -103,7 +109,15 @@ def _gumbel_approx(s32, cols):
 
 
 @triton.jit
-def _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V: tl.constexpr, UNIT: tl.constexpr):
+def _scaled_chunk(
+    x_ptr: tl.tensor,
+    row: tl.tensor,
+    stride: tl.tensor,
+    temp_ptr: tl.tensor,
+    cols: tl.tensor,
+    V: tl.constexpr,
+    UNIT: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:
     """A block of one row's logits at `cols` in float32 (-inf past the vocabulary) and the same
     divided by the row's temperature (IEEE division; UNIT: every temperature is 1)."""
     x = tl.load(x_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
@@ -115,23 +129,23 @@ def _scaled_chunk(x_ptr, row, stride, temp_ptr, cols, V: tl.constexpr, UNIT: tl.
 
 @triton.jit
 def _sample_chunks_kernel(
-    x_ptr,
-    stride,
-    temp_ptr,
-    seed_ptr,
-    step_ptr,
-    draw_ptr,
-    best_ptr,
-    best_idx_ptr,
-    max_ptr,
-    sum_ptr,
+    x_ptr: tl.tensor,
+    stride: tl.tensor,
+    temp_ptr: tl.tensor,
+    seed_ptr: tl.tensor,
+    step_ptr: tl.tensor,
+    draw_ptr: tl.tensor,
+    best_ptr: tl.tensor,
+    best_idx_ptr: tl.tensor,
+    max_ptr: tl.tensor,
+    sum_ptr: tl.tensor,
     V: tl.constexpr,
     CHUNKS: tl.constexpr,
     CHUNK_V: tl.constexpr,
     BLOCK_V: tl.constexpr,
     UNIT: tl.constexpr,
     MARGIN: tl.constexpr,
-):
+) -> None:
     """One chunk of one row. The draw runs in float32 (the noise within ~1e-4 of the exact one),
     keeping each lane's best two; where the chunk's best leads its second by more than MARGIN
     (plus float32 rounding) it is the exact draw's winner too, and only its value is computed
@@ -234,6 +248,6 @@ def sample_tokens(
     top = cmax.max(dim=1, keepdim=True).values
     lse = top[:, 0] + torch.log((csum * torch.exp(cmax - top)).sum(dim=1))
     picked = x.gather(1, tokens[:, None])[:, 0].float()
-    if not unit:
+    if temps is not None:
         picked = picked / temps
     return tokens, picked - lse

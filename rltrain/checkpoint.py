@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
+from rltrain.interfaces import Trainer, World
 from rltrain.runtime.files import atomic_write_text, file_digest, fsync_tree, replace_dir
 
 log = logging.getLogger("rltrain.checkpoint")
@@ -134,7 +135,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Checkpointer:
     """Collective save/load over the world (up) and the bridge. `world` is a `World`."""
 
-    def __init__(self, root: Path, world: Any, keep_last: int = 3):
+    def __init__(self, root: Path, world: World, keep_last: int = 3):
         self.root = Path(root)
         self.world = world
         self.keep_last = keep_last
@@ -143,7 +144,7 @@ class Checkpointer:
                 log.warning("removing %s, left by an interrupted save", stale)
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def save(self, step: int, trainer: Any, version: str | None, extra: dict[str, Any]) -> Path:
+    def save(self, step: int, trainer: Trainer, version: str | None, extra: dict[str, Any]) -> Path:
         """Write, verify and publish checkpoint `step`; raise CheckpointError (on every rank) if any part failed."""
 
         world = self.world
@@ -235,7 +236,7 @@ class Checkpointer:
             if old != newest:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, path: Path, trainer: Any, restore_rank_state: bool = True) -> Restored:
+    def load(self, path: Path, trainer: Trainer, restore_rank_state: bool = True) -> Restored:
         """Verify (rank 0, shared with all), then restore trainer state and — unless
         `restore_rank_state` is False (re-creation within a run) — RNG and the saved extras."""
 

@@ -651,7 +651,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, key + ".")
     if origin is Literal:
         allowed = typing.get_args(tp)

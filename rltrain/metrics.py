@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from rltrain.config import Config
+from rltrain.interfaces import World
 from rltrain.runtime.files import atomic_write_text
 from rltrain.runtime.ledger import MemoryLedger
 
@@ -31,7 +33,7 @@ class PhaseClock:
     """Times each phase of a step and reads memory right after it; a phase that raises is logged
     with the rank, the phase and the step before the error goes on."""
 
-    def __init__(self, device: torch.device, rank: int = 0, ledger: Any = None):
+    def __init__(self, device: torch.device, rank: int = 0, ledger: MemoryLedger | None = None):
 
         self.device, self.rank = device, rank
         self.ledger = ledger if ledger is not None else MemoryLedger(device)
@@ -85,7 +87,7 @@ def last_recorded_step(path: Path) -> int | None:
 
 
 class MetricsWriter:
-    def __init__(self, cfg: Any, world: Any, start_step: int = 0):
+    def __init__(self, cfg: Config, world: World, start_step: int = 0):
         self.cfg, self.world = cfg, world
         self.path = cfg.run_dir / "metrics.jsonl"
         self.bar = None

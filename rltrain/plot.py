@@ -7,8 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rltrain.runtime.ledger import DEVICE_PARTS, format_ledger
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -19,10 +23,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def write_plots(run_dir: str | Path) -> list[Path]:
-    import matplotlib  # noqa: PLC0415 - 0.8 s to import; only when plots are written
+    import matplotlib  # noqa: PLC0415 - slow to import; only when plots are written
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - slow to import; only when plots are written
 
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
@@ -59,7 +63,7 @@ HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
 def plot_ledger(row: dict, path: Path) -> Path:
     """One panel per rank: the ledger after each phase of the row's step, stacked — the device's
     parts where there is a GPU (the stack's top is `device_used`), the host's otherwise."""
-    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - slow to import; only when plots are written
 
     memory = row["memory"]
     fig, axes = plt.subplots(len(memory), 1, figsize=(9, 3.2 * len(memory)), squeeze=False)
@@ -82,10 +86,10 @@ def plot_ledger(row: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt  # noqa: PLC0415 - 0.8 s to import; only when plots are written
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - slow to import; only when plots are written
 
     plt.close(fig)
     return path

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints saved locally (no downloads), for engine and trainer tests."""
+"""Tiny random HF checkpoints saved locally (no downloads), for engine and trainer tests, and the
+tests' model shapes by name (`ModelShape`, as the benchmarks name theirs in rltrain.bench.models)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,30 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from rltrain.bench.models import ModelShape, scaled_qwen2
+
+
+def tiny(vocab: int = 256, hidden: int = 64, layers: int = 2) -> ModelShape:
+    """The engine and trainer tests' model (`make_model`; `make_moe_model`'s attention)."""
+    return ModelShape(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=hidden * 2,
+        layers=layers,
+        heads=4,
+        kv_heads=2,
+        head_dim=hidden // 4,
+        max_positions=1024,
+    )
+
+
+# Narrower still, for models built only for their weight names (the routing tests' architectures).
+NARROW = ModelShape(vocab=64, hidden=16, intermediate=32, layers=2, heads=2, kv_heads=1, max_positions=64)
+# Two heads, transformers' own position limit (a config the paged engine refuses, with a sliding window).
+SMALL = ModelShape(vocab=64, hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1)
+# The SGLang GPU tests' model: 0.16 B parameters, big enough for SGLang's kernels to be the real ones.
+QWEN2_160M = scaled_qwen2(hidden=1024, layers=8, vocab=32000)
 
 ARCHS = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -20,20 +45,7 @@ def make_model(
     """Save a random model. `peaked` scales the LM head so greedy choices have clear margins:
     argmax then does not flip between engines that differ in float rounding."""
     cfg_cls, model_cls = ARCHS[arch]
-    cfg = cfg_cls(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
-        bos_token_id=0,
-        pad_token_id=0,
-    )
+    cfg = cfg_cls(**tiny(vocab, hidden, layers).config_kwargs(), eos_token_id=vocab - 1, bos_token_id=0, pad_token_id=0)
     torch.manual_seed(seed)
     model = model_cls(cfg)
     with torch.no_grad():
@@ -74,20 +86,12 @@ def make_moe_model(
 ) -> Path:
     """A tiny Qwen3-MoE (transformers keeps its experts fused; checkpoints name them per expert)."""
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
+        **tiny(vocab, hidden, layers).config_kwargs(),
         moe_intermediate_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
         num_experts=experts,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
         eos_token_id=vocab - 1,
         bos_token_id=0,
         pad_token_id=0,

@@ -313,13 +313,10 @@ def test_abort_ends_paged_rows_and_the_engine_serves_after_resume(engines):
 
 
 def test_a_model_the_paged_path_cannot_run_is_refused_with_the_reason(tmp_path):
+    from models import SMALL
+
     cfg = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        **SMALL.config_kwargs(),
         use_sliding_window=True,
         sliding_window=8,
         max_window_layers=0,

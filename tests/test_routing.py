@@ -9,30 +9,26 @@ every engine rank; an expert name the sync does not know is an error that names 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 
+from models import NARROW
 from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
 from rltrain.weights.names import UnknownWeightName, checkpoint_specs, classify
-
-SMALL = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
 
 def _qwen3_moe():
     return (
         transformers.Qwen3MoeForCausalLM(
             transformers.Qwen3MoeConfig(
-                **SMALL,
-                intermediate_size=32,
+                **replace(NARROW, head_dim=8).config_kwargs(),
                 moe_intermediate_size=8,
-                num_hidden_layers=2,
-                head_dim=8,
                 num_experts=4,
                 num_experts_per_tok=2,
                 mlp_only_layers=[],
-                tie_word_embeddings=False,
             )
         ),
         4,
@@ -44,12 +40,7 @@ def _mixtral():
     return (
         transformers.MixtralForCausalLM(
             transformers.MixtralConfig(
-                **SMALL,
-                intermediate_size=8,
-                num_hidden_layers=2,
-                num_local_experts=4,
-                num_experts_per_tok=2,
-                tie_word_embeddings=False,
+                **replace(NARROW, intermediate=8).config_kwargs(), num_local_experts=4, num_experts_per_tok=2
             )
         ),
         4,
@@ -60,10 +51,8 @@ def _mixtral():
 def _deepseek_v3():
     """Shared experts and a dense first layer (first_k_dense_replace), MLA attention."""
     cfg = transformers.DeepseekV3Config(
-        **SMALL,
-        intermediate_size=32,
+        **replace(NARROW, layers=3).config_kwargs(),
         moe_intermediate_size=8,
-        num_hidden_layers=3,
         n_routed_experts=4,
         n_shared_experts=1,
         num_experts_per_tok=2,
@@ -75,7 +64,6 @@ def _deepseek_v3():
         qk_rope_head_dim=4,
         qk_nope_head_dim=4,
         v_head_dim=4,
-        tie_word_embeddings=False,
     )
     return transformers.DeepseekV3ForCausalLM(cfg), 4, 1
 
@@ -83,14 +71,11 @@ def _deepseek_v3():
 def _qwen2_moe():
     """A shared expert and its gate."""
     cfg = transformers.Qwen2MoeConfig(
-        **SMALL,
-        intermediate_size=32,
+        **replace(NARROW, tied=True).config_kwargs(),
         moe_intermediate_size=8,
         shared_expert_intermediate_size=8,
-        num_hidden_layers=2,
         num_experts=4,
         num_experts_per_tok=2,
-        tie_word_embeddings=True,
     )
     return transformers.Qwen2MoeForCausalLM(cfg), 4, 0
 
@@ -137,7 +122,7 @@ def test_every_checkpoint_name_of_a_moe_architecture_is_classified(arch):
 def test_dense_models_tied_and_untied_are_all_dense():
     for tied in (True, False):
         model = transformers.Qwen2ForCausalLM(
-            transformers.Qwen2Config(**SMALL, intermediate_size=32, num_hidden_layers=1, tie_word_embeddings=tied)
+            transformers.Qwen2Config(**replace(NARROW, layers=1, tied=tied).config_kwargs())
         )
         names = [ck for ck, _, _, _ in checkpoint_specs(model)]
         assert {classify(n).kind for n in names} == {"dense"}

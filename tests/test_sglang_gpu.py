@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from conftest import sglang_gpu_args, start_server
+from models import QWEN2_160M
+from rltrain.bench.models import save_random_qwen2
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, NodeEngine
@@ -45,24 +47,10 @@ def _report(name: str, data: dict) -> None:
 
 
 def _model(path: Path, seed: int) -> Path:
-    """A Qwen2-shaped model (0.16 B parameters, bf16) with the synthetic task's tokenizer."""
-    import transformers
-
+    """A Qwen2-shaped model (`QWEN2_160M`, bf16) with the synthetic task's tokenizer."""
     from rltrain.rollout import synthetic
 
-    cfg = transformers.Qwen2Config(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=31999,
-    )
-    torch.manual_seed(seed)
-    transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    save_random_qwen2(path, QWEN2_160M, torch.bfloat16, seed, eos_token_id=QWEN2_160M.vocab - 1)
     synthetic.build_tokenizer(synthetic.addition_words()).save_pretrained(path)
     return path
 

@@ -1,12 +1,12 @@
 """Benchmark: rollout throughput of the engines against a plain transformers `generate` loop.
 
-    python -m rltrain.bench.engine                         # CPU: embedded engine, SGLang (if installed), HF
+    python -m rltrain.bench.engine --sglang-pythonpath tests/sglang_shim    # CPU: embedded, SGLang, HF
     python -m rltrain.bench.engine --device cuda --hidden 2048 --layers 8 --prompts 256
     python -m rltrain.bench.engine --device cuda --engine sglang embedded --sglang-args "--attention-backend triton"
     python -m rltrain.bench.engine --device cuda --shape 1.7b --prompts 512 --prompt-len 24 40 --new-tokens 256 \
         --engine embedded embedded-hf                       # #30's shape: the paged path against the plain one
 
-A Qwen2-shaped model (or with --shape a Qwen3 one of bench.trainers' shapes) with random weights
+A Qwen2-shaped model (or with --shape a Qwen3 one of bench.models' shapes) with random weights
 is built locally (no downloads). Every engine gets the same prompts and sampling settings
 (temperature 1, fixed output length); the baseline is transformers' own batched `generate` with
 its static KV cache on the same model and device in the same run (the baseline each engine is
@@ -17,6 +17,9 @@ device's copy bandwidth measured in the same run (`rltrain.bench.limits`).
 Then each engine's release/resume latency, as the loop does it (every region, after a pause),
 and the memory it frees (RSS on CPU; on CUDA the device's, read through
 NVML as the loop's ledger reads it).
+
+On a CPU-only machine SGLang imports only with the repository's test-only import shim on its
+path: pass `--sglang-pythonpath tests/sglang_shim` (from the repository root).
 """
 
 from __future__ import annotations
@@ -30,11 +33,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import torch
 
-from rltrain.bench.models import SHAPES, build, build_model
+from rltrain.bench.models import QWEN3_SHAPES, build, build_model
 from rltrain.config import EmbeddedEngineConfig, EngineConfig
 from rltrain.engine.client import EngineClient
 from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
@@ -46,7 +50,7 @@ def hf_generate(path: Path, prompts: list[list[int]], new_tokens: int, device: s
     """Tokens/s of transformers' batched sampling on the same prompts (left-padded, static KV cache)."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()  # type: ignore[arg-type]  # (transformers' .to: bench.models.save_random_qwen2 says why)
     L = max(map(len, prompts))
     ids = torch.zeros(len(prompts), L, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -102,10 +106,16 @@ def _sync(device: str) -> None:
 
 
 def _start(
-    kind: str, model: Path, device: str, dtype: str, log_dir: Path, max_batch: int, a: argparse.Namespace
+    kind: str,
+    model: Path,
+    device: Literal["cpu", "cuda"],
+    dtype: Literal["bfloat16", "float32"],
+    log_dir: Path,
+    max_batch: int,
+    a: argparse.Namespace,
 ) -> tuple[EngineProcess, EngineClient]:
     cfg = EngineConfig(
-        backend="embedded" if kind == "embedded-hf" else kind,
+        backend="sglang" if kind == "sglang" else "embedded",  # (embedded-hf: the embedded engine on HF's cache)
         device=device,
         dtype=dtype,
         embedded=EmbeddedEngineConfig(max_batch_size=max_batch),
@@ -113,7 +123,9 @@ def _start(
         prompts_per_request=max_batch,
         max_inflight=8,
     )
-    env = {}
+    env: dict[str, str | None] = {}
+    if kind == "sglang" and a.sglang_pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([a.sglang_pythonpath, os.environ.get("PYTHONPATH", "")])
     if kind == "sglang" and device != "cpu":
         cfg.mem_fraction_static = a.mem_fraction
         cfg.extra_args = shlex.split(a.sglang_args)
@@ -122,8 +134,6 @@ def _start(
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
         cfg.extra_args = ["--max-total-tokens", "65536"]
-        shim = Path(__file__).resolve().parents[2] / "tests" / "sglang_shim"
-        env["PYTHONPATH"] = os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])
     port = free_port()
     proc = EngineProcess.start(
         server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log_dir / f"{kind}.log", env
@@ -173,7 +183,7 @@ def release_cycle(kind: str, proc: EngineProcess, client: EngineClient, device: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
@@ -189,17 +199,23 @@ def main(argv: list[str] | None = None) -> int:
         default=["embedded", "sglang"],
         choices=["embedded", "embedded-hf", "sglang"],
     )
-    ap.add_argument("--shape", default=None, choices=["tiny", "0.6b", "1.7b"], help="a Qwen3 shape (bench.trainers)")
+    ap.add_argument("--shape", default=None, choices=sorted(QWEN3_SHAPES), help="a Qwen3 shape (bench.models)")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
     ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static on CUDA")
+    ap.add_argument(
+        "--sglang-pythonpath",
+        default="",
+        help="put first on SGLang's PYTHONPATH (on a CPU-only machine: tests/sglang_shim, the test-only import shim)",
+    )
     a = ap.parse_args(argv)
-    dtype_name = "bfloat16" if a.device.startswith("cuda") else "float32"
+    device: Literal["cpu", "cuda"] = "cuda" if a.device == "cuda" else "cpu"
+    dtype_name: Literal["bfloat16", "float32"] = "bfloat16" if device == "cuda" else "float32"
     dtype = getattr(torch, dtype_name)
     rng = random.Random(0)
     prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(rng.randint(*a.prompt_len))] for _ in range(a.prompts)]
     with tempfile.TemporaryDirectory() as tmp:
         if a.shape:
-            a.vocab = SHAPES[a.shape][-1]
+            a.vocab = QWEN3_SHAPES[a.shape].vocab
             prompts = [[rng.randrange(1, a.vocab - 1) for _ in range(len(p))] for p in prompts]
             model = build(Path(tmp) / "model", a.shape, torch.device(a.device), dtype)
         else:
@@ -232,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 if importlib.util.find_spec("sglang") is None:
                     rows.append(("sglang: not installed", float("nan"), 0))
                     continue
-            proc, client = _start(kind, model, a.device, dtype_name, Path(tmp), a.prompts, a)
+            proc, client = _start(kind, model, device, dtype_name, Path(tmp), a.prompts, a)
             try:
                 tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
                 rows.append((f"{kind} engine over HTTP", tps, failed))

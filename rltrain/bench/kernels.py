@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> tuple[float, int]:
+def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
     """(median seconds, peak bytes above the memory allocated before the first call)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
@@ -47,7 +47,7 @@ def _timed(fn: Callable[[], None], repeats: int) -> tuple[float, int]:
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
-def _run(fn: Callable[[], None], repeats: int) -> tuple[float | None, int | None]:
+def _run(fn: Callable[[], object], repeats: int) -> tuple[float | None, int | None]:
     try:
         return _timed(fn, repeats)
     except torch.OutOfMemoryError:

@@ -1,65 +1,163 @@
-"""The benchmarks' models: random weights, built locally (no downloads).
+"""The benchmarks' models: named shapes, and random weights built locally (no downloads).
 
-`build(path, shape, device)`: a Qwen3 of one of `SHAPES` (bf16 unless asked); `build_model(path, hidden,
-layers, vocab, dtype)`: a small Qwen2 of any width.
+A `ModelShape` states the sizes of a decoder-only model once; `config_kwargs()` is the
+transformers config keys they set (any architecture's config takes them). The shapes named here:
+`QWEN3_SHAPES` (what `build` writes: engine, trainer and end-to-end benchmarks), `SYNC_SHAPES`
+(bench.sync's `--shape`), `SOAK` (bench.soak), `QWEN3_30B_A3B` (the MoE whose expert routing
+bench.sync and bench.routing measure), and `scaled_qwen2(hidden, layers, vocab)`, a small Qwen2 of
+any width (`build_model`). The tests name theirs with the same `ModelShape`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab
-    "tiny": (256, 768, 2, 4, 2, 1024),
-    "0.6b": (1024, 3072, 28, 16, 8, 151936),
-    "1.7b": (2048, 6144, 28, 16, 8, 151936),
-}
-
-
-def qwen3_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> Any:
-    """A Qwen3 config of this shape (head dim 128 from width 1024 up, else 64; untied head)."""
+if TYPE_CHECKING:
     import transformers
 
-    return transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer. A size left None is the config's own default."""
+
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int | None = None  # (the config's default: hidden // heads)
+    max_positions: int | None = None
+    tied: bool = False  # the LM head is the embedding
+
+    def config_kwargs(self) -> dict[str, Any]:
+        """The transformers config keys of this shape."""
+        kwargs: dict[str, Any] = dict(
+            vocab_size=self.vocab,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            tie_word_embeddings=self.tied,
+        )
+        if self.head_dim is not None:
+            kwargs["head_dim"] = self.head_dim
+        if self.max_positions is not None:
+            kwargs["max_position_embeddings"] = self.max_positions
+        return kwargs
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeShape(ModelShape):
+    """A mixture of experts: every layer's MLP is `experts` experts of `expert_intermediate`, of
+    which each token is routed to `experts_per_token` (`intermediate`: a dense MLP's width)."""
+
+    experts: int
+    expert_intermediate: int
+    experts_per_token: int
+
+    def config_kwargs(self) -> dict[str, Any]:
+        return {
+            **super().config_kwargs(),
+            "moe_intermediate_size": self.expert_intermediate,
+            "num_experts": self.experts,
+            "num_experts_per_tok": self.experts_per_token,
+        }
+
+
+def _qwen3(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int) -> ModelShape:
+    """A Qwen3 shape as the benchmarks build them: head dim 128 from width 1024 up, else 64."""
+    return ModelShape(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=128 if hidden >= 1024 else 64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
+        max_positions=4096,
     )
 
 
+QWEN3_SHAPES = {
+    "tiny": _qwen3(vocab=1024, hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2),
+    "0.6b": _qwen3(vocab=151936, hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8),
+    "1.7b": _qwen3(vocab=151936, hidden=2048, intermediate=6144, layers=28, heads=16, kv_heads=8),
+}
+
+SYNC_SHAPES = {
+    "tiny": _qwen3(vocab=32000, hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2),
+    "small": _qwen3(vocab=32000, hidden=1024, intermediate=3072, layers=8, heads=16, kv_heads=4),
+    "4b": _qwen3(vocab=151936, hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8),  # Qwen3-4B
+}
+
+SOAK = ModelShape(vocab=2048, hidden=256, intermediate=768, layers=2, heads=4, kv_heads=2, max_positions=512)
+
+QWEN3_30B_A3B = MoeShape(
+    vocab=151936,
+    hidden=2048,
+    intermediate=6144,
+    layers=48,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    experts=128,
+    expert_intermediate=768,
+    experts_per_token=8,
+)
+
+
+def scaled_qwen2(hidden: int, layers: int, vocab: int) -> ModelShape:
+    """A small Qwen2 of any width: MLP 3x the width, a head per 64 and a KV head per 256 of it."""
+    return ModelShape(
+        vocab=vocab,
+        hidden=hidden,
+        intermediate=hidden * 3,
+        layers=layers,
+        heads=max(1, hidden // 64),
+        kv_heads=max(1, hidden // 256),
+        max_positions=4096,
+    )
+
+
+def qwen3_config(shape: ModelShape) -> transformers.Qwen3Config:
+    """A Qwen3 config of this shape whose last token is the end of sequence."""
+    import transformers
+
+    return transformers.Qwen3Config(**shape.config_kwargs(), eos_token_id=shape.vocab - 1)
+
+
 def build(path: Path, shape: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random Qwen3 of `QWEN3_SHAPES[shape]` saved to `path`."""
     import transformers
 
     with device:  # random init on the GPU: seconds instead of a minute on the host
-        model = transformers.Qwen3ForCausalLM(qwen3_config(*SHAPES[shape])).to(dtype)
+        model = transformers.Qwen3ForCausalLM(qwen3_config(QWEN3_SHAPES[shape]))
+        model = model.to(dtype)  # type: ignore[arg-type]  # (transformers' .to: see save_random_qwen2)
+    model.save_pretrained(path)
+    return path
+
+
+def save_random_qwen2(
+    path: Path, shape: ModelShape, dtype: torch.dtype, seed: int = 0, eos_token_id: int | None = None
+) -> Path:
+    """A Qwen2 of `shape`, random weights from `seed`, saved to `path`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape.config_kwargs(), eos_token_id=eos_token_id))
+    # transformers declares PreTrainedModel.to through functools.wraps, whose stub loses the bound
+    # self: mypy reads the dtype as the model argument.
+    model = model.to(dtype)  # type: ignore[arg-type]
     model.save_pretrained(path)
     return path
 
 
 def build_model(path: Path, hidden: int, layers: int, vocab: int, dtype: torch.dtype) -> Path:
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 256),
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        eos_token_id=vocab - 1,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg).to(dtype)
-    model.save_pretrained(path)
-    return path
+    """A random Qwen2 of `scaled_qwen2(hidden, layers, vocab)` saved to `path`."""
+    return save_random_qwen2(path, scaled_qwen2(hidden, layers, vocab), dtype, eos_token_id=vocab - 1)

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(k, None)
     device = torch.device(a.device)
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=600)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype_name: Literal["bfloat16", "float32"] = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_name)
     print(
         f"# rltrain.bench.release  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  device={device} "
         f"({torch.cuda.get_device_name() if device.type == 'cuda' else f'{os.cpu_count()} cpus'})"
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         for hidden in a.hidden:
             model = build_model(root / f"model{hidden}", hidden, a.layers, 32000, dtype)
             t = FSDPTrainer(
-                TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=str(dtype).removeprefix("torch.")),
+                TrainerConfig(lr=1e-5, micro_batch_size=8, dtype=dtype_name),
                 AlgoConfig(),
                 str(model),
                 device,
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             batch.old_logp, _ = t.logprobs(batch)
             t.train_step(batch)
+            assert t.model is not None
             params = sum(p.numel() for p in t.model.parameters())
             state_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters()) * 3
             ck = Checkpointer(root / f"ck{hidden}", world, keep_last=1)

@@ -28,39 +28,41 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-# Qwen3-30B-A3B: hidden, expert FFN, layers, heads, kv heads, head dim, vocab, experts, top-k
-FULL = (2048, 768, 48, 32, 4, 128, 151936, 128, 8)
+from rltrain.bench.models import QWEN3_30B_A3B, MoeShape
+
+
+def narrowed(width: int, layers: int) -> MoeShape:
+    """Qwen3-30B-A3B at 1/`width` of its width in every dimension, with `layers` layers."""
+    full = QWEN3_30B_A3B
+    assert full.head_dim is not None
+    return replace(
+        full,
+        vocab=full.vocab // width,
+        hidden=full.hidden // width,
+        intermediate=full.intermediate // width,
+        expert_intermediate=full.expert_intermediate // width,
+        layers=layers,
+        head_dim=max(2, full.head_dim // width),
+        max_positions=512,
+    )
 
 
 def build(path: Path, width: int, layers: int) -> Path:
     import transformers
 
-    h, ffn, _, heads, kv, head_dim, vocab, experts, topk = FULL
+    shape = narrowed(width, layers)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=vocab // width,
-        hidden_size=h // width,
-        intermediate_size=6144 // width,
-        moe_intermediate_size=ffn // width,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=max(2, head_dim // width),
-        num_experts=experts,
-        num_experts_per_tok=topk,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=vocab // width - 1,
+        **shape.config_kwargs(), decoder_sparse_step=1, mlp_only_layers=[], eos_token_id=shape.vocab - 1
     )
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # (transformers' .to: bench.models.save_random_qwen2 says why)
     model.save_pretrained(path)
     return path
 
@@ -185,10 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             full = measure(model, ep, False, a.repeats, root)
             rows.append((ep, routed, full))
         gbps = raw_copy_gbps(max(r["plan"][0] for _, r, _ in rows), torch.device("cpu"))
-    h, ffn, _, _, _, _, vocab, experts, topk = FULL
+    shape = narrowed(a.width, a.layers)
     print(
-        f"Qwen3-30B-A3B shape at 1/{a.width} width ({h // a.width} hidden, {experts} experts of {ffn // a.width}, "
-        f"top {topk}, vocab {vocab // a.width}), {a.layers} layers, bf16; whole model "
+        f"Qwen3-30B-A3B shape at 1/{a.width} width ({shape.hidden} hidden, {shape.experts} experts of "
+        f"{shape.expert_intermediate}, top {shape.experts_per_token}, vocab {shape.vocab}), {a.layers} layers, bf16; "
+        "whole model "
         f"{rows[0][1]['full'] / 1e6:.1f} MB; memory copy {gbps:.1f} GB/s (this machine, this run)"
     )
     print("per engine TP rank, MB per sync (engine: counted by the engine; senders: by the trainer rank; plan)")

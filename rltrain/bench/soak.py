@@ -33,6 +33,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from rltrain.bench.models import SOAK, save_random_qwen2
+
 # Growth allowed from the end of the warm-up, at any cycle. fds and threads: a destroyed Gloo
 # group holds ~1.5 sockets and ~1 thread until it is freed, which the trainer forces with a full
 # garbage collection every GC_EVERY (8) onloads: up to 8 cycles' worth, plus slack.
@@ -52,20 +54,7 @@ BOUNDS = {
 
 
 def _build(path: Path) -> None:
-    import transformers
-
-    cfg = transformers.Qwen2Config(
-        vocab_size=2048,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(cfg).save_pretrained(path)
+    save_random_qwen2(path, SOAK, torch.float32)
 
 
 def _worker(rank: int, world_size: int, port: int, args: dict, out: str) -> None:

@@ -26,26 +26,25 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab)
-    "tiny": (256, 768, 4, 4, 2, 32000),
-    "small": (1024, 3072, 8, 16, 4, 32000),
-    "4b": (2560, 9728, 36, 32, 8, 151936),  # Qwen3-4B shape: ~8.8 GB in bf16
-}
+from rltrain.bench.models import QWEN3_30B_A3B, SYNC_SHAPES, qwen3_config
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
 
 
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
     import transformers
 
-    from rltrain.bench.models import qwen3_config
     from rltrain.weights.hf_files import write_checkpoint
     from rltrain.weights.names import module_weights
 
-    cfg = qwen3_config(*SHAPES[shape])
+    cfg = qwen3_config(SYNC_SHAPES[shape])
     with device:
-        model = transformers.Qwen3ForCausalLM(cfg).to(dtype)
+        model = transformers.Qwen3ForCausalLM(cfg).to(dtype)  # type: ignore[arg-type]  # (transformers' .to: bench.models.save_random_qwen2 says why)
     cfg.save_pretrained(path)
     write_checkpoint(path, path, module_weights(model))  # tied weights once, as a checkpoint holds them
     del model
@@ -70,7 +69,7 @@ def raw_copy_gbps(nbytes: int, device: torch.device, chunk: int = 512 << 20) -> 
     return max(1, nbytes // chunk) * chunk / s / 1e9
 
 
-def _ipc_receiver(jobs, done, chunk: int) -> None:
+def _ipc_receiver(jobs: Queue[torch.Tensor | None], done: Queue[int], chunk: int) -> None:
     dst = torch.empty(chunk, dtype=torch.uint8, device="cuda")
     while (item := jobs.get()) is not None:
         dst.copy_(item)
@@ -213,25 +212,13 @@ def routing_table() -> list[tuple[int, float, float]]:
     from rltrain.sync.plan import EngineTopology, WeightSpec, build_plan
     from rltrain.weights.names import checkpoint_specs
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        moe_intermediate_size=768,
-        num_hidden_layers=48,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        tie_word_embeddings=False,
-    )
+    cfg = transformers.Qwen3MoeConfig(**QWEN3_30B_A3B.config_kwargs())
     with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+        model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]  # (transformers' .to: bench.models.save_random_qwen2 says why)
     weights = [WeightSpec(n, tuple(s), d) for n, _, s, d in checkpoint_specs(model)]
     rows = []
     for ep in (2, 4, 8):
-        routed = build_plan(weights, EngineTopology((ep,), 128), 512 << 20)
+        routed = build_plan(weights, EngineTopology((ep,), QWEN3_30B_A3B.experts), 512 << 20)
         assert routed.routed
         rows.append((ep, routed.bytes_to(0) / 1e9, sum(w.nbytes for w in weights) / 1e9))
     return rows
@@ -242,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--transports", default="tensor,disk,delta,distributed")
     ap.add_argument(
-        "--shape", default=None, help=f"model shape, one of {sorted(SHAPES)} (default: small on CPU, 4b on GPU)"
+        "--shape", default=None, help=f"model shape, one of {sorted(SYNC_SHAPES)} (default: small on CPU, 4b on GPU)"
     )
     ap.add_argument("--disk-shape", default=None, help="shape for disk/delta (default: --shape)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -251,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
     a = ap.parse_args(argv)
 
+    from torch.distributed.tensor import DTensor
     from transformers.utils import logging as hf_logging
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig, load_config
@@ -269,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     elif set(a.transports.split(",")) - {"tensor", "distributed"}:
         raise SystemExit("several ranks: only --transports tensor,distributed (disk and delta are measured on one)")
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype_name: Literal["bfloat16", "float32"] = "bfloat16" if device.type == "cuda" else "float32"
+    dtype = getattr(torch, dtype_name)
     world = World(backend="nccl" if device.type == "cuda" else "gloo", timeout=600)
     device = world.device if device.type == "cuda" else device
     first = world.rank == 0
@@ -293,21 +282,23 @@ def main(argv: list[str] | None = None) -> int:
             say(f"{transport:>11s}  skipped: NCCL needs a second GPU (one rank per device)")
             continue
         # distributed on GPU: the engine on the second GPU (NCCL refuses two ranks on one device)
-        engine_env = {"CUDA_VISIBLE_DEVICES": "1"} if transport == "distributed" and two_gpus else None
+        engine_env: dict[str, str | None] | None = (
+            {"CUDA_VISIBLE_DEVICES": "1"} if transport == "distributed" and two_gpus else None
+        )
         s = (a.disk_shape or shape) if transport in ("disk", "delta") else shape
         path = root / f"model_{s}"
         if first and not (path / "config.json").exists():
             build(path, s, dtype, device)
         world.bridge.barrier("model built")
-        trainer = FSDPTrainer(TrainerConfig(dtype=str(dtype).removeprefix("torch.")), AlgoConfig(), str(path), device)
+        trainer = FSDPTrainer(TrainerConfig(dtype=dtype_name), AlgoConfig(), str(path), device)
         trainer.create()
         proc = None
         if first:
             port = free_port()
             ecfg = EngineConfig(
                 backend="embedded",
-                device=device.type,
-                dtype=str(dtype).removeprefix("torch."),
+                device="cuda" if device.type == "cuda" else "cpu",
+                dtype=dtype_name,
                 extra_args=["--log-level", "DEBUG"] if a.profile else [],
             )
             proc = EngineProcess.start(
@@ -318,10 +309,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         client = EngineClient(world.bridge.broadcast_object(proc.url if proc else None), request_timeout_s=600)
         try:
-            if first:
+            if proc is not None:  # (the first rank's)
                 client.wait_healthy(600, alive=lambda: proc.alive)
             world.bridge.barrier("engine up")
-            results = {}
+            results: dict[bool, tuple[float, float]] = {}  # verify -> (fastest push s, bytes)
             for verify in (False, True):
                 cfg = load_config(
                     None,
@@ -340,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
                 times = []
                 for i in range(a.repeats + 1):
                     if transport == "delta":  # a sparse update between versions: 1% of one matrix
+                        assert trainer.model is not None
+                        embedding = trainer.model.get_input_embeddings().weight
+                        assert isinstance(embedding, DTensor)  # (FSDP2 shards it, over one rank or more)
                         with torch.no_grad():
-                            trainer.model.get_input_embeddings().weight.to_local().view(-1)[i::100] += 1
+                            embedding.to_local().view(-1)[i::100] += 1
                     version = str(len(results) * 100 + i + 1)
                     _sync(device)
                     t0 = time.perf_counter()

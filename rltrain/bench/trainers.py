@@ -26,11 +26,20 @@ import functools
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from rltrain.bench.models import SHAPES, build
+from rltrain.bench.models import QWEN3_SHAPES, build
+
+if TYPE_CHECKING:
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from rltrain.trainer.megatron.trainer import MegatronTrainer
+
+T = TypeVar("T")
 
 
 def matmul_tflops(device: torch.device, n: int = 8192) -> float:
@@ -46,7 +55,7 @@ def matmul_tflops(device: torch.device, n: int = 8192) -> float:
     return 10 * 2 * n**3 / (time.perf_counter() - t0) / 1e12
 
 
-def batch(n: int, L: int, vocab: int, prompt: int = 0, response: tuple[int, int] | None = None):
+def batch(n: int, L: int, vocab: int, prompt: int = 0, response: tuple[int, int] | None = None) -> TrainBatch:
     """n sequences of L tokens (a prompt quarter), or of `prompt` + a response length uniform in
     `response` (right-padded to the longest)."""
     from rltrain.batch import TrainBatch
@@ -69,7 +78,7 @@ def batch(n: int, L: int, vocab: int, prompt: int = 0, response: tuple[int, int]
 
 
 @contextlib.contextmanager
-def profiled(into: dict[str, str], name: str, top: int):
+def profiled(into: dict[str, str], name: str, top: int) -> Iterator[None]:
     """Under torch.profiler: the `top` kernels by GPU time into `into[name]`."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backends", default="fsdp,megatron")
-    ap.add_argument("--shape", default="1.7b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="1.7b", choices=sorted(QWEN3_SHAPES))
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=4)
@@ -123,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     world = World(backend="nccl", timeout=600)
     root = Path(tempfile.mkdtemp(prefix="rltrain-bench-trainers-"))
     path = build(root / "model", a.shape, device)
-    vocab = SHAPES[a.shape][5]
+    vocab = QWEN3_SHAPES[a.shape].vocab
     tflops = matmul_tflops(device)
     print(
         f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
@@ -144,16 +153,16 @@ def main(argv: list[str] | None = None) -> int:
             lr=1e-6,
             micro_batch_size=a.micro,
             max_tokens_per_micro_batch=budget,
-            attention=a.attention if backend == "fsdp" else "auto",  # type: ignore[arg-type]
+            attention=a.attention if backend == "fsdp" else "auto",
             compile=compiled,
         )
         algo = AlgoConfig()
         tokens = int(b.attention_mask.sum())  # real tokens: padding computed is time lost
-        rows = []
+        rows: list[tuple[str, float, float, float]] = []  # (phase, seconds, GPU used GiB, allocated GiB)
 
         profiles: dict[str, str] = {}
 
-        def phase(name: str, fn):
+        def phase(name: str, fn: Callable[[], T]) -> T:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             out = fn()
@@ -166,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         if backend == "megatron":
             from rltrain.trainer.megatron.trainer import MegatronTrainer
 
-            t = MegatronTrainer(cfg, algo, str(path), device, world)
+            t: MegatronTrainer | FSDPTrainer = MegatronTrainer(cfg, algo, str(path), device, world)
         else:
             from rltrain.trainer.fsdp import FSDPTrainer
 
             t = FSDPTrainer(cfg, algo, str(path), device)
         phase("create", t.create)
+        assert t.model is not None
         params = sum(n.numel() for n in t.model.parameters())
         for _ in range(2):  # the first round warms kernels up (and compiles); the second is reported
             rows.clear()

@@ -52,7 +52,7 @@ def _gpu_used() -> float:
     return (total - free) / 2**20
 
 
-def _group_plan(kind: str, world_size: int):
+def _group_plan(kind: str, world_size: int) -> list[tuple[str, tuple[int, ...], str | None]]:
     if kind == "megatron":
         dims = ParallelDims(world_size, tp=2, pp=2 if world_size >= 4 else 1, ep=2, etp=1)  # PP needs 4 ranks
         return [(f"{e.kind}{list(e.ranks)}", e.ranks, e.backend) for e in megatron_group_plan(dims)]
@@ -230,7 +230,7 @@ def nccl_breakdown(cycles: int) -> list[str]:
     base = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1, True, timeout=timedelta(seconds=60))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    rows = []
+    rows: list[tuple[str, dict[str, float]]] = []  # (mode, its times and memory)
     for i in range(cycles + 1):
         for mode in ("shutdown", "abort"):
             t0 = time.perf_counter()
@@ -242,7 +242,9 @@ def nccl_breakdown(cycles: int) -> list[str]:
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             used_up = _gpu_used()
-            backend = dist.group.WORLD._get_backend(dev)
+            world = dist.group.WORLD
+            assert world is not None
+            backend = world._get_backend(dev)
             t2 = time.perf_counter()
             backend.shutdown() if mode == "shutdown" else backend.abort()
             t3 = time.perf_counter()
@@ -252,18 +254,20 @@ def nccl_breakdown(cycles: int) -> list[str]:
             t4 = time.perf_counter()
             if i:
                 rows.append(
-                    dict(
-                        mode=mode,
-                        init_first=t1 - t0,
-                        backend_call=t3 - t2,
-                        rest=t4 - t3,
-                        used_up=used_up,
-                        used_down=_gpu_used(),
+                    (
+                        mode,
+                        dict(
+                            init_first=t1 - t0,
+                            backend_call=t3 - t2,
+                            rest=t4 - t3,
+                            used_up=used_up,
+                            used_down=_gpu_used(),
+                        ),
                     )
                 )
     lines = [f"\n## NCCL x1 destroy breakdown over {cycles} cycles, ms (median / min / max)"]
     for mode in ("shutdown", "abort"):
-        rs = [r for r in rows if r["mode"] == mode]
+        rs = [r for m, r in rows if m == mode]
         for key in ("init_first", "backend_call", "rest"):
             lines.append(f"{mode + ': ' + key:48s} {_stats([r[key] for r in rs])}")
         lines.append(
@@ -272,7 +276,7 @@ def nccl_breakdown(cycles: int) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["gloo", "nccl", "all"], default="all")
     ap.add_argument("--ranks", type=int, nargs="*", default=None)
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.nccl_breakdown and torch.cuda.is_available():
         for line in nccl_breakdown(a.cycles):
             print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

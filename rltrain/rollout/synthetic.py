@@ -44,8 +44,7 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def build_tokenizer(words: list[str]):
-
+def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
     vocab = {w: i for i, w in enumerate(SPECIALS + words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

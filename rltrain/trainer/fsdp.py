@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from torch.distributed.fsdp import FSDPModule
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -50,7 +51,7 @@ from rltrain.trainer.sharding import (
     reshard,
     shard,
 )
-from rltrain.trainer.state import GC_EVERY, held, return_memory, timed
+from rltrain.trainer.state import GC_EVERY, capture_host_state, held, restore_host_state, return_memory, timed
 from rltrain.weights.hf_files import write_checkpoint
 from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoint
 
@@ -79,7 +80,7 @@ class LogprobHead(torch.nn.Linear):
         self._temperature = 1.0
 
     @classmethod
-    def fits(cls, head: Any, config: Any) -> bool:
+    def fits(cls, head: torch.nn.Module | None, config: PretrainedConfig) -> bool:
         """A plain bias-free linear head; models that post-process logits (soft-capping) keep theirs."""
         return (
             type(head) is torch.nn.Linear and head.bias is None and not getattr(config, "final_logit_softcapping", None)
@@ -129,12 +130,12 @@ class FSDPTrainer:
         self.dtype = resolve_dtype(cfg.dtype, device)
         self.seed = seed
         self.pad_id = pad_id
-        self.model: torch.nn.Module | None = None
-        self.ref_model: torch.nn.Module | None = None
+        self.model: PreTrainedModel | None = None
+        self.ref_model: PreTrainedModel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.steps = 0
-        self._group: Any = None  # the process group the modules are sharded over
+        self._group: dist.ProcessGroup | None = None  # the process group the modules are sharded over
         self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
         self._reshards = 0  # re-shards of fresh modules (a full gc every GC_EVERY)
         self._rebind_refused = False  # rebind said no once: said in the log once
@@ -181,14 +182,16 @@ class FSDPTrainer:
             return "flex_attention"
         return self.cfg.attention
 
-    def _build(self, init: str) -> torch.nn.Module:
+    def _build(self, init: str) -> PreTrainedModel:
         """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
         random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
         attention = {"attn_implementation": self.attention} if self.attention != "auto" else {}
         if self.cfg.compile and self.attention == "flex_attention":
             attention["attn_implementation"] = outside_graphs("flex_attention")
         if init == "checkpoint":
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attention).to(self.device)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attention)
+            # (transformers declares its .to through functools.wraps, whose stub loses the bound self)
+            model = model.to(self.device)  # type: ignore[arg-type]
         else:
             # Skip the random init: the state is restored next, and initialising a large model on
             # the host costs seconds. fork_rng: whatever init remains must not move the global
@@ -211,7 +214,7 @@ class FSDPTrainer:
             model.to_empty(device=self.device)
         return model
 
-    def _build_reference(self) -> torch.nn.Module | None:
+    def _build_reference(self) -> PreTrainedModel | None:
         if self.algo.kl_coef <= 0:
             return None
         # The reference is always the initial checkpoint, also after a re-creation.
@@ -231,14 +234,14 @@ class FSDPTrainer:
             eps=self.cfg.eps,
             weight_decay=self.cfg.weight_decay,
             # On the CPU the fused kernel: the foreach path dispatches op by op over FSDP2's
-            # DTensors (a quickstart step's clip + optimizer step 19 -> 7 ms). GPUs keep foreach.
+            # DTensors (measured slower on a quickstart step). GPUs keep foreach.
             fused=True if self.device.type == "cpu" else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step)
         )
 
-    def _live_model(self) -> torch.nn.Module:
+    def _live_model(self) -> PreTrainedModel:
         if self.model is None:
             raise RuntimeError("the trainer is released: create() or restore_snapshot() it first")
         return self.model
@@ -311,18 +314,20 @@ class FSDPTrainer:
                 self._park.unpark()
         if not self._stale():
             return
+        group = current_group()
+        assert group is not None  # (stale: sharded, so under torch.distributed)
         if self.rebinds:
             with timed(self.timings, "onload: re-bind to the new group", self.device):
-                why = self._rebind(current_group())
+                why = self._rebind(group)
             if why is None:
-                self._group = current_group()
+                self._group = group
                 return
             if not self._rebind_refused:
                 log.warning("trainer: re-sharding fresh modules after each world rebuild (slower): %s", why)
                 self._rebind_refused = True
         self._reshard_fresh()
 
-    def _rebind(self, group: Any) -> str | None:
+    def _rebind(self, group: dist.ProcessGroup) -> str | None:
         for module in (self.model, self.ref_model):
             if module is not None:
                 why = rebind(module, group)
@@ -392,7 +397,7 @@ class FSDPTrainer:
             logp, ent = rl_update.unpacked(logp, valid), None if ent is None else rl_update.unpacked(ent, valid)
         return logp, ent if with_entropy else None
 
-    def data_group(self) -> Any:
+    def data_group(self) -> dist.ProcessGroup | None:
         return None  # every rank holds different samples
 
     def zero_grad(self) -> None:
@@ -434,7 +439,7 @@ class FSDPTrainer:
             return rl_update.optimizer_step(self, model, mini, loss_cfg)
 
         metrics = rl_update.train_step(self, batch, self.seed * 100003 + self.steps, step)
-        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         self.steps += 1
         return metrics
@@ -515,6 +520,7 @@ class FSDPTrainer:
         if not self.sharded or not one_unit(self.device):
             yield
             return
+        assert isinstance(model, FSDPModule), "a sharded trainer's model is an FSDP2 module"
         model.unshard()  # FSDP2 puts the full parameters on the modules until `reshard`
         try:
             self._gathered = dict(module_weights(model))
@@ -534,20 +540,18 @@ class FSDPTrainer:
 
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """FQN-keyed model and optimizer state (sharded DTensors) for torch.distributed.checkpoint."""
+        assert self.optimizer is not None
         return get_state_dict(self._live_model(), self.optimizer)
 
     def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
+        assert self.optimizer is not None
         set_state_dict(self._live_model(), self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def host_state(self) -> dict[str, Any]:
-        """The small state that is not tensors of the model: schedule and step count."""
-        assert self.scheduler is not None
-        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+        return capture_host_state(self.scheduler, self.steps)
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        assert self.scheduler is not None
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state["steps"])
+        self.steps = restore_host_state(self.scheduler, state)
 
     def snapshot(self) -> Snapshot:
         """A host-memory copy (pinned on GPU) of this rank's shard of everything needed to
@@ -583,7 +587,7 @@ def compile_blocks(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         if type(module).__name__ in blocks:
-            module.forward = torch.compile(module.forward, dynamic=True)  # type: ignore[method-assign]
+            module.forward = torch.compile(module.forward, dynamic=True)
             count += 1
     if not count:
         raise ValueError(f"trainer.compile: {type(model).__name__} names no transformer blocks (_no_split_modules)")

@@ -53,7 +53,8 @@ class Backend(Protocol):
 
     def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs: ...
 
-    def data_group(self) -> Any: ...  # the group whose ranks hold different samples (None: the world)
+    # the group whose ranks hold different samples (None: the world)
+    def data_group(self) -> dist.ProcessGroup | None: ...
 
     def zero_grad(self) -> None: ...
 
@@ -115,7 +116,9 @@ def train_step(
     return metrics
 
 
-def optimizer_step(backend: Backend, model: Any, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+def optimizer_step(
+    backend: Backend, model: torch.nn.Module, mini: TrainBatch, loss_cfg: PolicyLossConfig
+) -> dict[str, float]:
     normalizer, total_tokens = normalizers(backend, mini)
     backend.zero_grad()
     # Summed on the device: a copy to the host per micro-batch would wait for its backward and
@@ -264,7 +267,7 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
 
 @torch.no_grad()
 def logprobs(
-    backend: Backend, model: Any, batch: TrainBatch, temperature: float | None = None
+    backend: Backend, model: torch.nn.Module, batch: TrainBatch, temperature: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, L] of `model` on `batch`, on the host. A collective
     when sharded (every rank calls it, with however many samples it has). `temperature`: instead

@@ -14,7 +14,7 @@ Offload keeps the modules and empties their storages into page-locked host memor
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from rltrain.runtime.memory import round_up
 from rltrain.runtime.pinned import PinnedArena, pinned_like
 
 
-def current_group() -> Any:
+def current_group() -> dist.ProcessGroup | None:
     return dist.group.WORLD if dist.is_initialized() else None
 
 
@@ -43,12 +43,14 @@ def shard(model: torch.nn.Module, device: torch.device) -> None:
     over ranks: the loss is already normalised by the global token count, so a mean would
     divide twice."""
 
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    world = dist.group.WORLD
+    assert world is not None, "shard: the default process group is not initialised"
+    mesh = DeviceMesh.from_group(world, device.type)
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     # On the CPU the whole model is one unit: one gloo all-gather per forward and one
     # reduce-scatter per backward, where per-block units cost one of each per block (a gloo
-    # collective costs more there than the memory it saves; blocks kept gathered from forward to
-    # backward took a quickstart train step from 85 to 68 ms). On GPUs each block is a unit
+    # collective costs more there than the memory it saves; a quickstart train step is faster with
+    # blocks kept gathered from forward to backward). On GPUs each block is a unit
     # whose parameters are freed after its forward, for memory.
     if not one_unit(device):
         for module in model.modules():
@@ -190,7 +192,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor()
 
 
-def _row_sharded(t: torch.Tensor) -> bool:
+def _row_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     """A DTensor split by rows over a mesh of several ranks (FSDP2's layout)."""
 
     return (
@@ -217,21 +219,22 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         or first.device_mesh.size() == 1
         and all(not isinstance(t, DTensor) or t.device_mesh is first.device_mesh for t in tensors)
     ):
-        # Nothing to gather (one rank holds every tensor): ~10 us a tensor less of DTensor
-        # properties, on every bucket of every sync.
+        # Nothing to gather (one rank holds every tensor): no DTensor properties to read per
+        # tensor, on every bucket of every sync.
         return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    out = [None if _row_sharded(t) else full_tensor(t) for t in tensors]
-    todo = [i for i, t in enumerate(out) if t is None]
-    if len(todo) <= 1:  # nothing to batch: DTensor's own gather
-        return [full_tensor(t) if o is None else o for t, o in zip(tensors, out)]
-    mesh = tensors[todo[0]].device_mesh
-    for i in todo[1:]:
-        if tensors[i].device_mesh != mesh:
-            raise ValueError("full_tensors: tensors on different meshes")
+    sharded = {i: t for i, t in enumerate(tensors) if _row_sharded(t)}
+    out: dict[int, torch.Tensor] = {i: full_tensor(t) for i, t in enumerate(tensors) if i not in sharded}
+    if len(sharded) <= 1:  # nothing to batch: DTensor's own gather
+        out.update((i, full_tensor(t)) for i, t in sharded.items())
+        return [out[i] for i in range(len(tensors))]
+    mesh = next(iter(sharded.values())).device_mesh
+    if any(t.device_mesh != mesh for t in sharded.values()):
+        raise ValueError("full_tensors: tensors on different meshes")
     ranks, me = mesh.size(), mesh.get_local_rank()
-    layout, size = [], 0  # (index, rows each rank holds, bytes per row, slot offset, this rank's shard)
-    for i in todo:
-        t = tensors[i]
+    # (index, rows each rank holds, bytes per row, slot offset, this rank's shard)
+    layout: list[tuple[int, list[int], int, int, torch.Tensor]] = []
+    size = 0
+    for i, t in sharded.items():
         per_rank = -(-t.shape[0] // ranks)
         held = [max(0, min(per_rank, t.shape[0] - r * per_rank)) for r in range(ranks)]
         row_bytes = math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
@@ -256,15 +259,15 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     dist.all_gather_into_tensor(recv, send, group=mesh.get_group())
     blocks = recv.view(ranks, size)
     for i, held, row_bytes, off, _ in layout:
-        t = tensors[i]
+        t = sharded[i]
         # Each rank's slot holds its rows: side by side, the whole tensor.
         out[i] = torch.cat(
             [blocks[r, off : off + n * row_bytes].view(t.dtype).view(n, *t.shape[1:]) for r, n in enumerate(held) if n]
         )
-    return out  # type: ignore[return-value]
+    return [out[i] for i in range(len(tensors))]
 
 
-def rebind(model: torch.nn.Module, group: Any) -> str | None:
+def rebind(model: torch.nn.Module, group: dist.ProcessGroup) -> str | None:
     """Point a module that FSDP2 sharded over a destroyed default group at `group`, the
     rebuilt one (same ranks, same order: every rank keeps its rows). Returns None once done, or
     why it cannot (then nothing was changed, and the caller re-shards a fresh module instead).
@@ -281,10 +284,11 @@ def rebind(model: torch.nn.Module, group: Any) -> str | None:
     try:
         states = [m._get_fsdp_state() for m in model.modules() if isinstance(m, FSDPModule)]
         param_groups = [s._fsdp_param_group for s in states if s._fsdp_param_group is not None]
+        # (the parameter groups and their parameters: private classes of torch, both with mesh infos)
+        owners: list[Any] = [owner for pg in param_groups for owner in (pg, *pg.fsdp_params)]
         infos = {
             id(i): i
-            for pg in param_groups
-            for owner in (pg, *pg.fsdp_params)
+            for owner in owners
             for i in (owner.mesh_info, getattr(owner, "post_forward_mesh_info", None))
             if i is not None
         }
@@ -375,6 +379,8 @@ class HostPark:
         allocator first: it splits a cached block for later requests, so the state lives in
         one segment, and the next offload hands it back to the driver with one cudaFree
         instead of one per storage (hundreds, for a model with Adam)."""
+        if not self.parked:
+            return
         large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
         if large:
             # Each request is rounded up to 512 bytes, as the allocator rounds it.
@@ -383,7 +389,7 @@ class HostPark:
             )
             del block
         buffer = self.buffer
-        assert buffer is not None or not self.parked
+        assert buffer is not None, "parked storages without their host buffer"
         for s, off, n in self.parked:
             s.resize_(n)
             _bytes(s).copy_(buffer[off : off + n], non_blocking=True)

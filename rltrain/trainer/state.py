@@ -1,8 +1,10 @@
-"""What a trainer holds, for the memory ledger and for offload, and how long its parts take.
+"""What a trainer holds, for the memory ledger, for offload and for checkpoints, and how long its
+parts take.
 
 Both backends report their tensors the same way (`held`: weights, gradients, optimizer state
-and spare host buffers, each storage counted once by the ledger) and time the parts of an
-offload or onload into the same `timings` dict (the benchmarks print it).
+and spare host buffers, each storage counted once by the ledger), time the parts of an
+offload or onload into the same `timings` dict (the benchmarks print it), and checkpoint the
+same small host state beside their tensors (`capture_host_state`: the LR schedule and the step count).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -21,11 +23,11 @@ from rltrain.runtime.memory import free_cuda_caches, trim_host_heap
 # Re-assemblies of a trainer's modules between full garbage collections: dropped modules hold the
 # destroyed group through their mesh or DDP buffers in reference cycles, and a Gloo group keeps
 # its sockets and threads until it is freed. A full collection frees them (a young-generation
-# one does not) but costs ~0.1-0.3 s, so one every GC_EVERY bounds the growth.
+# one does not) but is dear with transformers loaded, so one every GC_EVERY bounds the growth.
 GC_EVERY = 8
 
 
-def tensors_in(obj: Any, out: list[torch.Tensor]) -> None:
+def tensors_in(obj: object, out: list[torch.Tensor]) -> None:
     """Append every tensor in a nested dict/list/tuple to `out`."""
     if isinstance(obj, torch.Tensor):
         out.append(obj)
@@ -48,10 +50,10 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def held(
-    modules: Iterable[Any],
-    optimizer: Any,
-    parked_weights: Any = None,
-    parked_optimizer: Any = None,
+    modules: Iterable[torch.nn.Module | None],
+    optimizer: object,
+    parked_weights: object = None,
+    parked_optimizer: object = None,
     spare: list[torch.Tensor] | None = None,
 ) -> HeldTensors:
     """Every tensor of `modules` (parameters and buffers; gradients, megatron's main_grad too) and
@@ -94,3 +96,24 @@ def return_memory(device: torch.device) -> None:
         free_cuda_caches()
     else:
         trim_host_heap()
+
+
+class LRSchedule(Protocol):
+    """A trainer's learning-rate schedule, as checkpoints see it (torch's LambdaLR, megatron's own)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def capture_host_state(scheduler: LRSchedule | None, steps: int) -> dict[str, Any]:
+    """The small state of a trainer that is not tensors of the model: its schedule and step count."""
+    assert scheduler is not None, "the host state of a released trainer (no schedule)"
+    return {"scheduler": scheduler.state_dict(), "steps": steps}
+
+
+def restore_host_state(scheduler: LRSchedule | None, state: dict[str, Any]) -> int:
+    """Restore `capture_host_state`'s schedule into `scheduler`; returns its step count."""
+    assert scheduler is not None, "host state into a released trainer (no schedule)"
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["steps"])

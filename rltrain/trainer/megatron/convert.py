@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # HF names of an MoE layer per family: (MLP module, router, gate / up / down projection of an expert)
@@ -90,7 +93,7 @@ class Dims:
     moe_family: str = ""  # a key of _MOE_NAMES
 
 
-def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
+def dims(hf_config: PretrainedConfig, tp: int, pp: int = 1) -> Dims:
     arch = (getattr(hf_config, "architectures", None) or [type(hf_config).__name__])[0]
     model_type = getattr(hf_config, "model_type", "")
     if arch not in SUPPORTED and model_type not in ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"):
@@ -148,7 +151,7 @@ def dims(hf_config: Any, tp: int, pp: int = 1) -> Dims:
     )
 
 
-def transformer_config_kwargs(hf_config: Any) -> dict[str, Any]:
+def transformer_config_kwargs(hf_config: PretrainedConfig) -> dict[str, Any]:
     """The megatron `TransformerConfig` fields that describe the HF architecture."""
     d = dims(hf_config, 1)
     kw = dict(

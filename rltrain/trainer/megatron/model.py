@@ -15,7 +15,7 @@ splits the data-parallel ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from rltrain.interfaces import Group, World
 from rltrain.trainer.megatron.convert import (
     ConversionError,
     dims,
@@ -34,6 +35,9 @@ from rltrain.trainer.megatron.convert import (
     tp_partition_dim,
     transformer_config_kwargs,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
@@ -79,7 +83,7 @@ class MegatronGroups:
     their size is 1) are gloo groups: every NCCL communicator is slow to tear down at each world
     destroy, and the engine waits for that before it takes its memory back."""
 
-    def __init__(self, world: Any, tp: int, ep: int = 1, pp: int = 1):
+    def __init__(self, world: World, tp: int, ep: int = 1, pp: int = 1):
         L = self.layout = RankLayout.of(world.world_size, tp, pp)
         self.world = world
         rank = world.rank
@@ -90,7 +94,9 @@ class MegatronGroups:
                 f"divide the data-parallel size {L.dp}"
             )
         self.ep_size, self.ep_rank = ep, self.dp_rank % ep
-        self.own = self._mine(world, [[r] for r in range(world.world_size)], "megatron self", backend="gloo")
+        own = self._mine(world, [[r] for r in range(world.world_size)], "megatron self", backend="gloo")
+        assert own is not None  # (a group for every rank)
+        self.own = own
         stages = range(pp)
         self.tp = self._parallel(
             world, [L.tp_ranks(d, p) for p in stages for d in range(L.dp)], "megatron tp", single_ok=True
@@ -146,14 +152,16 @@ class MegatronGroups:
             )
         )
 
-    def _parallel(self, world: Any, groups: list[list[int]], name: str, single_ok: bool) -> Any:
+    def _parallel(self, world: World, groups: list[list[int]], name: str, single_ok: bool) -> Group | None:
         if len(groups[0]) == world.world_size:
             return None  # the default group
         if len(groups[0]) == 1 and single_ok:
             return self.own
         return self._mine(world, groups, name)
 
-    def _mine(self, world: Any, groups: list[list[int]], name: str, backend: str | None = None) -> Any:
+    def _mine(self, world: World, groups: list[list[int]], name: str, backend: str | None = None) -> Group | None:
+        """Every rank creates every group; this rank's (None: in none of them, as the middle stages
+        for the embedding group)."""
         mine = None
         for i, ranks in enumerate(groups):
             h = world.new_group(ranks, backend=backend, description=f"{name} {i}")  # every rank creates every group
@@ -162,11 +170,11 @@ class MegatronGroups:
         return mine
 
     @staticmethod
-    def _pg(handle: Any) -> Any:
+    def _pg(handle: Group | None) -> dist.ProcessGroup | None:
 
         return dist.group.WORLD if handle is None else handle.pg
 
-    def collection(self) -> Any:
+    def collection(self) -> ProcessGroupCollection:
         """A ProcessGroupCollection of the groups as they are now (after the latest rebuild)."""
 
         tp, dp, own = self._pg(self.tp), self._pg(self.dp), self.own.pg
@@ -196,17 +204,17 @@ class MegatronGroups:
             intra_dist_opt=dp,
         )
 
-    def tp_group(self) -> Any:
+    def tp_group(self) -> dist.ProcessGroup | None:
         return self._pg(self.tp)
 
-    def pp_group(self) -> Any:
+    def pp_group(self) -> dist.ProcessGroup | None:
         return self._pg(self.pp)
 
-    def mp_group(self) -> Any:
+    def mp_group(self) -> dist.ProcessGroup | None:
         return self._pg(self.mp)
 
 
-def rotary_base(hf_config: Any) -> float:
+def rotary_base(hf_config: PretrainedConfig) -> float:
     params = getattr(hf_config, "rope_parameters", None) or {}
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
@@ -216,15 +224,15 @@ def rotary_base(hf_config: Any) -> float:
 
 
 def build_gpt(
-    hf_config: Any,
-    pgs: Any,
+    hf_config: PretrainedConfig,
+    pgs: ProcessGroupCollection,
     tp: int,
     dtype: torch.dtype,
     device: torch.device,
     ep: int = 1,
     pp: int = 1,
     pp_rank: int = 0,
-) -> Any:
+) -> GPTModel:
     """An uninitialised GPTModel (weights are loaded after) with the local layer spec."""
 
     d = dims(hf_config, tp)
@@ -286,7 +294,7 @@ def _moe_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
-def _mark_tensor_parallel(model: Any) -> None:
+def _mark_tensor_parallel(model: GPTModel) -> None:
     """Tag the TP-sharded weights as megatron's initialisers would. Without initialisation
     (perform_initialization=False: the weights are loaded next) megatron-core leaves them untagged,
     and its gradient norm then counts the shards of TP rank 0 only (found by the TP=2 test)."""

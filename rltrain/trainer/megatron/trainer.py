@@ -76,7 +76,15 @@ from rltrain.trainer.megatron.convert import (
 )
 from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
 from rltrain.trainer.rl_update import LogProbs
-from rltrain.trainer.state import GC_EVERY, held, return_memory, tensors_in, timed
+from rltrain.trainer.state import (
+    GC_EVERY,
+    capture_host_state,
+    held,
+    restore_host_state,
+    return_memory,
+    tensors_in,
+    timed,
+)
 from rltrain.weights.hf_files import write_checkpoint
 
 log = logging.getLogger("rltrain.trainer")
@@ -85,7 +93,7 @@ log = logging.getLogger("rltrain.trainer")
 class _Schedule:
     """LR schedule over a megatron optimizer (not a torch optimizer, so no LambdaLR)."""
 
-    def __init__(self, optimizer: Any, base_lr: float, factor: Any):
+    def __init__(self, optimizer: Any, base_lr: float, factor: Callable[[int], float]):
         self.optimizer, self.base_lr, self.factor, self.step_count = optimizer, base_lr, factor, 0
         self._apply()
 
@@ -345,7 +353,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ the RL update (rl_update.Backend)
 
-    def data_group(self) -> Any:
+    def data_group(self) -> dist.ProcessGroup | None:
         return self._pgs.dp
 
     def forward_logp(self, model: Any, mb: TrainBatch, with_entropy: bool) -> LogProbs:
@@ -395,13 +403,11 @@ class MegatronTrainer:
         dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=group)
         start = sum(len(p) for p in parts[: dist.get_rank(group)])
         width = max(p.tokens.shape[1] for p in parts)
-        pooled = TrainBatch(
-            **{
-                k: (torch.cat([pad_width(getattr(p, k), width) for p in parts]) if v is not None else None)
-                for k, v in parts[0].fields().items()
-            }
-        )
-        return pooled, slice(start, start + len(batch))
+        fields: dict[str, Any] = {
+            k: (torch.cat([pad_width(getattr(p, k), width) for p in parts]) if v is not None else None)
+            for k, v in parts[0].fields().items()
+        }
+        return TrainBatch(**fields), slice(start, start + len(batch))
 
     def logprobs(
         self, batch: TrainBatch, reference: bool = False, temperature: float | None = None
@@ -615,7 +621,9 @@ class MegatronTrainer:
         dist.all_gather(parts, part.contiguous(), group=self._groups().tp_group())
         return tp_unshard(src, parts)
 
-    def _broadcast_full(self, src: str, mine: torch.Tensor | None, group: Any, owner: int) -> torch.Tensor:
+    def _broadcast_full(
+        self, src: str, mine: torch.Tensor | None, group: dist.ProcessGroup | None, owner: int
+    ) -> torch.Tensor:
         """`mine` on the owner (its index in `group`), received by everyone else in the group."""
         full = (
             mine.contiguous()
@@ -665,14 +673,10 @@ class MegatronTrainer:
         pass  # loaded in place (see distributed_state_dict)
 
     def host_state(self) -> dict[str, Any]:
-        """The small state that is not tensors of the model: schedule and step count."""
-        assert self.scheduler is not None
-        return {"scheduler": self.scheduler.state_dict(), "steps": self.steps}
+        return capture_host_state(self.scheduler, self.steps)
 
     def load_host_state(self, state: dict[str, Any]) -> None:
-        assert self.scheduler is not None
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.steps = int(state["steps"])
+        self.steps = restore_host_state(self.scheduler, state)
 
 
 def _unwrap(model: Any) -> Any:
@@ -778,7 +782,7 @@ class _HostMirror:
         return _map(state, lambda _: next(it))
 
 
-def _map(obj: Any, fn: Any) -> Any:
+def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
@@ -788,7 +792,7 @@ def _map(obj: Any, fn: Any) -> Any:
     return obj
 
 
-def _to(obj: Any, device: Any) -> Any:
+def _to(obj: Any, device: torch.device | str | None) -> Any:
     """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
     return _map(obj, lambda t: t.detach().clone() if device is None else t.detach().to(device, copy=True))
 
