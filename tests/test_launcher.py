@@ -324,7 +324,7 @@ def test_an_engine_started_by_a_job_that_ignores_sigint_still_stops_on_sigint(tm
 
 
 def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeypatch):
-    """engine.memory_saver: auto turns it on for the embedded engine on CUDA where
+    """engine.embedded.memory_saver: auto turns it on for the embedded engine on CUDA where
     torch_memory_saver is installed; true where it cannot run is refused with what to do; the
     engine's program itself refuses the flag without the package, before it loads anything."""
     from rltrain.config import ConfigError, EmbeddedEngineConfig, EngineConfig

@@ -1,8 +1,8 @@
 """The embedded CPU engine started by forking its rank, not as a new interpreter.
 
-A new interpreter spends ~7 s of CPU importing torch and transformers before the engine loads a
-model; its rank has imported both already. On a small CPU machine (two cores, two ranks, two
-engines) those imports are most of the job's start-up, so `engine.start: auto` forks the rank
+A new interpreter spends seconds of CPU importing torch and transformers before the engine loads
+a model; its rank has imported both already. On a small CPU machine (two cores, two ranks, two
+engines) those imports are most of the job's start-up, so `engine.embedded.start: auto` forks the rank
 instead, where a fork is safe:
 
   - the engine is the embedded one, on the CPU (a child of a process that may have touched CUDA

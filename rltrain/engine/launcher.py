@@ -178,7 +178,7 @@ def server_command(
             if cfg.weights_backup:
                 cmd.append("--enable-weights-cpu-backup")
         else:
-            # What runs on CPU (see README): torch-native attention, no CUDA graphs.
+            # What runs on CPU (docs/engines.md): torch-native attention, no CUDA graphs.
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         if cfg.deterministic:
             cmd.append("--enable-deterministic-inference")

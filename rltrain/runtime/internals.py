@@ -5,7 +5,7 @@ was checked against. Module-level internals are reached through `get(name)` (or 
 resolved below), which refuses an unregistered name and, when this install lacks a registered
 one, raises `InternalMissing` naming it and the versions it was checked with. Instance fields
 (`field=True`) are read where they are used, by code that checks them first; the registry lists
-them so that `tests/test_internals.py` can check every one against the installed libraries and
+them so that `tests/test_architecture.py` can check every one against the installed libraries and
 fail, naming the attribute, when an upgrade removes it.
 
 Policy for code that touches any of these (the model is trainer/sharding.py:`rebind`): check every
@@ -88,8 +88,8 @@ REGISTRY: dict[str, Internal] = {
         Internal(
             "torch.distributed.tensor.DTensor._local_tensor",
             "runtime/ledger.py: storage_bytes",
-            "a DTensor's local shard without to_local()'s autograd function (~60 us a call; the ledger reads every "
-            "parameter and optimizer state after every phase)",
+            "a DTensor's local shard without to_local()'s autograd function (a call of its own each time; the "
+            "ledger reads every parameter and optimizer state after every phase)",
             _TORCH,
             field=True,
         ),

@@ -39,7 +39,7 @@ _gc_lock = threading.Lock()
 def gc_paused() -> Iterator[None]:
     """No automatic cyclic garbage collection inside (reference counting still frees at once).
     A full collection stops every thread of the process for as long as it walks the heap: an
-    engine's, mid-rollout, 0.3 s at a time on the H200 (a seventh of a 2 s rollout). What
+    engine's, mid-rollout, for a visible share of the rollout (BENCHMARKS.md). What
     becomes cyclic garbage inside waits for the first collection after. Threads may overlap
     their pauses: the last one out restores the state the first one found (a caller may have
     disabled collection itself)."""

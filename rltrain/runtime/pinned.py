@@ -1,8 +1,8 @@
 """Page-locked host memory of exactly the size asked for: one arena for every pinned buffer.
 
 torch's `pin_memory=True` rounds every allocation up to a power of two and keeps it cached once
-freed: an 11.4 GiB offload held 16 GiB of page-locked memory that way, plus an earlier, smaller
-buffer. `pinned_empty` maps anonymous memory and registers it with the CUDA driver (what
+freed: an offload then holds up to twice its size in page-locked memory, plus every earlier,
+smaller buffer. `pinned_empty` maps anonymous memory and registers it with the CUDA driver (what
 `cudaHostAlloc` does, without the rounding); the registration and the mapping go when the last
 tensor on the buffer is gone. Every page-locked buffer rltrain keeps comes from a `PinnedArena`
 (one such buffer, carved into aligned pieces, reused while it is large enough) or is one
@@ -34,8 +34,8 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     """A uint8 host tensor of `nbytes`, page-locked, holding no more than the whole pages it needs.
 
     torch's `pin_memory=True` rounds every allocation up to a power of two and keeps it cached
-    once freed: an 11.4 GiB offload held 16 GiB of page-locked memory that way, plus the 4 GiB
-    of an earlier, smaller buffer. This maps anonymous memory and registers it with the CUDA
+    once freed: an offload then holds up to twice its size in page-locked memory, plus every
+    earlier, smaller buffer. This maps anonymous memory and registers it with the CUDA
     driver (what `cudaHostAlloc` does, without the rounding); the registration and the mapping go
     when the last tensor on the buffer is gone."""
     size = round_up(max(nbytes, 1), mmap.PAGESIZE)
