@@ -14,7 +14,8 @@ from rltrain import history, interfaces
 from rltrain.between_steps import BetweenSteps, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
 from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
-from rltrain.engine.launcher import NodeEngine, check_engine, resolve_device
+from rltrain.engine.command import check_engine, resolve_device
+from rltrain.engine.launcher import NodeEngine
 from rltrain.history import HistoryError
 from rltrain.interfaces import Trainer, World
 from rltrain.rollout import synthetic

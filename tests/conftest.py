@@ -29,7 +29,8 @@ if not torch.cuda.is_available():
 from models import make_model  # noqa: E402
 from rltrain.config import EmbeddedEngineConfig, EngineConfig  # noqa: E402
 from rltrain.engine.client import EngineClient  # noqa: E402
-from rltrain.engine.launcher import EngineProcess, server_command  # noqa: E402
+from rltrain.engine.command import server_command  # noqa: E402
+from rltrain.engine.process import EngineProcess  # noqa: E402
 from rltrain.runtime.net import free_port  # noqa: E402
 
 SGLANG_SHIM = HERE / "sglang_shim"

@@ -100,7 +100,8 @@ def test_api_key_loopback_bind_and_weights_only_from_the_sync_directory(big_mode
 
     from conftest import engine_config
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, secret_environment, server_command
+    from rltrain.engine.command import secret_environment, server_command
+    from rltrain.engine.process import EngineProcess
     from rltrain.runtime.net import free_port
 
     cfg = engine_config("embedded", api_key="s3cret-key")
@@ -402,7 +403,7 @@ def test_the_engine_serves_when_started_with_sglang_spellings(model_a, tmp_path)
     import sys
 
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess
+    from rltrain.engine.process import EngineProcess
     from rltrain.runtime.net import free_port
 
     port = free_port()

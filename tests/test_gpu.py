@@ -238,7 +238,9 @@ def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[d
     from rltrain.batch import TrainBatch
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
+    from rltrain.engine.command import server_command
+    from rltrain.engine.launcher import NodeEngine
+    from rltrain.engine.process import EngineProcess
     from rltrain.generation import SamplingParams
     from rltrain.runtime.ledger import MemoryLedger
     from rltrain.runtime.net import free_port

@@ -14,7 +14,8 @@ import pytest
 
 from conftest import engine_config, start_engine
 from multiproc import run_ranks, values
-from rltrain.engine.launcher import EngineCrashed, NodeEngine
+from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.process import EngineCrashed
 from rltrain.generation import SamplingParams
 
 HERE = Path(__file__).resolve().parent
@@ -99,7 +100,8 @@ from pathlib import Path
 sys.path.insert(0, {tests!r})
 from conftest import engine_config
 from rltrain.engine import forked
-from rltrain.engine.launcher import EngineCrashed, NodeEngine
+from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.process import EngineCrashed
 from rltrain.engine.client import EngineClient
 from rltrain.generation import SamplingParams
 
@@ -198,7 +200,7 @@ def test_set_up_failing_while_the_engine_starts_stops_the_engine(tmp_path, model
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sglang_command_places_the_server_on_the_configured_device(deterministic):
     from rltrain.config import EngineConfig
-    from rltrain.engine.launcher import server_command
+    from rltrain.engine.command import server_command
 
     cpu = server_command(EngineConfig(backend="sglang", device="cpu", deterministic=deterministic), "/m", 1)
     gpu = server_command(EngineConfig(backend="sglang", device="cuda", deterministic=deterministic), "/m", 1)
@@ -254,7 +256,7 @@ def test_engine_layouts_that_cannot_work_are_refused_with_what_to_set():
 
 def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monkeypatch):
     from rltrain.config import EngineConfig
-    from rltrain.engine.launcher import server_command, server_environment
+    from rltrain.engine.command import server_command, server_environment
     from rltrain.engine.layout import EngineLayout
 
     cfg = EngineConfig(backend="sglang", device="cuda", gpus_per_engine=4)
@@ -282,7 +284,7 @@ def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monke
 
 def test_what_sglang_cannot_do_where_it_runs_is_refused_at_start_up():
     from rltrain.config import ConfigError, EngineConfig, load_config
-    from rltrain.engine.launcher import check_engine
+    from rltrain.engine.command import check_engine
 
     with pytest.raises(ConfigError, match="SGLang on CPU cannot be deterministic"):
         check_engine(EngineConfig(backend="sglang", device="cpu", deterministic=True), seeded=True)
@@ -301,7 +303,7 @@ def test_an_engine_started_by_a_job_that_ignores_sigint_still_stops_on_sigint(tm
     import sys
     import time
 
-    from rltrain.engine.launcher import EngineProcess
+    from rltrain.engine.process import EngineProcess
 
     child = (
         "import signal, time; "
@@ -328,27 +330,27 @@ def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeyp
     torch_memory_saver is installed; true where it cannot run is refused with what to do; the
     engine's program itself refuses the flag without the package, before it loads anything."""
     from rltrain.config import ConfigError, EmbeddedEngineConfig, EngineConfig
-    from rltrain.engine import launcher
+    from rltrain.engine import command
     from rltrain.engine.embedded import saver
 
     cuda = EngineConfig(backend="embedded", device="cuda")
     for installed in (False, True):
         monkeypatch.setattr(saver, "installed", lambda v=installed: v)
-        assert (saver.FLAG in launcher.server_command(cuda, "/m", 1)) == installed
+        assert (saver.FLAG in command.server_command(cuda, "/m", 1)) == installed
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        env = launcher.server_environment(cuda)
+        env = command.server_environment(cuda)
         assert ("PYTORCH_CUDA_ALLOC_CONF" in env and env["PYTORCH_CUDA_ALLOC_CONF"] is None) == installed
         off = EngineConfig(backend="embedded", device="cuda", embedded=EmbeddedEngineConfig(memory_saver=False))
-        assert saver.FLAG not in launcher.server_command(off, "/m", 1)
-        assert saver.FLAG not in launcher.server_command(EngineConfig(backend="embedded", device="cpu"), "/m", 1)
+        assert saver.FLAG not in command.server_command(off, "/m", 1)
+        assert saver.FLAG not in command.server_command(EngineConfig(backend="embedded", device="cpu"), "/m", 1)
     with pytest.raises(ConfigError, match="memory saver is CUDA-only"):
-        launcher.check_engine(
+        command.check_engine(
             EngineConfig(backend="embedded", device="cpu", embedded=EmbeddedEngineConfig(memory_saver=True)),
             seeded=False,
         )
     monkeypatch.setattr(saver, "installed", lambda: False)
     with pytest.raises(ConfigError, match="pip install torch_memory_saver"):
-        launcher.check_engine(
+        command.check_engine(
             EngineConfig(backend="embedded", device="cuda", embedded=EmbeddedEngineConfig(memory_saver=True)),
             seeded=False,
         )

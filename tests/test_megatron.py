@@ -330,7 +330,8 @@ def _hf_logprobs(path, batch) -> torch.Tensor:
 def megatron_runs(tmp_path_factory):
     """TP=2 (with a weight sync to a real engine) and DP=2, each on 4 gloo... 2 ranks."""
     from rltrain.config import EngineConfig
-    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.engine.command import server_command
+    from rltrain.engine.process import EngineProcess
     from rltrain.runtime.net import free_port
 
     root = tmp_path_factory.mktemp("megatron")

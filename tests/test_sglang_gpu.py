@@ -24,7 +24,8 @@ from models import QWEN2_160M
 from rltrain.bench.models import save_random_qwen2
 from rltrain.config import EngineConfig
 from rltrain.engine.client import EngineClient
-from rltrain.engine.launcher import EngineProcess, NodeEngine
+from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.process import EngineProcess
 from rltrain.generation import SamplingParams
 from rltrain.runtime.ledger import device_used, process_device_bytes
 

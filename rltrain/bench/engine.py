@@ -41,7 +41,9 @@ import torch
 from rltrain.bench.models import QWEN3_SHAPES, build, build_model
 from rltrain.config import EmbeddedEngineConfig, EngineConfig
 from rltrain.engine.client import EngineClient
-from rltrain.engine.launcher import EngineProcess, NodeEngine, server_command
+from rltrain.engine.command import server_command
+from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.process import EngineProcess
 from rltrain.generation import SamplingParams
 from rltrain.runtime.net import free_port
 

@@ -119,8 +119,9 @@ def measure(model: Path, ep: int, routed: bool, repeats: int, log_dir: Path) -> 
 
     from rltrain.config import EngineConfig
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.engine.command import server_command
     from rltrain.engine.layout import EngineLayout
+    from rltrain.engine.process import EngineProcess
     from rltrain.runtime.env import DistEnv
     from rltrain.runtime.net import free_port
 

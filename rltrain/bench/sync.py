@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from rltrain.config import AlgoConfig, EngineConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient
-    from rltrain.engine.launcher import EngineProcess, server_command
+    from rltrain.engine.command import server_command
+    from rltrain.engine.process import EngineProcess
     from rltrain.runtime.net import free_port
     from rltrain.runtime.world import World
     from rltrain.sync.weight_sync import WeightSync
