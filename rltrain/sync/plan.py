@@ -5,7 +5,9 @@ Every transport consumes the same plan. It is built from the trainer's weight me
 
 - coverage: every weight the engine holds is sent exactly once per target that needs it; a name
   missing from the trainer, sent twice, or unknown to the engine raises `SyncPlanError` listing
-  them (the classic cause of an engine silently serving stale weights after sleep/wake);
+  them (the classic cause of an engine silently serving stale weights after sleep/wake); so does
+  a group of weights that an engine fuses in one load call (below) that the trainer sends only
+  part of, or in two dtypes or to two sets of receivers (it could not travel in one bucket);
 - routing: a MoE model's expert weights go only to the engine EP rank that owns them. Experts
   are dealt out in contiguous blocks (EP rank r owns experts [r*E/ep, (r+1)*E/ep)), as SGLang
   and Megatron do. Every name is classified first (`weights.names.classify`: routed, shared,
@@ -16,9 +18,17 @@ Every transport consumes the same plan. It is built from the trainer's weight me
   to every target and says why (`fallback_reason`, one log line for any MoE model at any EP
   size);
 - buckets: first-fit-decreasing by size under `bucket_bytes`, per target set and dtype (a
-  bucket is one contiguous buffer of one dtype for one set of receivers). The unit packed is a
-  weight, or all of one routed expert's weights of a dtype together (never split between two
-  requests). A unit larger than the limit gets a bucket of its own.
+  bucket is one contiguous buffer of one dtype for one set of receivers, and one request: one
+  `load_weights` call in SGLang). The unit packed, never split between two buckets, is:
+  - a group of weights that an engine fuses inside one load call, with state local to that call
+    (`weights.names.FUSED_IN_ONE_CALL`, the one table of them: each MLA layer's `q_a_proj` with
+    its `kv_a_proj_with_mqa`, which SGLang writes as `fused_qkv_a_proj_with_mqa` only when both
+    arrive together; split, the fused weight is never updated). Weights SGLang loads shard by
+    shard into one parameter (q/k/v, gate/up, an expert's w1/w3) need no such care;
+  - all of one routed expert's weights of a dtype;
+  - any other weight, alone.
+  A unit larger than the limit, a fused group too, gets a bucket of its own: `sync.bucket_mb`
+  bounds the buckets that hold more than one unit, never a unit.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rltrain.weights.names import EXPERT, WeightKind, classify
+from rltrain.weights.names import EXPERT, WeightKind, classify, fused_group
 
 log = logging.getLogger("rltrain.sync")
 
@@ -197,6 +207,7 @@ def build_plan(
             targets[w.name] = (expert // (topology.num_experts // ep),)
         else:
             targets[w.name] = everyone  # dense and shared-expert weights: every rank computes them
+    _check_fused_groups(weights, targets)
     engine_ep = max((la.ep_size for la in topology.layouts), default=1)
     if reason is not None and (topology.num_experts > 0 or max(ep, engine_ep) > 1):  # said once, at any EP size
         log.log(
@@ -210,17 +221,13 @@ def build_plan(
         ranks = tuple((k // (inside.tp_size // inside.ep_size)) % inside.ep_size for k in range(inside.tp_size))
         owner = {n: k.expert // per_rank for n, k in kinds.items() if k.expert is not None}
         buckets = _first_fit_decreasing(weights, targets, bucket_bytes, rows=per_rank)
+        _check_fused_groups_whole(buckets)
         plan = SyncPlan(weights, targets, buckets, ep, True, None, ranks, owner)
         _check_rank_coverage(plan, inside.tp_size)
         return plan
-    return SyncPlan(
-        weights,
-        targets,
-        _first_fit_decreasing(weights, targets, bucket_bytes),
-        ep,
-        routed=reason is None,
-        fallback_reason=reason,
-    )
+    buckets = _first_fit_decreasing(weights, targets, bucket_bytes)
+    _check_fused_groups_whole(buckets)
+    return SyncPlan(weights, targets, buckets, ep, routed=reason is None, fallback_reason=reason)
 
 
 def _check_rank_coverage(plan: SyncPlan, tp_size: int) -> None:
@@ -327,12 +334,54 @@ def _check_coverage(names: list[str], engine_names: Iterable[str] | None, aliase
         )
 
 
+def _check_fused_groups(weights: list[WeightSpec], targets: dict[str, tuple[int, ...]]) -> None:
+    """Every group an engine fuses in one load call can travel in one bucket: all its members
+    are sent, in one dtype, to one set of receivers. Lists every group that cannot."""
+    specs = {w.name: w for w in weights}
+    problems: dict[str, str] = {}
+    why: set[str] = set()
+    for w in weights:
+        found = fused_group(w.name)
+        if found is None or found[0] in problems:
+            continue
+        key, members, group = found
+        sent = [m for m in members if m in specs]
+        if len(sent) < len(members):
+            problems[key] = f"the trainer sends {sent} without {[m for m in members if m not in specs]}"
+        elif len({specs[m].dtype for m in members}) > 1 or len({targets[m] for m in members}) > 1:
+            problems[key] = "in different buckets: " + ", ".join(
+                f"{m} ({specs[m].dtype} to receivers {targets[m]})" for m in members
+            )
+        else:
+            continue
+        why.add(group.engine)
+    if problems:
+        raise SyncPlanError(
+            f"{len(problems)} group(s) of weights that an engine fuses in one load call cannot travel in one "
+            "bucket, and the engine would never update the fused weight: "
+            + "; ".join(f"{k}: {v}" for k, v in list(problems.items())[:10])
+            + f". Fused by: {' '.join(sorted(why))}. Trainer and engine built from different models or configs?"
+        )
+
+
+def _check_fused_groups_whole(buckets: list[Bucket]) -> None:
+    """The proof that no bucket holds only part of a group an engine fuses in one load call."""
+    home: dict[str, int] = {}
+    for i, b in enumerate(buckets):
+        for n in b.names:
+            if (found := fused_group(n)) is not None and home.setdefault(found[0], i) != i:
+                raise SyncPlanError(f"the plan splits {found[1]} between buckets {home[found[0]]} and {i}")
+
+
 def _unit(name: str, rows: int = 0) -> str:
-    """What travels together: one routed expert's weights (its gate, up and down projections are
-    never split between two buckets, so never between two requests); any other weight alone.
-    With `rows` (experts per EP rank, routing inside an engine): the experts of one layer that
-    sit at the same local slot on every EP rank, so that every request carries an expert for
-    every rank and no rank's payload is ever empty."""
+    """What travels together: a group of weights an engine fuses in one load call
+    (`fused_group`); one routed expert's weights (its gate, up and down projections are never
+    split between two buckets, so never between two requests); any other weight alone. With
+    `rows` (experts per EP rank, routing inside an engine): the experts of one layer that sit at
+    the same local slot on every EP rank, so that every request carries an expert for every rank
+    and no rank's payload is ever empty."""
+    if (group := fused_group(name)) is not None:
+        return group[0]
     m = EXPERT.search(name)
     if m is None:
         return name
@@ -349,16 +398,37 @@ def _first_fit_decreasing(
         groups.setdefault((targets[w.name], w.dtype), {}).setdefault(_unit(w.name, rows), []).append(w)
     buckets: list[Bucket] = []
     for (tgt, dtype), units in groups.items():
-        mine: list[tuple[Bucket, int]] = []  # (bucket, bytes used)
-        for _, members in sorted(units.items(), key=lambda u: (-sum(w.nbytes for w in u[1]), u[0])):
-            size = sum(w.nbytes for w in members)
-            for i, (b, used) in enumerate(mine):
-                if used + size <= limit:
-                    b.weights.extend(members)
-                    mine[i] = (b, used + size)
-                    break
-            else:
-                b = Bucket(tgt, dtype, list(members))
-                mine.append((b, size))
-        buckets.extend(b for b, _ in mine)
+        order = sorted(((sum(w.nbytes for w in m), key, m) for key, m in units.items()), key=lambda u: (-u[0], u[1]))
+        mine: list[Bucket] = []
+        for (_, _, members), i in zip(order, _first_fit([size for size, _, _ in order], limit)):
+            if i == len(mine):
+                mine.append(Bucket(tgt, dtype, []))
+            mine[i].weights.extend(members)
+        buckets.extend(mine)
     return buckets
+
+
+def _first_fit(sizes: list[int], limit: int) -> list[int]:
+    """The bin of each size in turn: the lowest-numbered bin with room for it under `limit`, else
+    a new one (a size over the limit gets a bin of its own). A tree over the bins holding each
+    range's largest free space finds that bin in log time, so that the tens of thousands of
+    units of a DeepSeek-V3 at a small `sync.bucket_mb` are packed at once, not in quadratic time."""
+    leaves = 1
+    while leaves < len(sizes):
+        leaves *= 2
+    free = [limit] * (2 * leaves)  # node k: the most room in any bin under it (bins not opened are empty)
+    opened, bins = 0, []
+    for size in sizes:
+        if free[1] >= size:
+            node = 1
+            while node < leaves:
+                node = 2 * node if free[2 * node] >= size else 2 * node + 1
+        else:
+            node = leaves + opened  # fits in no bin, not even an empty one: a bin of its own
+        bins.append(node - leaves)
+        opened = max(opened, node - leaves + 1)
+        free[node] -= size
+        while node > 1:
+            node //= 2
+            free[node] = max(free[2 * node], free[2 * node + 1])
+    return bins

@@ -19,6 +19,15 @@ how the sync plan routes them and how an engine rank knows what it owns. `classi
 checkpoint name into routed expert / shared expert / fused experts / dense, and refuses a name
 that mentions experts in no known form. `num_experts` reads the count from an HF config under any
 of its spellings.
+
+Fused in one call: some checkpoint weights are joined into one engine parameter by the engine's
+loader with state that lives only inside one `load_weights` call, so they must reach the engine
+in the same request (`FUSED_IN_ONE_CALL`, `fused_group`; the sync plan packs each group into one
+bucket and refuses a group the trainer sends only part of). SGLang's "stacked" parameters are not
+among them: `q/k/v_proj -> qkv_proj`, `gate/up_proj -> gate_up_proj` and the experts' `w1/w3 ->
+w13` are written shard by shard (`weight_loader(param, w, shard_id)` copies into the shard's own
+slice: `layers/linear.py: QKVParallelLinear.weight_loader, MergedColumnParallelLinear.weight_loader`,
+`layers/moe/fused_moe_triton/layer.py: FusedMoE._load_w13`), so they may arrive in any requests.
 """
 
 from __future__ import annotations
@@ -82,6 +91,49 @@ def classify(name: str) -> WeightKind:
             "the sync cannot tell which engine ranks need it"
         )
     return WeightKind("dense")
+
+
+@dataclass(frozen=True)
+class FusedInOneCall:
+    """Checkpoint weights that an engine's loader joins into one parameter only when all of them
+    arrive in one `load_weights` call (it holds the first in a dict local to the call until the
+    others come; a member sent in another request is lost with that dict, and the joined
+    parameter is never written). The members' names differ only in one module name: `pattern`
+    matches any member's name as `head`, `member` (one of `members`) and `tail`."""
+
+    members: tuple[str, ...]
+    pattern: re.Pattern[str]
+    engine: str  # where the engine joins them, and what it makes
+
+
+# Read in SGLang 0.5.23's loaders for the architectures rltrain names (DeepSeek-V2/V3/R1 and
+# Kimi-K2, GLM-4.x MoE and GLM-4.7-Flash, Qwen2/3, Qwen3-MoE, Llama, GPT-OSS); everything else
+# there is written weight by weight or shard by shard (see the module docstring). Left out, as no
+# trainer sends those names: DeepSeek-V3.2's FP8 indexer weight with its scale (two dtypes, never
+# one bucket) and GPT-OSS's original `block.<l>.mlp.mlp1_weight.{blocks,scales}`.
+FUSED_IN_ONE_CALL: tuple[FusedInOneCall, ...] = (
+    FusedInOneCall(
+        ("q_a_proj", "kv_a_proj_with_mqa"),
+        re.compile(r"^(?P<head>(?:.*\.)?)(?P<member>q_a_proj|kv_a_proj_with_mqa)(?P<tail>\..+)$"),
+        "MLA with q_lora_rank set (DeepSeek-V2/V3/R1, Kimi-K2, GLM-4.7-Flash, GLM-5): SGLang writes "
+        "fused_qkv_a_proj_with_mqa = cat(q_a_proj, kv_a_proj_with_mqa) once both are in one call "
+        "(models/deepseek_common/deepseek_weight_loader.py: DeepseekV2WeightLoaderMixin.do_load_weights, "
+        "`cached_a_proj`; models/glm4_moe_lite.py: Glm4MoeLiteForCausalLM.load_weights, the same)",
+    ),
+)
+
+
+@functools.cache
+def fused_group(name: str) -> tuple[str, tuple[str, ...], FusedInOneCall] | None:
+    """The group checkpoint weight `name` must travel with (None: it may travel alone): a key
+    naming the group, every member's name (`name` among them), and the table entry. Kept per
+    name, as `classify`."""
+    for group in FUSED_IN_ONE_CALL:
+        if m := group.pattern.match(name):
+            head, tail = m.group("head"), m.group("tail")
+            key = f"{head}{{{','.join(group.members)}}}{tail}"
+            return key, tuple(f"{head}{member}{tail}" for member in group.members), group
+    return None
 
 
 def num_experts(hf_config: Any) -> int:
