@@ -10,7 +10,8 @@
 
 `TrainerCycle` carries the trainer through those states for the loop: `bring_back` before the
 step's log-probs, `keep_state` after the train step (the checkpoint when due, the snapshot),
-`put_away` once the weights are synced.
+`put_away` once the weights are synced, `recorded` once the step's metrics row is written (the
+checkpoints a restart no longer needs are pruned then).
 """
 
 from __future__ import annotations
@@ -109,6 +110,10 @@ class TrainerCycle:
         """A verified checkpoint of the trainer after `done` steps (its weights are version `done`)."""
         self.saved = self.checkpointer.save(done, self.trainer, str(done), extra)
         self.saved_step = done
+
+    def recorded(self, done: int) -> None:
+        """Step `done`'s metrics row is written: a restart may resume from its checkpoint."""
+        self.checkpointer.recorded(done)
 
     def put_away(self) -> None:
         if self.between.releases:

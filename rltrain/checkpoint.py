@@ -12,6 +12,12 @@ A save writes everything into `.step_000012.tmp/`, fsyncs the files, writes the 
 the directory into place and only then moves `latest`; a crash at any point leaves the previous
 checkpoint and `latest` untouched. Loading verifies the manifest's checksums first; `resume: auto`
 walks from `latest` to older checkpoints and skips, with a warning, any that is partial or corrupt.
+
+Pruning keeps the newest `keep_last` checkpoints and, whatever `keep_last` says, the newest one
+whose step the metrics recorded. A step is saved before its metrics row is written, and a restart
+resumes only from a recorded step (rltrain/history.py): a job that dies between the save and the
+row resumes from that one, and its unrecorded step runs again. With `keep_last=1` the previous
+checkpoint therefore stays until the new step's row is written (`Checkpointer.recorded`).
 """
 
 from __future__ import annotations
@@ -53,6 +59,15 @@ class Restored:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step_* directory, oldest first (the step read from its name)."""
+    found = []
+    for p in root.glob("step_*"):
+        if p.is_dir() and p.name[len("step_") :].isdigit():
+            found.append((int(p.name[len("step_") :]), p))
+    return sorted(found)
 
 
 # ---------------------------------------------------------------------------- files
@@ -139,6 +154,9 @@ class Checkpointer:
         self.root = Path(root)
         self.world = world
         self.keep_last = keep_last
+        # The last step whose metrics row is written (0: none yet): its checkpoint is where a
+        # restart resumes, never pruned. Set by a resume (`load`) and by `recorded`.
+        self.recorded_step = 0
         if world.rank == 0:  # saves cut short by a job that died (never loaded: they have no manifest)
             for stale in self.root.glob(".step_*.tmp"):
                 log.warning("removing %s, left by an interrupted save", stale)
@@ -210,7 +228,7 @@ class Checkpointer:
                 atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
                 replace_dir(tmp, final)
                 atomic_write_text(self.root / "latest", final.name)
-                self._prune(final)
+                self._prune()
             except (OSError, CheckpointError) as e:
                 error = f"finishing checkpoint {final} failed: {type(e).__name__}: {e}"
         self._agree(error, "checkpoint publish", cleanup=tmp)
@@ -228,12 +246,28 @@ class Checkpointer:
                 + " — the trainer is kept and the previous checkpoint is untouched"
             )
 
-    def _prune(self, newest: Path) -> None:
+    def recorded(self, step: int) -> None:
+        """Step `step`'s metrics row is written: a restart resumes from its checkpoint now (if it
+        has one), and the older ones beyond `keep_last` go. Every rank calls it; rank 0 prunes."""
+        self.recorded_step = step
+        if self.world.rank == 0:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Remove all but the newest `keep_last` checkpoints, the newest recorded one (where a
+        restart resumes: see the module docstring) and the one `latest` names."""
         if self.keep_last <= 0:
             return
-        done = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        for old in done[: -self.keep_last]:
-            if old != newest:
+        done = step_dirs(self.root)
+        keep = {path for _, path in done[-self.keep_last :]}
+        resumable = [path for step, path in done if step <= self.recorded_step]
+        if resumable:
+            keep.add(resumable[-1])
+        latest = self.root / "latest"
+        if latest.is_file():
+            keep.add(self.root / latest.read_text().strip())
+        for _, old in done:
+            if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path, trainer: Trainer, restore_rank_state: bool = True) -> Restored:
@@ -261,6 +295,10 @@ class Checkpointer:
         trainer.load_distributed_state_dict(state["model"], state["optim"])
         rank_state = torch.load(path / f"rank{self.world.rank}.pt", weights_only=False)
         trainer.load_host_state(rank_state["trainer"])
+        step = int(rank_state["step"])
         if restore_rank_state:
             set_rng_state(rank_state["rng"])
-        return Restored(path, int(rank_state["step"]), rank_state["version"], rank_state["extra"])
+            # A resume continues after a recorded step (history.py resumes from no other; the
+            # rows after a named checkpoint are moved aside): it stays until a newer one is recorded.
+            self.recorded_step = step
+        return Restored(path, step, rank_state["version"], rank_state["extra"])

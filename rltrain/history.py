@@ -6,7 +6,8 @@ again) are moved to `metrics.dropped.jsonl`, never deleted. A job that would sta
 where there is history — metrics rows, or checkpoints it cannot use — refuses and says what to
 set: torchrun's restarts, a requeue or a resubmission must never silently begin a run again.
 `run.start_over=true` begins again on purpose; the old metrics and checkpoints are kept beside
-theirs, renamed `*.before-<time>`.
+theirs, renamed `*.before-<time>`. Pruning never removes the newest checkpoint of a recorded
+step (rltrain/checkpoint.py), so once one is recorded every restart finds one to continue from.
 """
 
 from __future__ import annotations

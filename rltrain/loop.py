@@ -91,6 +91,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason is None:
                 train_stats.update(_to_rollout(clock.phase, parts, world, version))
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
+            cycle.recorded(step + 1)  # after the row: pruning keeps the newest recorded checkpoint
             if step == parts.start_step:
                 # What the first step built (compiled code, the trainer's state, the libraries'
                 # caches) lives to the end: frozen, Python's full collections, triggered by each

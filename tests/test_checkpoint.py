@@ -110,6 +110,33 @@ def test_corrupt_or_partial_checkpoints_are_skipped_with_a_warning(tmp_path, wor
         ck.load(tmp_path / "ck" / "step_000003", t)
 
 
+def test_pruning_keeps_the_newest_recorded_checkpoint_until_a_newer_one_is_recorded(tmp_path, world1):
+    """keep_last=1: a save prunes nothing a restart needs (the checkpoint of the last recorded step
+    stays beside the new, unrecorded one); once the new step's row is written, one is left."""
+    t = make_trainer(make_model(tmp_path / "m", seed=5), micro=4)
+    root = tmp_path / "ck"
+    ck = Checkpointer(root, world1, keep_last=1)
+
+    def on_disk() -> list[str]:
+        return sorted(p.name for p in root.glob("step_*"))
+
+    ck.save(1, t, "1", {})
+    assert on_disk() == ["step_000001"]  # nothing recorded yet
+    ck.recorded(1)
+    for step in (2, 3):
+        ck.save(step, t, str(step), {})
+        # Between the save and the row: the job dies here, the restart resumes from step - 1.
+        assert on_disk() == [f"step_{step - 1:06d}", f"step_{step:06d}"]
+        assert find_resumable(root, max_step=step - 1) == root / f"step_{step - 1:06d}"
+        ck.recorded(step)
+        assert on_disk() == [f"step_{step:06d}"]
+    # A resume makes its step the recorded one: the next save keeps it too.
+    resumed = Checkpointer(root, world1, keep_last=1)
+    assert resumed.load(root / "step_000003", t).step == 3
+    resumed.save(4, t, "4", {})
+    assert on_disk() == ["step_000003", "step_000004"]
+
+
 def test_failed_save_keeps_trainer_and_previous_checkpoint(tmp_path, world1):
     t = make_trainer(make_model(tmp_path / "m", seed=5), micro=4)
     ck = Checkpointer(tmp_path / "ck", world1)
@@ -234,8 +261,10 @@ def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_unin
     """torchrun --max-restarts=1: rank 1 is SIGKILLed in the weight sync of step 3, after that
     step's checkpoint but before its metrics row; the surviving rank names the phase; the
     restarted job skips the unrecorded step-3 checkpoint, resumes from step 2 and ends bitwise
-    equal to a run that never failed — every step recorded once, no half-published version."""
-    r = _faulty(tmp_path, "1:sync:3:kill", *DET, restarts=1)
+    equal to a run that never failed — every step recorded once, no half-published version.
+    With checkpoint.keep_last=1: the save of step 3 must not have pruned step 2's checkpoint (the
+    only one a restart may use), and once the rows are written one checkpoint is left."""
+    r = _faulty(tmp_path, "1:sync:3:kill", *DET, "checkpoint.keep_last=1", restarts=1)
     assert r.returncode == 0, r.stderr[-3000:]
     # The survivor names the phase, unless torchrun's SIGTERM (sent on rank 1's death) reaches it
     # first, which happens on a loaded machine: then torchrun names the SIGKILL, in its restart log
@@ -251,6 +280,7 @@ def test_a_rank_killed_during_sync_is_restarted_by_torchrun_and_ends_as_the_unin
     assert rows(run_dir) == rows(straight)
     assert_bitwise_equal(final_weights(straight, 4), final_weights(run_dir, 4))
     _nothing_half_written(run_dir)
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000004"]
 
 
 def _engine_dies(tmp_path: Path, versions: str, *overrides: str):

@@ -28,7 +28,9 @@ point-to-point op between a subset of ranks as a group's first op can then hang.
 Teardown off the critical path. `destroy_process_group` is slow for NCCL and
 holds no information the next phase needs, so by default it runs in a background thread:
 `destroy()` returns once the handles are detached; `wait_destroyed()` (called by `rebuild()` and
-before memory is handed to the engine) joins it.
+before memory is handed to the engine) joins it. Until then `dist.is_initialized()` may read either
+way, as the thread gets to it: code running meanwhile (the trainer's put-away) decides nothing from
+it. `World.is_up` is False from `destroy()` on.
 """
 
 from __future__ import annotations
@@ -253,7 +255,8 @@ class World:
 
     @property
     def is_up(self) -> bool:
-        return dist.is_initialized() and self._destroyer is None
+        """Whether collectives may run: False from `destroy()` on, wherever its teardown is."""
+        return self._destroyer is None and dist.is_initialized()
 
     @property
     def groups(self) -> list[GroupHandle]:

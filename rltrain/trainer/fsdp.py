@@ -282,9 +282,12 @@ class FSDPTrainer:
         to the new group."""
         if self.device.type == "cpu" or self.offloaded or self.released:
             return
+        # The root keeps its gathered parameters after a forward without backward. Resharding is
+        # local (a no-op on a plain module), so it is not decided from `dist.is_initialized()`,
+        # which the world's background teardown (runtime/world.py) may be flipping right now.
         for module in (self.model, self.ref_model):
-            if module is not None and self.sharded:
-                reshard(module)  # the root keeps its gathered parameters after a forward without backward
+            if module is not None:
+                reshard(module)
         with timed(self.timings, "offload: copy to host", self.device):
             if self._park is None:
                 self._park = HostPark()
