@@ -187,7 +187,8 @@ def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, mon
     from models import make_model
     from rltrain.batch import TrainBatch
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.trainer.fsdp import FSDPTrainer, LogprobHead
+    from rltrain.trainer.causal_lm import LogprobHead
+    from rltrain.trainer.fsdp import FSDPTrainer
 
     path = make_model(tmp_path / "m", seed=5, vocab=300, hidden=32, layers=2)
     g = torch.Generator().manual_seed(0)

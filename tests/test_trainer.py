@@ -364,7 +364,7 @@ def test_compiled_blocks_give_the_eager_log_probs_and_step_with_one_graph_for_ev
     graphs (no recompilation per block or per length)."""
     import torch._dynamo
 
-    from rltrain.trainer.fsdp import compile_blocks
+    from rltrain.trainer.causal_lm import compile_blocks
 
     path = make_model(tmp_path / "m", seed=3, arch="qwen3")
     batch = _varied_batch()
@@ -411,7 +411,7 @@ def test_an_attention_kept_outside_the_compiled_blocks_scores_as_it_does_inside(
     logits of the plain model."""
     from transformers import AutoModelForCausalLM
 
-    from rltrain.trainer.fsdp import compile_blocks, outside_graphs
+    from rltrain.trainer.causal_lm import compile_blocks, outside_graphs
 
     path = make_model(tmp_path / "m", seed=4, arch="qwen3")
     tokens = torch.randint(1, 255, (2, 9), generator=torch.Generator().manual_seed(0))

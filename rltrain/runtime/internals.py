@@ -241,7 +241,7 @@ REGISTRY: dict[str, Internal] = {
         ),
         Internal(
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_groups",
-            "trainer/megatron/trainer.py: _optimizer_state",
+            "trainer/megatron/optimizer.py: optimizer_state",
             "the distributed optimizer's shard of fp32 main parameters, which its state_dict leaves out",
             _MCORE,
             field=True,
@@ -249,7 +249,7 @@ REGISTRY: dict[str, Internal] = {
         ),
         Internal(
             "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.shard_fp32_from_float16_groups",
-            "trainer/megatron/trainer.py: _optimizer_state",
+            "trainer/megatron/optimizer.py: optimizer_state",
             "as above, for bf16 models",
             _MCORE,
             field=True,

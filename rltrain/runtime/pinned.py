@@ -9,7 +9,7 @@ tensor on the buffer is gone. Every page-locked buffer rltrain keeps comes from 
 `pinned_empty` buffer allocated once:
 
     the trainer's offload buffer             trainer/sharding.py  HostPark
-    megatron's host mirror of its state      trainer/megatron/trainer.py
+    megatron's host mirror of its state      trainer/megatron/host_mirror.py  HostMirror
     the trainer's host snapshot              trainer/sharding.py  capture
     the engine's backup of released weights  engine/embedded/residency.py
     the engine's disk-load upload ring       PinnedUpload (below)

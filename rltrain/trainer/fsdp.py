@@ -9,6 +9,10 @@ re-shards fresh ones from the local shards where it cannot (`sharding.py`).
 Offload keeps the modules and parks their storages in one page-locked host buffer
 (`sharding.HostPark`); release drops everything, and the trainer is re-created from a checkpoint
 (`create(load_weights=False)` + the checkpoint) or from a host snapshot (`restore_snapshot`).
+
+The model is the one transformers builds, with the changes of `causal_lm.py` (the log-prob head,
+compiled blocks); its export gathers whole tensors in chunks and converts them to checkpoint
+names (weights/names.py).
 """
 
 from __future__ import annotations
@@ -23,20 +27,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.interfaces import Needs, Snapshot, WeightSpecRow
-from rltrain.kernels import linear_logprobs_entropy
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
 from rltrain.trainer import rl_update
+from rltrain.trainer.causal_lm import LogprobHead, compile_blocks, outside_graphs
 from rltrain.trainer.rl_update import LogProbs
 from rltrain.trainer.sharding import (
     HostPark,
@@ -61,43 +63,6 @@ GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: abov
 # On the CPU a gather's staging buffer is fresh pages, dear per byte, and a gloo call is dear per
 # call: chunks this small keep the pages few and still gather a small model in one call.
 GATHER_BYTES_CPU = 8 << 20
-
-
-class LogprobHead(torch.nn.Linear):
-    """The model's bias-free linear LM head, which can return (log-prob, entropy) of given next
-    tokens instead of logits: `with head.scoring(targets, temperature): model(...)` makes the
-    model's `logits` output those two, stacked on the last dimension, computed by the fused
-    kernel in chunks of tokens (no logits of the whole micro-batch). It holds the original
-    head's weight parameter (tied embeddings stay tied, names stay `lm_head.weight`), and under
-    FSDP2 its weight is the gathered one inside the model's forward, as for the plain head."""
-
-    def __init__(self, head: torch.nn.Linear):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = head.in_features, head.out_features
-        self.weight = head.weight
-        self.register_parameter("bias", None)
-        self._targets: torch.Tensor | None = None
-        self._temperature = 1.0
-
-    @classmethod
-    def fits(cls, head: torch.nn.Module | None, config: PretrainedConfig) -> bool:
-        """A plain bias-free linear head; models that post-process logits (soft-capping) keep theirs."""
-        return (
-            type(head) is torch.nn.Linear and head.bias is None and not getattr(config, "final_logit_softcapping", None)
-        )
-
-    @contextlib.contextmanager
-    def scoring(self, targets: torch.Tensor, temperature: float) -> Iterator[None]:
-        self._targets, self._temperature = targets, temperature
-        try:
-            yield
-        finally:
-            self._targets = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._targets is None:
-            return super().forward(hidden)
-        return torch.stack(linear_logprobs_entropy(hidden, self.weight, self._targets, self._temperature), dim=-1)
 
 
 class FSDPTrainer:
@@ -176,8 +141,8 @@ class FSDPTrainer:
     def attention(self) -> str:
         """transformers' attn_implementation: `trainer.attention`, where auto means its default,
         except for packed micro-batches on a GPU: flex attention, which skips the blocks across
-        sequences (SDPA computes the whole row's masked attention: measured slower than padding
-        at 18k tokens per micro-batch, BENCHMARKS.md)."""
+        sequences (SDPA computes the whole row's masked attention: slower than padding on long
+        packed rows, see BENCHMARKS.md)."""
         if self.cfg.attention == "auto" and self.cfg.max_tokens_per_micro_batch and self.device.type == "cuda":
             return "flex_attention"
         return self.cfg.attention
@@ -564,37 +529,6 @@ class FSDPTrainer:
     def restore_snapshot(self, snap: Snapshot) -> None:
         """Re-create a released trainer from `snapshot()`, sharded over the current group."""
         self._rebuild(snap)
-
-
-def outside_graphs(attention: str) -> str:
-    """The name under which transformers runs `attention` outside compiled graphs: its function
-    under `torch.compiler.disable`, registered with transformers' attention and mask interfaces
-    (its documented way to add an attention implementation). Flex attention then runs as
-    transformers compiles it on its own, between the compiled halves of each block: traced into
-    a block compiled with dynamic shapes, inductor (torch 2.11) fails to lower it
-    ("unsupported operand type(s) for &: 'floor' and 'Add'", seen on the H200)."""
-    name = f"rltrain_uncompiled_{attention}"  # (transformers checks flex_attention by substring: kept)
-    if name not in ALL_ATTENTION_FUNCTIONS.valid_keys():
-        AttentionInterface.register(name, torch.compiler.disable(ALL_ATTENTION_FUNCTIONS[attention]))
-        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[attention])
-    return name
-
-
-def compile_blocks(model: torch.nn.Module) -> int:
-    """torch.compile the forward of every transformer block (HF `_no_split_modules`), not the
-    whole model: the blocks are where the fusable elementwise work is, they are alike (one graph
-    serves all, weights are its inputs), and the calls around them (FSDP2's hooks, the packed
-    mask, the log-prob head) stay eager. Dynamic shapes: a packed micro-batch of any length
-    reuses the graph. Returns the number of blocks compiled."""
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            module.forward = torch.compile(module.forward, dynamic=True)
-            count += 1
-    if not count:
-        raise ValueError(f"trainer.compile: {type(model).__name__} names no transformer blocks (_no_split_modules)")
-    return count
 
 
 def _gather_chunks(

@@ -15,7 +15,7 @@ splits the data-parallel ranks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -282,6 +282,16 @@ def build_gpt(
         )
     _mark_tensor_parallel(model)
     return model
+
+
+def gpt_of(model: Any) -> Any:
+    """The GPTModel inside megatron's DDP wrapper (a bare GPTModel, as the reference is, itself)."""
+    return getattr(model, "module", model)
+
+
+def weights_of(gpt: Any) -> dict[str, torch.Tensor]:
+    """Megatron name -> this rank's parameter (module order)."""
+    return {n: p for n, p in gpt.named_parameters()}
 
 
 def _moe_without_transformer_engine() -> None:

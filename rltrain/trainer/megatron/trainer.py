@@ -2,18 +2,20 @@
 
 It is a peer of the FSDP2 trainer (trainer/fsdp.py): both implement interfaces.Trainer and share
 the RL update (trainer/rl_update.py: micro-batching, the loss, statistics, the learning-rate
-schedule), and nothing else. What is its own:
-  model      GPTModel (local layer spec) built from the HF config, weights converted from the HF
-             checkpoint and sharded over tensor parallel (convert.py); megatron-core DDP over
-             the data-parallel group, gradients summed (losses use global token counts)
+schedule), and nothing else. What is its own, and where it lives:
+  model      GPTModel (local layer spec) built from the HF config (model.py), filled from this
+             rank's part of the HF checkpoint (load.py, converted by convert.py); megatron-core
+             DDP over the data-parallel group, gradients summed (losses use global token counts)
   optimizer  megatron-core's optimizer (Adam; fp32 main params for bf16 models, grad clipping),
-             optionally distributed (state sharded over data parallel)
+             optionally distributed (state sharded over data parallel); its LR schedule and the
+             moving of its state (optimizer.py)
   data       the ranks of a tensor-parallel group hold different samples in the loop; each step
              they pool them (all ranks of a TP group must run the same sequences), log-probs are
-             handed back per rank
+             handed back per rank (pipeline.py: pool)
   groups     World handles (model.py); after a world rebuild the modules, DDP and optimizer are
-             built again over the new groups and the state is moved in (offloaded or not)
-  export     each weight gathered over tensor parallel and converted to HF names (convert.py)
+             built again over the new groups and the state is moved in (offloaded or not: an
+             offload copies it into page-locked host buffers kept between offloads, host_mirror.py)
+  export     each weight gathered over tensor parallel and converted to HF names (export.py)
   checkpoint torch.distributed.checkpoint of this rank's live tensors under layout-qualified keys
              (restored in place, at the same TP/PP/DP/EP sizes); release-train by checkpoint or snapshot
 
@@ -22,8 +24,8 @@ schedule), and nothing else. What is its own:
              from the rank that holds it
 
   pipeline   `trainer.pipeline_parallel_size`: megatron's 1F1B schedule with the RL loss on the
-             last stage (log-probs and statistics broadcast back to every stage); each stage
-             loads its layers; export broadcasts each weight from the stage that holds it
+             last stage (log-probs and statistics broadcast back to every stage; pipeline.py);
+             each stage loads its layers; export broadcasts each weight from the stage that holds it
 
 Not yet: context parallel, interleaved (virtual) pipeline stages, experts sharded over TP or
 PP, MoE models with dense layers, resharding checkpoints to another layout (megatron's
@@ -33,48 +35,38 @@ dist_checkpointing would).
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
-from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from rltrain.algo.losses import PolicyLossConfig
-from rltrain.batch import TrainBatch, pad_rows, pad_width
+from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.interfaces import Needs, Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
-from rltrain.runtime.pinned import PinnedArena
 from rltrain.trainer import rl_update
-from rltrain.trainer.megatron.convert import (
-    dims,
-    expert_of,
-    from_mcore,
-    full_shape,
-    hf_to_mcore_shards,
-    is_tp_sharded,
-    local_expert_name,
-    mcore_names,
-    stage_name,
-    stage_of,
-    to_stage,
-    tp_unshard,
+from rltrain.trainer.megatron.convert import dims, expert_of
+from rltrain.trainer.megatron.export import WeightExport
+from rltrain.trainer.megatron.host_mirror import HostMirror, copied
+from rltrain.trainer.megatron.load import fill, hf_state
+from rltrain.trainer.megatron.model import MegatronGroups, build_gpt, gpt_of, weights_of
+from rltrain.trainer.megatron.optimizer import (
+    Schedule,
+    build_optimizer,
+    ensure_optimizer_state,
+    load_optimizer_state,
+    optimizer_state,
 )
-from rltrain.trainer.megatron.model import MegatronGroups, build_gpt
+from rltrain.trainer.megatron.pipeline import Pipeline, pool
 from rltrain.trainer.rl_update import LogProbs
 from rltrain.trainer.state import (
     GC_EVERY,
@@ -88,32 +80,6 @@ from rltrain.trainer.state import (
 from rltrain.weights.hf_files import write_checkpoint
 
 log = logging.getLogger("rltrain.trainer")
-
-
-class _Schedule:
-    """LR schedule over a megatron optimizer (not a torch optimizer, so no LambdaLR)."""
-
-    def __init__(self, optimizer: Any, base_lr: float, factor: Callable[[int], float]):
-        self.optimizer, self.base_lr, self.factor, self.step_count = optimizer, base_lr, factor, 0
-        self._apply()
-
-    def _apply(self) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.base_lr * self.factor(self.step_count)
-
-    def get_last_lr(self) -> list[float]:
-        return [self.base_lr * self.factor(self.step_count)]
-
-    def step(self) -> None:
-        self.step_count += 1
-        self._apply()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step_count": self.step_count}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step_count = int(state["step_count"])
-        self._apply()
 
 
 class MegatronTrainer:
@@ -156,18 +122,15 @@ class MegatronTrainer:
         self.model: Any = None  # megatron DDP over the GPTModel
         self.ref_model: Any = None
         self.optimizer: Any = None
-        self.scheduler: _Schedule | None = None
+        self.scheduler: Schedule | None = None
         self.steps = 0
         self.groups: MegatronGroups | None = None
         self._generation: int | None = None  # the world generation the modules were built on
         self._pgs: Any = None  # megatron ProcessGroupCollection of that generation
         self._parked: dict[str, Any] | None = None  # the captured state while offloaded
-        self._host: _HostMirror | None = None  # page-locked buffers offloads copy into (GPU)
+        self._host: HostMirror | None = None  # page-locked buffers offloads copy into (GPU)
         self._rebuilds = 0  # re-assemblies after a world rebuild (a full gc every GC_EVERY)
-        self._specs: list[WeightSpecRow] | None = None
-        self._hf_of: dict[str, list[str]] = {}  # megatron name -> its HF names (from the specs)
-        # Bytes of expert weights this rank sent to other EP ranks in exports (all of them so far).
-        self.expert_bytes_sent = 0
+        self._export = WeightExport(self.dims, self.tp, self.ep, self.pp, self.dtype, self.device)
 
     sharded = True  # its collectives always run over the world's groups
 
@@ -178,6 +141,11 @@ class MegatronTrainer:
     @property
     def offloaded(self) -> bool:
         return self._parked is not None
+
+    @property
+    def expert_bytes_sent(self) -> int:
+        """Bytes of expert weights this rank sent to other EP ranks in exports (all of them so far)."""
+        return self._export.expert_bytes_sent
 
     def _groups(self) -> MegatronGroups:
         if self.groups is None:
@@ -190,7 +158,7 @@ class MegatronTrainer:
         if self.groups is None:
             self.groups = MegatronGroups(self.world, self.tp, self.ep, self.pp)
         self._seed()
-        hf = self._hf_shards() if load_weights else None
+        hf = self._hf_state() if load_weights else None
         self._assemble({"model": hf, "optimizer": None, "reference": hf if self.algo.kl_coef > 0 else None})
         self._parked = None
 
@@ -201,15 +169,8 @@ class MegatronTrainer:
             self.seed, tp_rank=g.tp_rank, ep_rank=g.ep_rank, etp_rank=g.tp_rank
         )
 
-    def _hf_shards(self) -> dict[str, torch.Tensor]:
-        hf: dict[str, torch.Tensor] = {}
-        for f in sorted(Path(self.model_path).glob("*.safetensors")):
-            hf.update(load_file(str(f)))
-        if not hf:
-            raise FileNotFoundError(f"no *.safetensors in {self.model_path}")
-        g = self._groups()
-        state = hf_to_mcore_shards(hf, self.dims, g.tp_rank, self.tp, g.ep_rank, self.ep)
-        return to_stage(state, self.dims, self.pp, g.pp_rank)
+    def _hf_state(self) -> dict[str, torch.Tensor]:
+        return hf_state(self.model_path, self.dims, self._groups())
 
     def _gpt(self) -> Any:
         return build_gpt(
@@ -224,29 +185,17 @@ class MegatronTrainer:
         pgs = self._pgs = self._groups().collection()
         gpt = self._gpt()
         if state["model"] is not None:
-            _fill(gpt, state["model"])
+            fill(gpt, state["model"])
         dist_opt = self.cfg.distributed_optimizer
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=dist_opt
         )
         self.model = DistributedDataParallel(gpt.config, ddp_cfg, gpt, pg_collection=pgs)
         self.model.train()
-        opt_cfg = OptimizerConfig(
-            optimizer="adam",
-            lr=self.cfg.lr,
-            weight_decay=self.cfg.weight_decay,
-            adam_beta1=self.cfg.beta1,
-            adam_beta2=self.cfg.beta2,
-            adam_eps=self.cfg.eps,
-            clip_grad=self.cfg.grad_clip,
-            bf16=self.dtype == torch.bfloat16,
-            params_dtype=self.dtype,
-            use_distributed_optimizer=dist_opt,
-        )
-        self.optimizer = get_megatron_optimizer(opt_cfg, [self.model], pg_collection=pgs, use_gloo_process_groups=False)
+        self.optimizer = build_optimizer(self.cfg, self.dtype, self.model, pgs)
         if state.get("optimizer") is not None:
-            _load_optimizer(self.optimizer, state["optimizer"])
-        self.scheduler = _Schedule(
+            load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler = Schedule(
             self.optimizer, self.cfg.lr, lambda step: rl_update.lr_factor(self.cfg, self.total_steps, step)
         )
         if "scheduler" in state:
@@ -255,7 +204,7 @@ class MegatronTrainer:
         if state.get("reference") is not None:
             ref = self._gpt().eval()
             ref.requires_grad_(False)
-            _fill(ref, state["reference"])
+            fill(ref, state["reference"])
             self.ref_model = ref
         self._generation = self.world.generation
 
@@ -305,16 +254,16 @@ class MegatronTrainer:
         copied to host memory — on GPU into page-locked buffers kept from the previous offload
         (pinning afresh per offload costs seconds)."""
         state: dict[str, Any] = {
-            "model": _weights(_unwrap(self.model)),
-            "optimizer": _optimizer_state(self.optimizer),
-            "reference": _weights(self.ref_model) if with_reference and self.ref_model is not None else None,
+            "model": weights_of(gpt_of(self.model)),
+            "optimizer": optimizer_state(self.optimizer),
+            "reference": weights_of(self.ref_model) if with_reference and self.ref_model is not None else None,
         }
         if to_host and self.device.type == "cuda":
             if self._host is None:
-                self._host = _HostMirror()
+                self._host = HostMirror()
             state = self._host.copy_in(state)
         else:
-            state = _to(state, "cpu" if to_host else None)
+            state = copied(state, "cpu" if to_host else None)
         return {**state, **self.host_state()}
 
     def _rebuild(self, state: dict[str, Any]) -> None:
@@ -323,7 +272,7 @@ class MegatronTrainer:
         if self.algo.kl_coef > 0 and self.ref_model is None:
             self.ref_model = self._gpt().eval()
             self.ref_model.requires_grad_(False)
-            _fill(self.ref_model, self._hf_shards())
+            fill(self.ref_model, self._hf_state())
 
     def _reclaim(self) -> None:
         # megatron's DDP keeps its parameter and gradient buffers in reference cycles: without a
@@ -398,16 +347,7 @@ class MegatronTrainer:
         size = self.tp * self.pp
         if size == 1:
             return batch, slice(0, len(batch))
-        group = self._groups().mp_group()
-        parts: list[Any] = [None] * size
-        dist.all_gather_object(parts, batch.to(torch.device("cpu")), group=group)
-        start = sum(len(p) for p in parts[: dist.get_rank(group)])
-        width = max(p.tokens.shape[1] for p in parts)
-        fields: dict[str, Any] = {
-            k: (torch.cat([pad_width(getattr(p, k), width) for p in parts]) if v is not None else None)
-            for k, v in parts[0].fields().items()
-        }
-        return TrainBatch(**fields), slice(start, start + len(batch))
+        return pool(batch, self._groups().mp_group(), size)
 
     def logprobs(
         self, batch: TrainBatch, reference: bool = False, temperature: float | None = None
@@ -446,49 +386,17 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ pipeline parallel
 
-    def _pipeline(self, model: Any, batch: TrainBatch, forward_only: bool, loss_fn: Any) -> list[Any]:
-        """megatron's 1F1B schedule over fixed-shape micro-batches of `batch` (the replica's pooled
-        batch: the same on every stage). `loss_fn(mb, logits)` runs on the last stage and returns
-        (loss, token count, record); the records come back there, in order."""
-
-        size = self.cfg.micro_batch_size
-        n, L = batch.tokens.shape
-        chunks = [pad_rows(batch.slice(slice(i, i + size)), size, self.pad_id) for i in range(0, n, size)]
-        if not chunks:
-            return []
-        positions = torch.arange(L, device=self.device).expand(size, L)
-
-        def step(data: Any, m: Any) -> Any:
-            mb = next(data).to(self.device)
-            return m(mb.tokens, positions, attention_mask=None), functools.partial(loss_fn, mb)
-
-        p2p = P2PCommunicator(pp_group=self._pgs.pp, config=_unwrap(model).config)
-        return forward_backward_pipelining_without_interleaving(
-            forward_step_func=step,
-            data_iterator=iter(chunks),
-            model=model,
-            num_microbatches=len(chunks),
-            seq_length=L,
-            micro_batch_size=size,
-            forward_only=forward_only,
-            p2p_communicator=p2p,
-            pg_collection=self._pgs,
-        )
+    def _pipeline(self) -> Pipeline:
+        return Pipeline(self._pgs, self._groups().pp_rank, self.pp, self.cfg.micro_batch_size, self.pad_id, self.device)
 
     @torch.no_grad()
     def _pipeline_logprobs(self, model: Any, batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        def record(mb: TrainBatch, logits: torch.Tensor) -> Any:
+        def score(mb: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             lp, ent = self._logp_from_logits(logits, mb.tokens, with_entropy=True)
             assert ent is not None
-            return torch.zeros((), device=self.device), torch.tensor(1), torch.stack([lp, ent])
+            return lp, ent
 
-        records = self._pipeline(model, batch, True, record)
-        n, L = batch.tokens.shape
-        out = torch.empty(2, n, L, device=self.device)
-        if self._groups().pp_rank == self.pp - 1 and n:
-            out.copy_(torch.cat(records, dim=1)[:, :n])
-        dist.broadcast(out, group=self._pgs.pp, group_src=self.pp - 1)  # every stage returns them
-        return out[0].cpu(), out[1].cpu()
+        return self._pipeline().logprobs(model, batch, score)
 
     def _pipeline_optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
         normalizer, total_tokens = rl_update.normalizers(self, mini)
@@ -501,35 +409,24 @@ class MegatronTrainer:
             value, stats = rl_update.micro_loss(self.algo, mb, logp, ent, loss_cfg, normalizer)
             return value, torch.tensor(1), stats
 
-        records = self._pipeline(self.model, mini, False, loss)
+        pipeline = self._pipeline()
+        records = pipeline.run(self.model, mini, False, loss)
         grad_norm = self.apply_gradients()
         self.zero_grad()
-        acc = torch.zeros(len(rl_update.STATS), dtype=torch.float64, device=self.device)
-        if self._groups().pp_rank == self.pp - 1 and records:
-            acc += torch.stack(records).sum(0).to(self.device)
-        dist.broadcast(acc, group=self._pgs.pp, group_src=self.pp - 1)  # the statistics live on the last stage
+        acc = pipeline.last_stage_sum(records, len(rl_update.STATS))  # the statistics live on the last stage
         return rl_update.step_stats(self, acc, total_tokens, grad_norm)
 
     # ------------------------------------------------------------------ weights
 
     def weight_specs(self) -> list[WeightSpecRow]:
         """(HF name, megatron name, full shape, dtype) of every weight; no collectives."""
-        if self._specs is None:
-            specs = []
-            for name in mcore_names(self.dims):
-                full = full_shape(name, self.dims)
-                meta = torch.empty(full, dtype=self.dtype, device="meta")
-                for hf_name, t in from_mcore(name, meta, self.dims):
-                    specs.append((hf_name, name, t.shape, self.dtype))
-            self._specs = specs
-        return self._specs
+        return self._export.specs()
 
     def gathered(self) -> contextlib.AbstractContextManager[None]:
         """Nothing shared: each tensor-parallel shard is gathered as it is exported, and a
         forward reads its shards where they are."""
         return contextlib.nullcontext()
 
-    @torch.no_grad()
     def export_weights(
         self, names: list[str] | None = None, needs: Needs | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -537,111 +434,9 @@ class MegatronTrainer:
         parallel group (every rank iterates to the end with the same names). An expert lives on
         one rank of each EP group: without `needs` it is broadcast to the group; with `needs` it
         goes from that rank only to the ranks that need it (none, where the engine's EP ranks
-        are the trainer's), and a rank converts to HF names only what it needs."""
-        specs = self.weight_specs()
-        wanted = None if names is None else set(names)
-        if wanted is not None:
-            unknown = sorted(wanted - {s[0] for s in specs})
-            if unknown:
-                raise KeyError(f"no trainer weight is named {unknown[:5]}")
-        source_of = {ck: src for ck, src, _, _ in specs}
-        sources = list(dict.fromkeys(source_of[n] for n in (names if names is not None else source_of)))
-        local = _weights(_unwrap(self.model))
-        per_rank = self.dims.experts // self.ep if self.dims.experts else 0
-        if self.pp > 1:
-            yield from self._export_stages(sources, local, wanted)
-            return
-        g = self._groups()
-        rank = dist.get_rank()
-        keep = None if needs is None else (lambda name: needs(rank, name))
-        for src in sources:
-            e = expert_of(src)
-            routed = e is not None and self.ep > 1
-            if keep is not None and not routed and self.tp == 1 and not any(map(keep, self._hf_names(src, wanted))):
-                continue  # held whole here (no collective) and not needed here: not converted either
-            if e is not None and routed:  # one rank of the EP group holds it
-                owner = e // per_rank
-                mine = local[local_expert_name(src, e % per_rank)] if owner == g.ep_rank else None
-                full = (
-                    self._broadcast_full(src, mine, self._pgs.ep, owner)
-                    if needs is None
-                    else self._send_expert(src, mine, owner, wanted, needs)
-                )
-                if full is not None:
-                    yield from self._pieces(src, full, wanted, keep)
-            else:
-                yield from self._pieces(src, self._tp_full(src, local[src]), wanted, keep)
-
-    def _hf_names(self, src: str, wanted: set[str] | None) -> list[str]:
-        if not self._hf_of:
-            for hf_name, mc_name, _, _ in self.weight_specs():
-                self._hf_of.setdefault(mc_name, []).append(hf_name)
-        return [n for n in self._hf_of[src] if wanted is None or n in wanted]
-
-    def _send_expert(
-        self, src: str, mine: torch.Tensor | None, owner: int, wanted: set[str] | None, needs: Needs
-    ) -> torch.Tensor | None:
-        """Expert weight `src` from its EP rank `owner` to each other EP rank of the group that
-        needs it (point to point, every rank in the same order); the tensor on the owner and on
-        those ranks, None elsewhere."""
-        group = self._pgs.ep
-        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        hf = self._hf_names(src, wanted)
-        to = [i for i, r in enumerate(members) if i != owner and any(needs(r, n) for n in hf)]
-        me = self._groups().ep_rank
-        if me == owner:
-            assert mine is not None
-            full = mine.contiguous()
-            for i in to:
-                dist.send(full, group=group, group_dst=i)
-            self.expert_bytes_sent += full.numel() * full.element_size() * len(to)
-            return full
-        if me not in to:
-            return None
-        full = torch.empty(full_shape(src, self.dims), dtype=self.dtype, device=self.device)
-        dist.recv(full, group=group, group_src=owner)
-        return full
-
-    def _export_stages(
-        self, sources: list[str], local: dict[str, torch.Tensor], wanted: set[str] | None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Pipeline parallel: the stage that holds a weight gathers it over its TP group and
-        broadcasts it to the other stages."""
-        pp_rank = self._groups().pp_rank
-        for src in sources:
-            owner = stage_of(src, self.dims, self.pp)
-            mine = self._tp_full(src, local[stage_name(src, self.dims, self.pp)]) if owner == pp_rank else None
-            yield from self._pieces(src, self._broadcast_full(src, mine, self._pgs.pp, owner), wanted)
-
-    def _tp_full(self, src: str, part: torch.Tensor) -> torch.Tensor:
-        """The whole tensor of this rank's part: gathered over its TP group if TP-sharded."""
-        if self.tp == 1 or not is_tp_sharded(src):
-            return part.detach()
-        parts = [torch.empty_like(part) for _ in range(self.tp)]
-        dist.all_gather(parts, part.contiguous(), group=self._groups().tp_group())
-        return tp_unshard(src, parts)
-
-    def _broadcast_full(
-        self, src: str, mine: torch.Tensor | None, group: dist.ProcessGroup | None, owner: int
-    ) -> torch.Tensor:
-        """`mine` on the owner (its index in `group`), received by everyone else in the group."""
-        full = (
-            mine.contiguous()
-            if mine is not None
-            else torch.empty(full_shape(src, self.dims), dtype=self.dtype, device=self.device)
-        )
-        dist.broadcast(full, group=group, group_src=owner)
-        if mine is not None and group is self._pgs.ep:
-            size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            self.expert_bytes_sent += full.numel() * full.element_size() * (size - 1)
-        return full
-
-    def _pieces(
-        self, src: str, full: torch.Tensor, wanted: set[str] | None, keep: Callable[[str], bool] | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        for hf_name, t in from_mcore(src, full, self.dims):
-            if (wanted is None or hf_name in wanted) and (keep is None or keep(hf_name)):
-                yield hf_name, t
+        are the trainer's), and a rank converts to HF names only what it needs (export.py)."""
+        # (A generator: the model and groups are read when the export starts, as they are then.)
+        yield from self._export.weights(self.model, self.groups, self._pgs, names, needs)
 
     def save_pretrained(self, path: str) -> None:
         write_checkpoint(path, self.model_path, self.export_weights(), write=dist.get_rank() == 0)
@@ -659,11 +454,11 @@ class MegatronTrainer:
         experts = f"{layout}/ep{g.ep_rank}of{self.ep}"  # expert weights differ per EP rank
         model = {
             f"{experts if expert_of(n) is not None else layout}/{n}": p
-            for n, p in _weights(_unwrap(self.model)).items()
+            for n, p in weights_of(gpt_of(self.model)).items()
         }
-        _ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
+        ensure_optimizer_state(self.optimizer)  # a fresh optimizer has none yet: give the load its slots
         tensors: list[torch.Tensor] = []
-        tensors_in(_optimizer_state(self.optimizer, clone=False), tensors)
+        tensors_in(optimizer_state(self.optimizer, clone=False), tensors)
         tag = experts if self.ep > 1 else layout
         if self.cfg.distributed_optimizer:
             tag = f"{tag}/dp{g.dp_rank}of{g.layout.dp}"
@@ -677,124 +472,6 @@ class MegatronTrainer:
 
     def load_host_state(self, state: dict[str, Any]) -> None:
         self.steps = restore_host_state(self.scheduler, state)
-
-
-def _unwrap(model: Any) -> Any:
-    return getattr(model, "module", model)
-
-
-def _weights(gpt: Any) -> dict[str, torch.Tensor]:
-    """Megatron name -> this rank's parameter (module order)."""
-    return {n: p for n, p in gpt.named_parameters()}
-
-
-@torch.no_grad()
-def _fill(gpt: Any, state: dict[str, torch.Tensor]) -> None:
-    params = _weights(gpt)
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params))
-    if missing or unexpected:
-        raise ValueError(f"megatron state does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for name, p in params.items():
-        src = state[name]
-        if tuple(src.shape) != tuple(p.shape):
-            raise ValueError(f"{name}: shape {tuple(src.shape)} does not fit the model's {tuple(p.shape)}")
-        p.copy_(src)
-
-
-def _inner(optimizer: Any) -> list[Any]:
-    """The megatron optimizers inside a (possibly chained) one."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _optimizer_state(optimizer: Any, clone: bool = True) -> list[dict[str, Any]]:
-    """This rank's optimizer state, loadable into a fresh optimizer over the same model layout.
-    A distributed optimizer's `state_dict()` leaves out the parameter state (it is sharded);
-    here the shard's Adam state and fp32 main parameters are taken as they are (`clone=False`:
-    the live tensors)."""
-
-    out = []
-    for opt in _inner(optimizer):
-        if isinstance(opt, DistributedOptimizer):
-            main = [
-                p.detach().clone() if clone else p.detach()
-                for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups)
-                for g in groups
-                for p in g
-            ]
-            out.append({"inner": opt.optimizer.state_dict(), "main": main})
-        else:
-            out.append({"wrapper": opt.state_dict()})
-    return out
-
-
-@torch.no_grad()
-def _ensure_optimizer_state(optimizer: Any) -> None:
-    """Adam's per-parameter state (step, moments) as zeros where none exists yet: the layout a
-    trained optimizer has, so a checkpoint of one can be loaded into a fresh one in place."""
-    for opt in _inner(optimizer):
-        torch_opt = opt.optimizer
-        for group in torch_opt.param_groups:
-            for p in group["params"]:
-                if not torch_opt.state[p]:
-                    torch_opt.state[p].update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p)
-                    )
-
-
-@torch.no_grad()
-def _load_optimizer(optimizer: Any, state: list[dict[str, Any]]) -> None:
-    opts = _inner(optimizer)
-    if len(opts) != len(state):
-        raise ValueError(f"optimizer state for {len(state)} optimizers, this one has {len(opts)}")
-    for opt, st in zip(opts, state):
-        if "wrapper" in st:
-            opt.load_state_dict(st["wrapper"])
-            continue
-        opt.optimizer.load_state_dict(st["inner"])
-        mains = [p for groups in (opt.shard_fp32_groups, opt.shard_fp32_from_float16_groups) for g in groups for p in g]
-        if len(mains) != len(st["main"]):
-            raise ValueError("distributed optimizer shards do not match the captured state")
-        for p, saved in zip(mains, st["main"]):
-            p.copy_(saved)
-
-
-class _HostMirror:
-    """Page-locked host copies of a nested state, reused while its tensors keep their shapes."""
-
-    def __init__(self) -> None:
-        self._arena = PinnedArena()
-        self.buffers: list[torch.Tensor] = []
-
-    def copy_in(self, state: Any) -> Any:
-        tensors: list[torch.Tensor] = []
-        tensors_in(state, tensors)
-        fits = len(tensors) == len(self.buffers) and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(self.buffers, tensors)
-        )
-        if not fits:
-            self.buffers = []
-            self.buffers = self._arena.like(tensors)
-        for b, t in zip(self.buffers, tensors):
-            b.copy_(t.detach(), non_blocking=True)
-        torch.cuda.synchronize()
-        it = iter(self.buffers)
-        return _map(state, lambda _: next(it))
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map(v, fn) for v in obj)
-    return obj
-
-
-def _to(obj: Any, device: torch.device | str | None) -> Any:
-    """A copy of a (nested) optimizer state dict with its tensors on `device` (None: cloned in place)."""
-    return _map(obj, lambda t: t.detach().clone() if device is None else t.detach().to(device, copy=True))
 
 
 __all__ = ["MegatronTrainer"]
