@@ -8,6 +8,9 @@ delta  rank 0 publishes a delta against the previous version (every `sync.delta_
        time a full one, weights/delta.py); each node's leader rebuilds the full version next to
        its engines from the one it holds, verified, and the node's engines load that.
 
+A rank's own work (rank 0's publication, a node leader's verification or rebuild) catches any
+error and carries it into the gather every rank joins next, so that all raise it there together.
+
 Old versions are pruned on a background thread while the engines load and the next step
 trains (deleting a version unlinks GBs of cached pages); the next publication waits for it.
 """
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from rltrain.sync.transport import SessionEnds, SyncContext, WeightStream
+from rltrain.sync.transport import SessionEnds, SyncContext, WeightStream, failure_text
 from rltrain.weights.delta import DeltaPublisher, reconstruct
 from rltrain.weights.hf_files import CorruptWeightsError, HostStaging, write_checkpoint
 from rltrain.weights.versions import prune, publish, read_manifest, verify, version_dir
@@ -72,11 +75,15 @@ class DiskTransport:
                     target=prune, args=(target, ctx.cfg.keep_weight_versions, False), name="rltrain-prune", daemon=True
                 )
                 self._pruner.start()
-        except (OSError, ValueError) as e:
-            error = f"publishing weight version {version} to {target} failed: {e}"
+        except Exception as e:  # noqa: BLE001 - any: told to every rank in the gather below
+            error = f"publishing weight version {version} to {target} failed: {failure_text(e)}"
         finally:
-            for _ in tensors:  # every rank joins every gather, also after a failed write
-                pass
+            try:
+                for _ in tensors:  # every rank joins every gather, also after a failed write
+                    pass
+            except Exception as e:  # noqa: BLE001 - this rank's export: told to every rank below
+                if error is None:
+                    error = f"rank {ctx.world.rank}: gathering the trainer's weights failed: {failure_text(e)}"
         errors = ctx.world.bridge.all_gather_object(error, phase="sync publish")
         if any(errors):
             raise OSError(next(e for e in errors if e))
@@ -85,8 +92,8 @@ class DiskTransport:
         if ctx.node_leader:
             try:
                 local = (str(self._local_full_version(target)), None)
-            except (OSError, ValueError) as e:
-                local = (None, f"{ctx.engine_name}: weight version {version} at {target}: {e}")
+            except Exception as e:  # noqa: BLE001 - any: told to every rank in the gather below
+                local = (None, f"{ctx.engine_name}: weight version {version} at {target}: {failure_text(e)}")
         node = ctx.world.env.node_rank
         entries = ctx.world.bridge.all_gather_object((node, ctx.node_leader, local), phase="sync verify files")
         failed = [err for _, _, (_, err) in entries if err]

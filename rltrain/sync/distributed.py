@@ -6,6 +6,10 @@ version. Not colocated on GPU: NCCL refuses two ranks of one group on one device
 The trainer's end of each group is built outside torch's group registry
 (`runtime.weight_group.UnregisteredGroup`): the world's destroy between steps must not take it
 down. A MoE model's expert buckets go only to the EP ranks that own them (the plan's targets).
+
+Only the leader works here: the broadcast's other end is the engine's ranks, never another
+trainer rank, whose part is the stream's gathers alone. So a failure of the leader's (any error)
+is kept while it keeps joining those gathers, and raised after, where every rank agrees on it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from rltrain.engine.client import EngineError
 from rltrain.runtime.net import free_port
 from rltrain.runtime.weight_group import UnregisteredGroup, close_weight_update_group
-from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session
+from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session, failure_text
 
 log = logging.getLogger("rltrain.sync")
 
@@ -38,6 +42,8 @@ class DistributedTransport:
         if not ctx.sender:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
+            if weights.failure is not None:
+                raise RuntimeError(weights.failure)
             return 0
         sent, failure = 0, None
         try:
@@ -45,23 +51,28 @@ class DistributedTransport:
                 self._groups = [self._open_group(r) for r in range(len(ctx.receivers))]
             for client in ctx.receivers:  # SGLang requires a weight-update session around the updates
                 client.begin_weight_update()
-        except (EngineError, OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - any: this rank keeps joining the gathers, reports after
             failure = e
         try:
             for i, bucket, named in weights.buckets(self.timings):
-                if failure is not None:
+                if named is None or failure is not None or weights.failure is not None:
                     continue  # keep joining the gathers; the failure is reported after
                 try:
                     for r in bucket.targets:  # routed: only the EP ranks that own these weights
                         self._broadcast(r, named, version if i == ctx.plan.last_buckets[r] else None)
                     sent += bucket.nbytes * len(bucket.targets)
-                except (EngineError, OSError, RuntimeError, ValueError) as e:
+                except Exception as e:  # noqa: BLE001 - any: this rank keeps joining the gathers, reports after
                     failure = e
         finally:
-            for r in range(len(ctx.receivers)):
-                end_session(ctx, r, self.ends)
+            for r in range(len(ctx.receivers)):  # each session, also after another's end failed
+                try:
+                    end_session(ctx, r, self.ends)
+                except Exception as e:  # noqa: BLE001 - reported after
+                    failure = failure or e
         if failure is not None:
-            raise RuntimeError(str(failure)) from failure
+            raise RuntimeError(failure_text(failure)) from failure
+        if weights.failure is not None:
+            raise RuntimeError(weights.failure)
         return sent
 
     def _name(self, receiver: int) -> str:

@@ -23,12 +23,18 @@ a TP rank's payload holds only its own EP rank's experts, with every other weigh
 (`SyncPlan.needed_by`). The same loop then runs on every rank of the engine over per-TP-rank
 payloads (`_send_across_tp`): each rank flattens its copy into a fresh buffer, the engine's
 leader gathers the payloads over the engine's bridge subgroup and sends the one request itself,
-and all keep their buffers until a barrier after the engine's answer.
+and all keep their buffers until a second gather, of the engine's answer. Every rank joins both
+gathers of every bucket carrying its payload or its error (the leader: the answer or its error),
+so a failure on any of them — an out-of-memory while one flattens, the engine's refusal — stops
+all of them at the same bucket with the same error; none waits in a collective for a rank that
+left it. A failure on a rank is never raised mid-stream: it keeps joining the trainer's gathers
+to the end and raises then (the `Transport` contract).
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from collections.abc import Collection
@@ -37,14 +43,14 @@ from typing import Any
 
 import torch
 
-from rltrain.engine.client import EngineError
 from rltrain.sync.plan import Bucket
-from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session
+from rltrain.sync.transport import Named, SessionEnds, SyncContext, WeightStream, end_session, failure_text
 from rltrain.weights.bucket import BucketViews, bucket_layout, flatten_bucket, serialize
+
+log = logging.getLogger("rltrain.sync")
 
 DEPTH = 2  # requests in flight against an engine that answers after its copies
 
-Failed = (EngineError, OSError, RuntimeError, ValueError)  # a push's failures (reported after, on every rank)
 Tags = dict[int, str | None]  # receiver -> the version this bucket sets on it (its last bucket), else None
 
 
@@ -217,6 +223,8 @@ class TensorTransport:
         if not ctx.sender:
             for _ in weights.buckets(self.timings):  # join every gather
                 pass
+            if weights.failure is not None:
+                raise RuntimeError(weights.failure)
             return 0
         if self._sender is None:  # kept for every push: threads started per push are slow on a busy CPU
             self._sender = ThreadPoolExecutor(self.depth, thread_name_prefix="rltrain-sync")
@@ -228,7 +236,7 @@ class TensorTransport:
         failure: BaseException | None = None
         try:
             for i, bucket, named in weights.buckets(self.timings):
-                if failure is not None:
+                if named is None or failure is not None or weights.failure is not None:
                     continue  # keep joining the gathers; the failure is reported after
                 try:
                     tags = _tags(ctx, version, i, bucket)
@@ -238,11 +246,11 @@ class TensorTransport:
                     self.timings["flatten"] += time.perf_counter() - t0
                     self._submit(in_flight, session, tags, flat, payload, filled)
                     sent += bucket.nbytes * len(bucket.targets)
-                except Failed as e:
+                except Exception as e:  # noqa: BLE001 - any: this rank keeps joining the gathers, reports after
                     failure = e
             while in_flight and failure is None:
                 in_flight.popleft().result()
-        except Failed as e:
+        except Exception as e:  # noqa: BLE001 - reported after, on every rank
             failure = e
         finally:
             wait(in_flight)  # every request has returned (a failed push too) before the session ends
@@ -253,7 +261,9 @@ class TensorTransport:
                 _collect_shared(ctx.device)
         failure = failure or session.failure()
         if failure is not None:
-            raise RuntimeError(str(failure)) from failure
+            raise RuntimeError(failure_text(failure)) from failure
+        if weights.failure is not None:
+            raise RuntimeError(weights.failure)
         return sent
 
     def _submit(
@@ -297,65 +307,99 @@ class TensorTransport:
         """The same loop over per-TP-rank payloads, on every rank of an engine over several GPUs:
         each rank builds its TP rank's payload of each bucket in a fresh buffer on its own device;
         the leader sends the gathered list itself, inside a session it begins and ends itself
-        (ended also where the begin failed). The buffers are dropped after the engine has
-        answered (the barrier), never before; every rank joins every bucket, also after a failure."""
+        (ended also where the begin failed). Per bucket every rank takes part in both of the
+        engine's collectives whatever happened: the gather of the payloads, each rank carrying
+        its payload or its error, and the gather of the leader's answer (the engine's, or why
+        not), after which the buffers may go. So a failure on any rank (an out-of-memory while
+        one flattens, the engine's refusal) is seen by every rank at the same bucket; from there
+        on they only join the trainer's gathers, and each raises the same error."""
         ctx = self.ctx
         group = ctx.tp_group
         assert group is not None
         session = Session(ctx, self.ends, inline=False)
-        sent, failure = 0, None
+        sent = 0
+        error: str | None = None  # the leader's failed begin, told to the others with the first bucket
+        failure: str | None = None  # the first failure on any rank of the engine: every rank raises it
         self.rank_bytes = {}  # bytes each TP rank of the engine was sent, this push (measured)
         if ctx.sender:
             try:
                 for client in ctx.receivers:
                     client.begin_weight_update()
-            except Failed as e:
-                failure = e
+            except Exception as e:  # noqa: BLE001 - told to every rank of the engine
+                error = f"{ctx.engine_name} did not begin its weight-update session: {failure_text(e)}"
         try:
             for i, bucket, named in weights.buckets(self.timings):
+                if failure is not None:
+                    continue  # every rank knows it: only the trainer's gathers are left to join
+                if weights.failure is not None and error is None:
+                    error = f"rank {ctx.world.rank} (TP rank {ctx.tp_rank} of {ctx.engine_name}): {weights.failure}"
                 t0 = time.perf_counter()
-                flat, payloads, nbytes = self._tp_payloads(i, named)  # a collective of the engine's ranks
+                flat, payloads, nbytes, failure = self._tp_payloads(i, named, error)  # a collective
                 del named
                 t1 = time.perf_counter()
                 self.timings["flatten"] += t1 - t0
+                answer = None
                 if ctx.sender and failure is None:
                     try:
                         for r, tag in _tags(ctx, version, i, bucket).items():
                             session.update(r, payloads, tag)
                         sent += nbytes * len(bucket.targets)
-                    except Failed as e:
-                        failure = e
+                    except Exception as e:  # noqa: BLE001 - told to every rank of the engine
+                        answer = f"{ctx.engine_name} did not load bucket {i}: {failure_text(e)}"
                 self.timings["request"] += time.perf_counter() - t1
-                group.barrier(phase=f"sync bucket {i} loaded")  # the engine answered: the buffers may go
+                answers = group.all_gather_object(answer, phase=f"sync bucket {i} loaded")  # the buffers may go
+                failure = failure or next((a for a in answers if a), None)
                 del flat
         finally:
             if ctx.sender:
                 for r in range(len(ctx.receivers)):
                     try:
                         end_session(ctx, r, self.ends)
-                    except EngineError as e:
-                        failure = failure or e
+                    except Exception as e:  # noqa: BLE001 - this rank's failure (the agreement tells the others)
+                        ended = f"{ctx.engine_name} did not end its weight-update session: {failure_text(e)}"
+                        failure = failure or ended
             _collect_shared(ctx.device)
+        failure = failure or error  # (a push of no bucket)
         if failure is not None:
-            raise RuntimeError(f"{ctx.engine_name}: {failure}") from failure
+            raise RuntimeError(failure)
         return sent
 
-    def _tp_payloads(self, i: int, named: Named) -> tuple[dict[str, Any], list[str], int]:
+    def _tp_payloads(
+        self, i: int, named: Named | None, error: str | None
+    ) -> tuple[dict[str, Any] | None, list[str], int, str | None]:
         """This TP rank's payload of bucket `i` in a fresh buffer, gathered with the engine's
-        other ranks': (this rank's flat bucket, every TP rank's payload in TP order, their bytes)."""
+        other ranks' — a collective every rank joins with its payload or its error (`error`:
+        this rank's already; else one while it builds the payload, logged here with its
+        traceback). Returns this rank's flat bucket, every TP rank's payload in TP order, their
+        bytes, and the first rank's error in TP order (then no payload)."""
         ctx = self.ctx
         assert ctx.tp_group is not None
-        # Routed inside the engine: this TP rank's own experts and every other weight.
-        mine = [(n, t) for n, t in named if ctx.plan.needed_by(ctx.tp_rank, n)]
-        nbytes = sum(t.numel() * t.element_size() for _, t in mine)
-        flat = flatten_bucket(mine)
-        del mine
-        if flat["flattened_tensor"].device.type == "cuda":
-            torch.cuda.current_stream(flat["flattened_tensor"].device).synchronize()  # filled before shared
-        gathered = ctx.tp_group.all_gather_object((serialize(flat), nbytes), phase=f"sync bucket {i} payloads")
-        for k, (_, b) in enumerate(gathered):
+        flat, payload, nbytes = None, None, 0
+        if error is None:
+            assert named is not None  # (a failed gather is an error)
+            try:
+                # Routed inside the engine: this TP rank's own experts and every other weight.
+                mine = [(n, t) for n, t in named if ctx.plan.needed_by(ctx.tp_rank, n)]
+                nbytes = sum(t.numel() * t.element_size() for _, t in mine)
+                flat = flatten_bucket(mine)
+                del mine
+                if flat["flattened_tensor"].device.type == "cuda":  # filled before shared
+                    torch.cuda.current_stream(flat["flattened_tensor"].device).synchronize()
+                payload = serialize(flat)
+            except Exception as e:  # noqa: BLE001 - told to every rank of the engine
+                flat = None
+                error = (
+                    f"rank {ctx.world.rank} (TP rank {ctx.tp_rank} of {ctx.engine_name}) could not build its "
+                    f"payload of bucket {i}: {failure_text(e)}"
+                )
+                log.error("%s", error, exc_info=e)
+        gathered = ctx.tp_group.all_gather_object((payload, nbytes, error), phase=f"sync bucket {i} payloads")
+        failure = next((e for _, _, e in gathered if e), None)
+        if failure is not None:
+            return None, [], 0, failure
+        for k, (_, b, _) in enumerate(gathered):
             self.rank_bytes[k] = self.rank_bytes.get(k, 0) + b
-        return flat, [p for p, _ in gathered], sum(b for _, b in gathered)
+        return flat, [p for p, _, _ in gathered], sum(b for _, b, _ in gathered), None
 
     def engine_restarted(self) -> None:
         self.buffers.layouts.clear()  # the payload strings were the dead engine's slots

@@ -13,6 +13,7 @@ payload on its own GPU) and otherwise only join the gathers. It is built once pe
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,12 +22,14 @@ from typing import Any, Protocol
 import torch
 
 from rltrain.config import SyncConfig
-from rltrain.engine.client import EngineCapabilities, EngineClient
+from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.interfaces import World
 from rltrain.runtime.bridge import Bridge
 from rltrain.sync.plan import Bucket, SyncPlan
 
 Named = list[tuple[str, torch.Tensor]]
+
+log = logging.getLogger("rltrain.sync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +67,26 @@ class WeightStream:
     iterates what it is handed to the end (also after its own failure), in the same order.
     `gather(names)` is the trainer's export (the leader checksums each tensor as it passes);
     `buckets(timings)` walks the plan's buckets, one gather each, adding the gathers' seconds to
-    `timings["gather"]`."""
+    `timings["gather"]`. A gather that fails on this rank does not end the walk: its bucket
+    comes as None, the first such error is kept in `failure` (its traceback logged here), and the
+    next buckets are gathered still, as the other ranks go on. (Where the export is itself a
+    collective, one that fails part-way through a bucket leaves the other ranks in that
+    collective until the world's timeout: nothing here can finish it for them.)"""
 
     def __init__(self, plan: SyncPlan, gather: Callable[[list[str] | None], Iterator[tuple[str, torch.Tensor]]]):
         self.plan, self.gather = plan, gather
+        self.failure: str | None = None
 
-    def buckets(self, timings: dict[str, float]) -> Iterator[tuple[int, Bucket, Named]]:
+    def buckets(self, timings: dict[str, float]) -> Iterator[tuple[int, Bucket, Named | None]]:
         for i, bucket in enumerate(self.plan.buckets):
             t0 = time.perf_counter()
-            named = list(self.gather(bucket.names))
+            named: Named | None = None
+            try:
+                named = list(self.gather(bucket.names))
+            except Exception as e:  # noqa: BLE001 - kept for the transport to report, after every gather
+                if self.failure is None:
+                    self.failure = f"gathering bucket {i} of the trainer's weights failed: {failure_text(e)}"
+                    log.error("%s", self.failure, exc_info=e)
             timings["gather"] = timings.get("gather", 0.0) + time.perf_counter() - t0
             yield i, bucket, named
 
@@ -104,6 +118,13 @@ class SessionEnds:
             self.probes[receiver] = probe
 
 
+def failure_text(e: BaseException) -> str:
+    """An error as a failed push reports it on every rank: the engine's, the filesystem's and a bad
+    value's in their own words (they say what failed), any other with its type (an out-of-memory,
+    a bug)."""
+    return str(e) if isinstance(e, (EngineError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
+
+
 def end_session(ctx: SyncContext, receiver: int, ends: SessionEnds) -> None:
     """End receiver `receiver`'s weight-update session, keeping what it reports in `ends`."""
     ends.keep(receiver, ctx.receivers[receiver].end_weight_update(**SessionEnds.asked(ctx)))
@@ -119,7 +140,10 @@ class Transport(Protocol):
     def send(self, version: str, weights: WeightStream) -> int:
         """Deliver every planned tensor to the engines that own it, as `version` (the last
         tensor an engine gets carries the version). Collective. Returns the bytes this rank
-        delivered; raises OSError/RuntimeError/ValueError on failure (the caller agrees)."""
+        delivered; raises OSError/RuntimeError/ValueError on failure (the caller agrees). Any
+        error on a rank is kept, not raised, until this rank has joined every collective of the
+        push to the end (the stream's gathers and the transport's own, which carry it to the
+        ranks that need to know): a rank never leaves another waiting in a collective."""
         ...
 
     def engine_restarted(self) -> None:
