@@ -114,6 +114,9 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     # Each step's requests carry sampling seeds derived from (run.seed, step, rank): a resumed
     # run samples what the uninterrupted run sampled (exactly so with engine.deterministic).
+    # false: every sample still has its own seed, drawn from the rank's own generator (an
+    # unseeded row would get SGLang's fixed seed 42 under engine.deterministic); a resumed run
+    # then samples otherwise.
     seeded: bool = True
 
     def check(self) -> None:
@@ -317,22 +320,36 @@ class SyncConfig:
     transport: Literal["auto", "disk", "tensor", "delta", "distributed"] = "auto"
     bucket_mb: int = 512
     delta_full_every: int = 10  # every K-th version is published in full
-    verify: bool = True  # compare the engine's weight checksum with the trainer's after every sync
+    # Verify every sync (sync/verify.py): the version each engine serves; the embedded engine's
+    # checksum against the trainer's; SGLang's weights reset before the sync and every parameter
+    # found rewritten after it (its /weights_checker), engines of one shard in agreement; the probe.
+    verify: bool = True
     weights_dir: str = ""  # where weight versions are published (disk, delta); empty: <run dir>/weights
     keep_weight_versions: int = 2  # 0: keep every version
-    # After every sync (with sync.verify) each engine scores a fixed sequence of this many tokens
-    # and its log-probs must match the trainer's within probe_tolerance (mean absolute
-    # difference, nats; 0: 1e-3 for fp32 engines, 0.1 for bf16/fp16). 0 tokens: no probe.
+    # After every sync (with sync.verify) each engine scores the probe, this many tokens: the first
+    # data prompt's first half of them and the engine's greedy continuation (made at start-up); its
+    # log-probs must match the trainer's within bounds on the mean and the worst position
+    # |difference| (nats), calibrated at start-up where engine and trainer hold model.path's weights
+    # (sync/probe.py). probe_tolerance, probe_worst_tolerance > 0: those bounds instead. 0 tokens: no probe.
     probe_tokens: int = 32
     probe_tolerance: float = 0.0
+    probe_worst_tolerance: float = 0.0
+    # A warning when a rank's engine-vs-trainer log-prob gap of a step's rollout
+    # (logp_diff_engine_trainer) exceeds this many times the median of its earlier steps: weights
+    # the verification passed may still not be what the engine computes with. 0: no alarm.
+    logp_gap_alarm: float = 3.0
 
     def check(self) -> None:
         if self.bucket_mb < 1 or self.delta_full_every < 1:
             raise ConfigError("sync.bucket_mb and sync.delta_full_every must be >= 1")
-        if self.probe_tokens < 0 or self.probe_tolerance < 0 or self.probe_tokens == 1:
+        if self.probe_tokens < 0 or self.probe_tokens == 1:
+            raise ConfigError(f"sync.probe_tokens={self.probe_tokens}: expected 0 (no probe) or >= 2")
+        for key in ("probe_tolerance", "probe_worst_tolerance", "logp_gap_alarm"):
+            if not getattr(self, key) >= 0:  # (NaN too)
+                raise ConfigError(f"sync.{key}={getattr(self, key)}: expected a number >= 0 (0: the default)")
+        if 0 < self.logp_gap_alarm <= 1:
             raise ConfigError(
-                f"sync.probe_tokens={self.probe_tokens}, sync.probe_tolerance={self.probe_tolerance}: "
-                "expected probe_tokens 0 (off) or >= 2 and a tolerance >= 0"
+                f"sync.logp_gap_alarm={self.logp_gap_alarm}: expected 0 (off) or a factor > 1 over the gap's median"
             )
 
 
@@ -474,7 +491,7 @@ class Config:
                 "sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                 "disk, but colocated engines read the trainer's memory directly (use tensor)"
             )
-        if self.sync_transport == "distributed" and self.loop.colocate and self.engine.device == "cuda":
+        if self.sync_transport == "distributed" and self.engine.device == "cuda":
             raise ConfigError(DISTRIBUTED_COLOCATED)
         if (
             self.sync_transport == "distributed"
@@ -517,10 +534,12 @@ class Config:
         return Path(self.sync.weights_dir) if self.sync.weights_dir else self.run_dir / "weights"
 
 
+# Engines always run on their ranks' GPUs (engine/layout.py), colocated or not.
 DISTRIBUTED_COLOCATED = (
-    "sync.transport=distributed with loop.colocate=true on GPU puts each trainer rank and the engine TP rank "
-    "on its GPU into one NCCL group, which NCCL refuses (two ranks on one device): use sync.transport=tensor "
-    "(CUDA IPC, the colocated default) or disk, or loop.colocate=false with the engines on GPUs of their own"
+    "sync.transport=distributed on GPU: every engine runs on the GPUs of its own ranks (engine/layout.py; "
+    "with loop.colocate=false too), so each trainer rank and the engine TP rank on its GPU would be one NCCL "
+    "weight-update group's two ranks on one device, which NCCL refuses (a duplicate GPU): use "
+    "sync.transport=tensor (CUDA IPC) or disk"
 )
 
 

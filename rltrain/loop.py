@@ -29,7 +29,7 @@ from pathlib import Path
 from rltrain.config import Config
 from rltrain.interfaces import World
 from rltrain.metrics import MetricsWriter, PhaseClock
-from rltrain.rollout.prepare import prepare_batch
+from rltrain.rollout.prepare import LogpGapAlarm, prepare_batch
 from rltrain.rollout.step import StepRollout
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.runtime.stop import StopRequest, write_marker
@@ -52,6 +52,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     )
     writer = MetricsWriter(cfg, world, parts.start_step)
     rollouts = StepRollout(cfg, world, sampler, parts.tokenizer, parts.rewards)
+    gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
     last: dict[str, float] = {}
     world.destroy()  # rollout runs with the NCCL world down
@@ -84,6 +85,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             with clock.phase("train"):
                 train_stats = trainer.train_step(batch)
                 cycle.after_train()
+            gap.observe(step + 1, {**adv_stats, **train_stats})  # a warning where the gap jumps
             with clock.phase("save"):
                 reason = stop.agreed(world, "after the train step")
                 cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)

@@ -16,13 +16,14 @@ from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
 from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
 from rltrain.engine.command import check_engine, resolve_device
 from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.process import EngineCrashed
 from rltrain.history import HistoryError
 from rltrain.interfaces import Trainer, World
 from rltrain.rollout import synthetic
 from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
 from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.stop import clear_marker
-from rltrain.sync.weight_sync import WeightSync
+from rltrain.sync.weight_sync import WeightSync, probe_at_start
 from rltrain.trainer.fsdp import FSDPTrainer
 from rltrain.weights.hf_files import context_length_of
 
@@ -161,9 +162,22 @@ def setup_run(cfg: Config, world: World) -> RunParts:
         vocab_size=model_cfg.vocab_size,
         meanwhile=create_trainer if overlap else None,
     )
+    # The engines serve model.path as each loaded it: what the sync's probe is calibrated against.
+    start = probe_at_start(cfg, world, [engine.client], engine.layout, prompts[0].input_ids)
     engine.release_memory()
     if not overlap:
         create_trainer()
+    sync = WeightSync(  # before a checkpoint is loaded: the trainer holds model.path's weights too
+        cfg,
+        world,
+        trainer,
+        [engine.client],
+        cfg.engine_model_path,
+        engine.layout,
+        awake=not engine.releases,
+        start=start,
+        alive=lambda: engine_alive(engine),
+    )
     checkpointer = Checkpointer(checkpoint_dir(cfg), world, cfg.checkpoint.keep_last)
     restored = _resume(cfg, checkpointer, trainer, sampler, resume_from)
     cycle = TrainerCycle(
@@ -177,9 +191,6 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     if restored is not None:
         cycle.saved, cycle.saved_step = restored.path, restored.step
 
-    sync = WeightSync(
-        cfg, world, trainer, [engine.client], cfg.engine_model_path, engine.layout, awake=not engine.releases
-    )
     if world.rank == 0:  # what each phase switch does here, decided from the config and the machine
         log.info(
             "phase switches: world: %s; engines: %s; sync.transport=%s%s; sync probe: %s; old log-probs: %s",
@@ -213,13 +224,22 @@ def setup_run(cfg: Config, world: World) -> RunParts:
     )
 
 
+def engine_alive(engine: NodeEngine) -> bool:
+    """Whether this rank's engine process still runs (True on a rank that does not own it)."""
+    try:
+        engine.check_alive()
+    except EngineCrashed:
+        return False
+    return True
+
+
 INITIAL_VERSION = "0"  # the trainer's weights before its first step, when the setup sends them
 
 
 def check_placement(cfg: Config) -> None:
     """What the config asks of the engines that cannot work where they run (ConfigError)."""
     check_engine(cfg.engine, cfg.rollout.seeded)
-    if cfg.sync_transport == "distributed" and cfg.loop.colocate and resolve_device(cfg.engine.device) == "cuda":
+    if cfg.sync_transport == "distributed" and resolve_device(cfg.engine.device) == "cuda":
         raise ConfigError(DISTRIBUTED_COLOCATED)
 
 

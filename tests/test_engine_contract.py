@@ -235,9 +235,9 @@ def test_probe_scores_are_the_models_log_softmax_and_tell_other_weights_apart(se
     trainer's fail the probe."""
     from transformers import AutoModelForCausalLM
 
-    from rltrain.sync.verify import probe_error, probe_tokens
+    from rltrain.sync.probe import probe_error, random_tokens
 
-    probe = probe_tokens(256, 24)
+    probe = random_tokens(256, 24)
     model = AutoModelForCausalLM.from_pretrained(model_a, dtype=torch.float32).eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([probe])).logits[0, :-1].float(), -1)

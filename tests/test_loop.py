@@ -84,6 +84,9 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         )
         # Every sync is probed on the engines: they score a fixed sequence as the trainer does.
         assert 0 <= row["sync_probe_diff"] < 1e-3
+        # Each engine's checksum compared with the trainer's, also where its weights were released
+        # when its capabilities were asked.
+        assert row["sync_digests_compared"] == 2 and row["sync_rewrites_checked"] == 0, row
         # Engine and trainer compute the same log-probs for the same weights (fp32, same model).
         assert row["logp_diff_engine_trainer"] < 1e-3
     # Versions 2 and 3 kept (sync.keep_weight_versions=2), published atomically: no temp dirs left.

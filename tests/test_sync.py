@@ -746,11 +746,23 @@ def test_every_transport_updates_both_engines(server, model_a, model_b, tmp_path
     assert server.client.weight_version() == "101"
 
 
-@pytest.mark.parametrize("status,has", [(400, True), (500, True), (404, False), (405, False)])
-def test_weights_checker_capability_is_the_endpoint_not_one_answer(status, has):
-    """A colocated SGLang is probed while its weights are released: its /weights_checker answers
-    an error (it cannot hash released memory) but exists, and is used after each sync. Only a
-    missing endpoint means the engine has none. (A real HTTP server answering as such an engine.)"""
-    error = b'{"error": "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"}'
-    with answering_server(lambda _: (status, error)) as client:
-        assert client.has_weights_checker() is has
+@pytest.mark.parametrize("status,has", [(400, True), (200, True), (404, False), (405, False), (500, None)])
+def test_weights_checker_capability_is_asked_with_an_action_no_engine_knows(status, has):
+    """A colocated SGLang is asked while its weights are released: the request names no action
+    SGLang knows (it refuses it, HTTP 400, before it looks at a weight; a checksum would read
+    unmapped memory). A missing endpoint (404, 405) means none; any other answer is an error
+    naming what was expected. (A real HTTP server answering as such an engine.)"""
+    import json
+
+    from rltrain.engine.client import EngineError
+
+    asked = []
+    message = b'{"success": false, "message": "Unsupported action=\'rltrain-capability-check\'"}'
+    with answering_server(lambda body: asked.append(json.loads(body)) or (status, message)) as client:
+        if has is None:
+            with pytest.raises(EngineError, match="expected HTTP 400 .* or 404"):
+                client.has_weights_checker()
+        else:
+            assert client.has_weights_checker() is has
+    assert [a["action"] for a in asked] == ["rltrain-capability-check"]
+    assert asked[0]["action"] not in ("checksum", "snapshot", "reset_tensors", "compare")  # SGLang's own

@@ -273,9 +273,10 @@ def report(
         f"({'meets' if total / step_s <= 0.10 else 'misses'} <= 10%)"
     )
     probe = mean(lambda r: r.get("sync_probe_diff", float("nan")))
+    worst = mean(lambda r: r.get("sync_probe_worst", float("nan")))
     lines.append(
         f"{'probe log-prob difference':>28s} {probe:13.4f}   engine vs trainer, mean |diff| over the probe "
-        "(bf16; sync.probe_tolerance default 0.1)"
+        f"(worst position {worst:.4f}; bf16; bounds calibrated at start-up, in the log)"
     )
     # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase.
     moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30

@@ -54,7 +54,7 @@ class EngineCapabilities:
     (`EngineClient.capabilities`). SGLang has none of the embedded engine's extensions; the
     embedded engine has no /weights_checker (it checksums what it owns instead)."""
 
-    dtype: str | None = None  # its weights' torch dtype ("bfloat16"), as its checksum report says
+    dtype: str | None = None  # its weights' torch dtype ("bfloat16"), as its /server_info says (None: "auto")
     checksums: bool = False  # it reports weight checksums (/weights_checksum)
     synchronous: bool = False  # its update requests answer only after the copies out of the sender's buffers
     slots: int = 0  # buffers it keeps by slot number within a weight-update session (weights/bucket.py)
@@ -446,7 +446,8 @@ class EngineClient:
 
     def weights_checker(self) -> list[dict[str, Any]]:
         """SGLang's /weights_checker checksum: one entry per TP rank of the engine, each with its
-        `tp_rank`, `tp_size` and `per_gpu_checksum` (sha256 over that rank's parameters)."""
+        `tp_rank`, `tp_size`, `checksum` (sha256 over that rank's parameters) and `tensors`
+        (parameter name, in the engine's own fused layout -> its hash)."""
         data = self._checked("/weights_checker", {"action": "checksum"})
         ranks = data.get("ranks")
         if not isinstance(ranks, list):
@@ -457,8 +458,39 @@ class EngineClient:
             info = info[0] if isinstance(info, list) and info else info
             if not isinstance(info, dict) or "per_gpu_checksum" not in r:
                 raise EngineError("/weights_checker", f"malformed rank entry: {str(r)[:200]}")
-            out.append({"tp_rank": info["tp_rank"], "tp_size": info["tp_size"], "checksum": r["per_gpu_checksum"]})
+            tensors = r.get("checksums")
+            out.append(
+                {
+                    "tp_rank": info["tp_rank"],
+                    "tp_size": info["tp_size"],
+                    "checksum": r["per_gpu_checksum"],
+                    "tensors": tensors if isinstance(tensors, dict) else {},
+                }
+            )
         return sorted(out, key=lambda e: e["tp_rank"])
+
+    def reset_weights(self) -> None:
+        """SGLang's /weights_checker `reset_tensors`: every parameter (its non-persistent buffers
+        aside) overwritten with random values, on every TP rank. Before a sync, so that a
+        parameter the sync does not write is garbage the checks see, not a stale copy that
+        passes for the new one."""
+        self._checked("/weights_checker", {"action": "reset_tensors"})
+
+    def greedy(self, input_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The engine's greedy continuation of `input_ids`: exactly `max_new_tokens` tokens (its
+        end-of-sequence token does not stop it). Raises EngineError where it gives none."""
+        self._check_prompts([input_ids])
+        body = {
+            "input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+            "return_logprob": False,
+        }
+        data = self._post("/generate", body, retry_read_errors=True)
+        item = data[0] if isinstance(data, list) and data else data
+        ids = item.get("output_ids") if isinstance(item, dict) else None
+        if not isinstance(ids, list) or len(ids) != max_new_tokens:
+            raise EngineError("/generate", f"no greedy continuation of {max_new_tokens} tokens: {str(data)[:200]}")
+        return [int(t) for t in ids]
 
     def score(self, input_ids: list[int]) -> list[float]:
         """The engine's log-probs of `input_ids[1:]`, each given the tokens before it, at
@@ -496,39 +528,47 @@ class EngineClient:
         return _json_or_text(self._request("GET", "/model_info"))
 
     def capabilities(self) -> EngineCapabilities:
-        """What this engine can do, asked of it: its /server_info (the embedded engine's
-        extensions), its /weights_checksum report (its dtype), and, for an engine that is not
-        the embedded one, whether it serves /weights_checker. An endpoint that fails counts as absent."""
+        """What this engine can do, asked of it without touching its weights (they may be
+        released: SGLang's memory saver unmaps them, and a hash over unmapped memory is an
+        illegal-address fault on a GPU): its /server_info (the embedded engine's extensions and
+        dtype), and whether it serves SGLang's /weights_checker (`has_weights_checker`). An
+        engine whose /server_info fails is taken as having no extension."""
         try:
             info = self.server_info()
         except (EngineError, ValueError, TypeError):
             info = {}
         synchronous = info.get("weight_updates") == "synchronous"
         slots = info.get("weight_buffer_slots", 0) if synchronous else 0
-        try:
-            rep = self.weights_checksum()
-        except (EngineError, ValueError, TypeError):
-            rep = None
+        checksums = info.get("weights_checksum") is True
         return EngineCapabilities(
-            dtype=rep.get("dtype") if isinstance(rep, dict) else None,
-            checksums=isinstance(rep, dict) and "dtype" in rep,
+            dtype=_float_dtype(info.get("dtype")),
+            checksums=checksums,
             synchronous=synchronous,
             slots=slots if isinstance(slots, int) else 0,
             verifies_files=info.get("weight_files") == "verified",
-            weights_checker=not synchronous and self.has_weights_checker(),  # SGLang's; the embedded engine has its own
+            weights_checker=not checksums and self.has_weights_checker(),  # SGLang's; the embedded engine has its own
             inline_sessions=info.get("weight_update_sessions") == "inline",
         )
 
     def has_weights_checker(self) -> bool:
-        """Whether the engine serves /weights_checker. An engine whose weights are released at start-up
-        (colocated SGLang on a GPU) answers it with an error: it has it, and its digests are read after
-        each sync, when its weights are back. Only a missing endpoint (404/405) or no answer means no."""
+        """Whether the engine serves SGLang's /weights_checker, asked with an action no engine
+        knows (`NO_ACTION`): SGLang 0.5.23 refuses it before it looks at any weight (HTTP 400,
+        "Unsupported action", and a warning in its log); an engine without the endpoint answers
+        404 (405: not for POST). Any other answer is an error naming it."""
         try:
-            return bool(self.weights_checker())
+            self._post("/weights_checker", {"action": NO_ACTION})
+            return True  # (an engine that ignores actions it does not know: it has the endpoint)
         except EngineError as e:
-            return e.status is not None and e.status not in (404, 405)
-        except (ValueError, TypeError):
-            return False
+            if e.status == 400:
+                return True
+            if e.status in (404, 405):
+                return False
+            raise EngineError(
+                "/weights_checker",
+                f"expected HTTP 400 (SGLang refusing the unknown action {NO_ACTION!r}) or 404 (no such "
+                f"endpoint) to the capability check, got: {e}",
+                e.status,
+            ) from e
 
     # ------------------------------------------------------------------ scheduling
 
@@ -547,6 +587,19 @@ class EngineClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._http.close()
         self._close_idle()
+
+
+# The action `has_weights_checker` sends: none an engine knows, so nothing is computed.
+NO_ACTION = "rltrain-capability-check"
+
+
+def _float_dtype(name: Any) -> str | None:
+    """A floating torch dtype's name ("bfloat16") from an engine's "dtype" ("torch.bfloat16",
+    "bfloat16"); None for anything else (SGLang's "auto")."""
+    if not isinstance(name, str):
+        return None
+    name = name.removeprefix("torch.")
+    return name if name in ("float32", "float64", "bfloat16", "float16") else None
 
 
 def session_end(checksum: bool = False, probe: list[int] | None = None) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """A rank's kept groups as its train step's batch: the trainer's old and reference log-probs,
 the rewards (with DAPO's overlong penalty), the advantages (with the KL in the reward, if asked),
-DAPO's overlong filter, and how far the engine's log-probs are from the trainer's.
+DAPO's overlong filter, and how far the engine's log-probs are from the trainer's (with the
+alarm on that gap: `LogpGapAlarm`).
 
 Collectives: the trainer's log-prob forwards and REINFORCE++'s sum of moments over the data ranks
 run on every rank in the same order, a rank without samples included (it brings an empty batch):
@@ -9,6 +10,9 @@ a rank that skipped one would leave the others waiting in it.
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -19,6 +23,8 @@ from rltrain.batch import TrainBatch
 from rltrain.config import Config
 from rltrain.interfaces import Trainer
 from rltrain.rollout.collect import Rollout, build_batch
+
+log = logging.getLogger("rltrain.loop")
 
 
 def prepare_batch(
@@ -88,3 +94,45 @@ def _data_parallel_sum(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tenso
         return on.cpu()
 
     return total
+
+
+class LogpGapAlarm:
+    """A warning when a rank's engine-vs-trainer log-prob gap (`logp_diff_engine_trainer`: the
+    engine's log-probs of the step's rollout against the trainer's old log-probs of the same
+    tokens and weights) jumps past `factor` times the median of its earlier steps (and `FLOOR`).
+    The sync's verification proves the engine holds the trainer's weights and scores the probe
+    as the trainer does; a gap that jumps later says the rollout was sampled from something else
+    all the same (a kernel that changed, a cache, a weight the checks cannot see). A warning,
+    not an error: a gap drifts as the policy sharpens. `factor` 0: off (`sync.logp_gap_alarm`)."""
+
+    FLOOR = 1e-4  # nats: below it a jump is float noise, in any precision
+    HISTORY = 3  # steps of history before the first judgement
+
+    def __init__(self, factor: float, rank: int):
+        self.factor, self.rank = factor, rank
+        self.gaps: list[float] = []
+
+    def observe(self, step: int, stats: dict[str, float]) -> None:
+        """Step `step`'s gap from its statistics (the preparation's, or the training forward's)."""
+        gap = stats.get("logp_diff_engine_trainer")
+        if gap is None or not self.factor:
+            return
+        if not math.isfinite(gap):
+            log.warning("rank %d, step %d: the engine-vs-trainer log-prob gap is %s", self.rank, step, gap)
+            return
+        if len(self.gaps) >= self.HISTORY:
+            median = statistics.median(self.gaps)
+            if gap > max(self.factor * median, self.FLOOR):
+                log.warning(
+                    "rank %d, step %d: the engine's log-probs of this step's rollout differ from the trainer's by "
+                    "%.4g per token, %.1fx the median of the %d steps before (%.4g; sync.logp_gap_alarm=%g): the "
+                    "rollout may not have been sampled with the trainer's weights although the sync was verified",
+                    self.rank,
+                    step,
+                    gap,
+                    gap / median if median else math.inf,
+                    len(self.gaps),
+                    median,
+                    self.factor,
+                )
+        self.gaps.append(gap)

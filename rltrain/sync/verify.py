@@ -3,21 +3,29 @@ reports, and the one verdict over every rank's findings.
 
     checksums   the embedded engine's checksum over what it owns against the one the trainer's
                 tensors gave as they were sent (`weights/checksum.py`)
-    agreement   SGLang's /weights_checker: every engine reports a sha256 per TP rank over its own
-                parameters (in its own, fused layout: not comparable with the trainer's). Engines
-                of the same TP size hold the same shard at the same TP rank, so after a sync they
-                must all report the same digest there; an engine that disagrees with the others
-                missed or mangled an update.
-    probe       a fixed token sequence scored by every engine (log-probs at temperature 1) against
-                the trainer's log-probs of it: catches what agreement cannot — all engines wrong
-                the same way, or a single engine — within a tolerance for the engine's precision.
+    rewrites    SGLang's /weights_checker: before the sync every parameter of the engine is
+                overwritten with random values (`reset_tensors`) and hashed; after it, a
+                parameter whose hash did not change was not written by the sync. Its own, fused
+                layout is not comparable with the trainer's, but this needs no comparison: with
+                one engine or many, whatever the sync missed is named, and is garbage the probe
+                sees, never a stale copy that passes for the new weights.
+    agreement   the same digests after the sync: engines of the same TP size hold the same
+                shard at the same TP rank, so they must all report the same digest there; an
+                engine that disagrees with the others missed or mangled an update.
+    probe       a natural token sequence scored by every engine (log-probs at temperature 1)
+                against the trainer's log-probs of it, judged on the mean and the worst
+                position within bounds calibrated at start-up (`probe.py`): catches what the
+                digests cannot — an engine that computes otherwise, a half-written fused weight.
 
 What is checked is decided once per run (`Checks.decide`: `sync.verify`, the engines'
-capabilities, and when the probe runs, `ProbeMoment`). After each sync every rank asks its own
-engines (`EngineVerifier`) and contributes a `RankReport` (facts, no verdict); the reports are gathered over the
-bridge and `judge` decides on every rank alike, naming every miss: an engine at another version,
-a checksum per engine (and TP rank), an engine that disagrees with its peers, a probe off the
-trainer's. Only the probe's log-probs are tensors here.
+capabilities, and when the probe runs, `ProbeMoment`). Before each sync an engine's leader
+resets its engines (`EngineVerifier.before_sync`); after it every rank asks its own engines
+(`EngineVerifier`) and contributes a `RankReport` (facts, no verdict); the reports are gathered
+over the bridge and `judge` decides on every rank alike, naming every miss: an engine at another
+version, a checksum per engine (and TP rank), a parameter left unwritten, an engine that
+disagrees with its peers, a probe off the trainer's, an engine that did not answer. An engine
+whose process has exited (`alive`) is left to the loop's restart path (`engine.recover()`,
+which sends and verifies the weights again); one that runs and does not answer fails the sync.
 """
 
 from __future__ import annotations
@@ -25,17 +33,16 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from rltrain.batch import TrainBatch
-from rltrain.config import SyncConfig
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.sync.plan import SyncPlan
+from rltrain.sync.probe import ProbeBounds, ProbeDiff, probe_error
 from rltrain.sync.transport import SessionEnds
 from rltrain.weights.checksum import Entry, WeightMismatchError, combine
 from rltrain.weights.versions import StaleWeightsError
@@ -43,10 +50,9 @@ from rltrain.weights.versions import StaleWeightsError
 log = logging.getLogger("rltrain.sync")
 
 Sums = dict[str, Entry]  # checkpoint name -> `checksum.entry` of what was sent
+Digests = list[dict[str, Any]]  # an engine's /weights_checker answer, per TP rank (`EngineClient.weights_checker`)
 
-# Mean absolute log-prob difference allowed between an engine and the trainer on the probe.
-PROBE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
-PROBE_TOLERANCE_HALF = 0.1  # bf16 / fp16 engines
+NAMED = 8  # unwritten parameters named per engine TP rank in an error (the count says the rest)
 
 
 class ProbeMoment(enum.Enum):
@@ -67,7 +73,9 @@ class Checks:
     leader, which asks its engines; the other ranks check the version only)."""
 
     checksums: bool  # the engines report checksums: each compared with the trainer's
-    digests: bool  # the engines answer /weights_checker: their digests must agree
+    # The engines answer /weights_checker: reset before each sync, every parameter found
+    # rewritten after it, the digests of engines that hold the same shard agree.
+    weights_checker: bool
     probe: ProbeMoment
 
     @staticmethod
@@ -97,14 +105,24 @@ class EngineDigest:
     shard: str = ""
 
 
+def shard_groups(digests: Sequence[EngineDigest]) -> dict[tuple[int, str], list[EngineDigest]]:
+    """The digests by the shard their engines hold (TP size and `shard`)."""
+    groups: dict[tuple[int, str], list[EngineDigest]] = defaultdict(list)
+    for d in digests:
+        groups[d.tp_size, d.shard].append(d)
+    return groups
+
+
+def compared(digests: Sequence[EngineDigest]) -> int:
+    """How many TP-rank digests had another engine's to be compared with (a group of one has none)."""
+    return sum(len(g) * size for (size, _), g in shard_groups(digests).items() if len(g) > 1)
+
+
 def disagreements(digests: Sequence[EngineDigest]) -> list[str]:
     """Engines whose digest at some TP rank differs from the most common one of the engines that
     hold the same shard (TP size and `shard`); with two engines that disagree, both are named."""
     errors = []
-    by_size: dict[tuple[int, str], list[EngineDigest]] = defaultdict(list)
-    for d in digests:
-        by_size[d.tp_size, d.shard].append(d)
-    for (size, _), group in sorted(by_size.items()):
+    for (size, _), group in sorted(shard_groups(digests).items()):
         if len(group) < 2:
             continue
         for k in range(size):
@@ -122,52 +140,15 @@ def disagreements(digests: Sequence[EngineDigest]) -> list[str]:
     return errors
 
 
-def probe_tokens(vocab_size: int, length: int, seed: int = 0) -> list[int]:
-    """The fixed probe sequence: `length` token ids drawn from the vocabulary by `seed`."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab_size, (length,), generator=g).tolist()
-
-
-def probe_batch(tokens: list[int]) -> TrainBatch:
-    """The probe as a one-row batch whose "response" is every token after the first."""
-    t = torch.tensor([tokens])
-    mask = torch.ones_like(t, dtype=torch.float32)
-    mask[0, 0] = 0.0
-    return TrainBatch(t, torch.ones_like(t), mask)
-
-
-def probe_tolerance(configured: float, engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype) -> float:
-    """`sync.probe_tolerance`, or the default for the coarser of the two precisions."""
-    if configured > 0:
-        return configured
-    dtypes = {engine_dtype or trainer_dtype, trainer_dtype}
-    if dtypes <= set(PROBE_TOLERANCE):
-        return max(PROBE_TOLERANCE[d] for d in dtypes)
-    return PROBE_TOLERANCE_HALF
-
-
-def probe_diff(engine_logp: Sequence[float], trainer_logp: torch.Tensor) -> float:
-    """Mean absolute difference of the engine's probe log-probs from the trainer's."""
-    return float((torch.tensor(list(engine_logp), dtype=torch.float64) - trainer_logp.double()).abs().mean())
-
-
-def probe_error(engine: str, engine_logp: Sequence[float], trainer_logp: torch.Tensor, tolerance: float) -> str | None:
-    """None if the engine's probe log-probs match the trainer's [L-1] within `tolerance` (mean
-    absolute difference), else the error naming the engine."""
-    theirs = torch.tensor(list(engine_logp), dtype=torch.float64)
-    ours = trainer_logp.to(torch.float64)
-    if theirs.shape != ours.shape:
-        return f"{engine} scored {theirs.numel()} probe tokens, the trainer {ours.numel()}"
-    diff = (theirs - ours).abs()
-    if not torch.isfinite(theirs).all():
-        return f"{engine} gives non-finite log-probs on the probe sequence (weights it never received?)"
-    mean = float(diff.mean())
-    if mean > tolerance:
-        return (
-            f"{engine}'s log-probs of the probe sequence differ from the trainer's by {mean:.4g} on average "
-            f"(max {float(diff.max()):.4g}; tolerance {tolerance:g}, sync.probe_tolerance)"
-        )
-    return None
+def unwritten(before: Digests, after: Digests) -> dict[int, list[str]]:
+    """Per TP rank, the parameters whose hash after the sync is the one they had after the reset
+    (a rewritten parameter cannot hash the same: it held random values)."""
+    out = {}
+    for b, a in zip(before, after):
+        same = sorted(n for n, h in a["tensors"].items() if b["tensors"].get(n) == h)
+        if same:
+            out[a["tp_rank"]] = same
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,9 +166,9 @@ class ChecksumCheck:
 
 @dataclass(frozen=True)
 class ProbeScore:
-    """One engine's answer to the probe: its log-probs of tokens 1.., or its refusal (the
-    engine's error text); neither where it did not answer (gone: the next rollout's recover()
-    restarts it and syncs again)."""
+    """One engine's answer to the probe: its log-probs of tokens 1.., or why it has none (its
+    error, or that it did not answer); neither where its process has exited (the next rollout's
+    recover() restarts it and syncs again)."""
 
     engine: str
     logprobs: list[float] | None = None
@@ -198,55 +179,69 @@ class ProbeScore:
 class RankReport:
     """What one rank found on its engines after a sync (facts; `judge` decides). `scores` is
     None where the probe is not judged at this moment; `trainer_logp`, the trainer's log-probs
-    of the probe where this rank took them (else rank 0's stand for it); `tolerance`, the
-    probe's for this rank's engines' precision."""
+    of the probe where this rank took them (else rank 0's stand for it); `bounds`, the probe's."""
 
     stale: dict[str, str | None] = field(default_factory=dict)  # engine -> the other version it serves
     checksums: list[ChecksumCheck] = field(default_factory=list)
     digests: list[EngineDigest] = field(default_factory=list)
+    # engine (TP rank) -> the parameters, in the engine's names, the sync did not write
+    unwritten: dict[str, list[str]] = field(default_factory=dict)
+    rewrites: int = 0  # engine TP ranks whose every parameter was checked for a rewrite
     unverified: dict[str, str] = field(default_factory=dict)  # engine -> why it could not be asked
+    dead: list[str] = field(default_factory=list)  # engines whose process has exited (their leader says)
     scores: list[ProbeScore] | None = None
     trainer_logp: torch.Tensor | None = None
-    tolerance: float = 0.0
+    bounds: ProbeBounds = ProbeBounds.fixed(0.0)
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """A sync that passed: how many /weights_checker digests were compared, and the largest mean
-    absolute probe difference (None: no probe judged)."""
+    """A sync that passed: how many digests were compared with a reference (a checksum with the
+    trainer's, an SGLang TP rank's digest with another engine's), how many engine TP ranks were
+    found with every parameter rewritten, the probe's largest differences (None: not judged),
+    and the engines left to the restart path (their process has exited)."""
 
-    digests: int
-    probe_diff: float | None
+    digests_compared: int
+    rewrites_checked: int = 0
+    probe: ProbeDiff | None = None
+    dead: tuple[str, ...] = ()
 
 
 class EngineVerifier:
     """This rank's side of the verification, set up once per run: what every sync is checked for
-    (`checks`, from `sync.*` and the engines' capabilities `caps`), the probe and its tolerance,
-    and the asking of this rank's engines (`receivers`, by EP rank) after each sync, written into
-    a `RankReport`. Every rank asks for the version; the engine's leader (`leader`) for the rest.
-    `awake`, `sessions`: as `Checks.decide`."""
+    (`checks`), the probe (`tokens`, judged within `bounds`), and the asking of this rank's
+    engines (`receivers`, by EP rank) before and after each sync, written into a `RankReport`.
+    Every rank asks for the version; the engine's leader (`leader`) for the rest. `alive`:
+    whether this rank's engine process still runs (its leader's; None: taken as running)."""
 
     def __init__(
         self,
-        cfg: SyncConfig,
         receivers: Sequence[EngineClient],
         engine_name: str,
         leader: bool,
         plan: SyncPlan,
         caps: EngineCapabilities,
-        awake: bool,
-        sessions: bool,
-        vocab_size: int,
+        checks: Checks,
+        tokens: list[int],
+        bounds: ProbeBounds,
+        alive: Callable[[], bool] | None = None,
     ):
         self.receivers, self.engine_name, self.leader, self.targets = list(receivers), engine_name, leader, plan.targets
-        n = len(self.receivers)
-        self.names = [engine_name] if n == 1 else [f"{engine_name} (EP rank {r})" for r in range(n)]
+        self.names = receiver_names(engine_name, len(self.receivers))
         self.engine_dtype: torch.dtype | None = getattr(torch, caps.dtype) if caps.dtype else None
-        self.checks = Checks.decide(cfg.verify, cfg.probe_tokens, caps, awake, sessions)
-        probing = self.checks.probe is not ProbeMoment.OFF
-        self.probe = probe_tokens(vocab_size, cfg.probe_tokens) if probing else []
-        trainer_dtype = plan.weights[0].dtype
-        self.tolerance = probe_tolerance(cfg.probe_tolerance, self.engine_dtype, trainer_dtype) if probing else 0.0
+        self.checks, self.probe, self.bounds, self.alive = checks, tokens, bounds, alive
+        self._reset: dict[int, Digests] = {}  # receiver -> its digests after the reset, this sync
+
+    def before_sync(self) -> None:
+        """On the leader, where the engines answer /weights_checker: every parameter of each
+        engine overwritten with random values and hashed, so that `report` finds what the sync
+        does not write. Raises EngineError (the sync fails on every rank)."""
+        self._reset = {}
+        if not (self.leader and self.checks.weights_checker):
+            return
+        for r, client in enumerate(self.receivers):
+            client.reset_weights()
+            self._reset[r] = client.weights_checker()
 
     def report(self, version: str, ends: SessionEnds, sums: Sums, per_rank: dict[int, Sums]) -> RankReport:
         """What the engines serve after the sync to `version` and, asked by the leader, their
@@ -254,10 +249,10 @@ class EngineVerifier:
         TP rank's, where the engine's ranks sent theirs) and their /weights_checker digests. A
         checksum report that came with the end of the weight-update session (`ends`) is used,
         not asked again."""
-        report = RankReport(tolerance=self.tolerance)
-        try:
-            for r, client in enumerate(self.receivers):
-                name = self.names[r]
+        report = RankReport(bounds=self.bounds)
+        for r, client in enumerate(self.receivers):
+            name = self.names[r]
+            try:
                 # The checksum report carries the version it was taken at: one request, not two.
                 rep = None
                 if self.leader and self.checks.checksums:
@@ -268,13 +263,31 @@ class EngineVerifier:
                     continue
                 if rep is not None:
                     report.checksums += self._checksums(r, rep, sums, per_rank)
-                if self.leader and self.checks.digests:
-                    ranks = client.weights_checker()
-                    shard = f"ep{r}/{len(self.receivers)}" if len(self.receivers) > 1 else ""
-                    report.digests.append(EngineDigest(name, len(ranks), tuple(e["checksum"] for e in ranks), shard))
-        except EngineError as e:
-            report.unverified[self.engine_name] = str(e)
+                if self.leader and self.checks.weights_checker:
+                    self._digests(r, client.weights_checker(), report)
+            except EngineError as e:
+                if self._gone(e):
+                    report.dead.append(name)
+                else:
+                    report.unverified[name] = str(e)
+        self._reset = {}
         return report
+
+    def _digests(self, r: int, after: Digests, report: RankReport) -> None:
+        """Receiver `r`'s digests after the sync into `report`: for the agreement, and beside
+        those after its reset (`before_sync`), for what the sync left unwritten."""
+        name = self.names[r]
+        shard = f"ep{r}/{len(self.receivers)}" if len(self.receivers) > 1 else ""
+        report.digests.append(EngineDigest(name, len(after), tuple(e["checksum"] for e in after), shard))
+        before = self._reset.get(r)
+        if before is None:
+            return
+        if [e["tp_rank"] for e in before] != [e["tp_rank"] for e in after]:
+            report.unverified[name] = f"answered /weights_checker for TP ranks {len(before)} then {len(after)}"
+            return
+        report.rewrites += len(after)
+        for k, names in unwritten(before, after).items():
+            report.unwritten[f"{name} TP rank {k}" if len(after) > 1 else name] = names
 
     def _checksums(self, r: int, rep: dict[str, Any], sums: Sums, per_rank: dict[int, Sums]) -> list[ChecksumCheck]:
         """Receiver `r`'s checksums beside the trainer's over what it owns: one per TP rank (what
@@ -288,6 +301,11 @@ class EngineVerifier:
                 ChecksumCheck(engine, rep["weight_version"], e["checksum"], e["count"], combine(owned), len(owned))
             )
         return out
+
+    def _gone(self, e: EngineError) -> bool:
+        """Whether an engine that failed a request has died (no answer, and its process has
+        exited): left to the restart path. Only the leader, which owns the process, can tell."""
+        return e.status is None and self.leader and self.alive is not None and not self.alive()
 
     def scores_in_push(
         self, version: str, ends: SessionEnds, pool: ThreadPoolExecutor
@@ -310,19 +328,28 @@ class EngineVerifier:
             try:
                 out.append(ProbeScore(name, client.score(self.probe)))
             except EngineError as e:
-                if e.status is not None:
+                if self._gone(e):
+                    log.warning("%s has exited; its probe of version %s is left to its restart", name, version)
+                    out.append(ProbeScore(name))
+                elif e.status is None:
+                    out.append(ProbeScore(name, refused=f"it did not answer ({e})"))
+                else:
                     out.append(ProbeScore(name, refused=str(e)))
-                    continue
-                log.warning("%s did not answer the probe of version %s: %s", name, version, e)
-                out.append(ProbeScore(name))
         return out
+
+
+def receiver_names(engine_name: str, n: int) -> list[str]:
+    """The names of a rank's `n` receivers in errors: its engine's, with their EP ranks where several."""
+    return [engine_name] if n == 1 else [f"{engine_name} (EP rank {r})" for r in range(n)]
 
 
 def judge(version: str, reports: Sequence[RankReport]) -> Verdict:
     """The verdict on a sync to `version` from every rank's report, in rank order (the same on
     every rank). Raises StaleWeightsError where engines serve another version and nothing else is
     wrong, else WeightMismatchError naming every miss; the probe is judged only where every engine
-    holds the version's weights (a stale engine's probe says nothing new)."""
+    holds the version's weights (a stale engine's probe says nothing new). An engine whose process
+    has exited is left to the restart path, on every rank."""
+    dead = sorted({e for rep in reports for e in rep.dead})
     stale = [
         f"rank {r}: {engine} serves weight version {served!r} after loading {version!r}"
         for r, rep in enumerate(reports)
@@ -337,39 +364,52 @@ def judge(version: str, reports: Sequence[RankReport]) -> Verdict:
             if c.served != version or c.checksum != c.trainer
         ]
         wrong += [
-            f"rank {r}: cannot verify weight version {version} on {e}: {why}" for e, why in rep.unverified.items()
+            f"rank {r}: {engine}: {len(names)} parameter(s) not written by the sync of version {version} (their "
+            f"hash is still the one /weights_checker reset_tensors left before it): {', '.join(names[:NAMED])}"
+            + (f" and {len(names) - NAMED} more" if len(names) > NAMED else "")
+            for engine, names in rep.unwritten.items()
         ]
-    wrong += disagreements([d for rep in reports for d in rep.digests])
+        wrong += [
+            f"rank {r}: cannot verify weight version {version} on {e}: {why}"
+            for e, why in rep.unverified.items()
+            if e not in dead
+        ]
+    digests = [d for rep in reports for d in rep.digests]
+    wrong += disagreements(digests)
     missed, diffs = [], []
     for r, rep in enumerate(reports):
         if rep.scores is None:
             continue
         reference = rep.trainer_logp if rep.trainer_logp is not None else reports[0].trainer_logp
         assert reference is not None, "rank 0 scores the probe for the trainer"
-        errors, diff = probe_verdict(version, rep.scores, reference, rep.tolerance)
+        scores = [s for s in rep.scores if s.engine not in dead]
+        errors, diff = probe_verdict(version, scores, reference, rep.bounds)
         missed += [f"rank {r}: {e}" for e in errors]
-        diffs.append(diff)
+        diffs += [diff] if diff is not None else []
     if not (wrong or stale):
         wrong = missed
     if wrong:
         raise WeightMismatchError("; ".join(stale + wrong))
     if stale:
         raise StaleWeightsError("; ".join(stale))
-    return Verdict(sum(len(rep.digests) for rep in reports), max(diffs) if diffs else None)
+    checked = sum(len(rep.checksums) for rep in reports) + compared(digests)
+    probe = ProbeDiff.largest(diffs) if diffs else None
+    return Verdict(checked, sum(rep.rewrites for rep in reports), probe, tuple(dead))
 
 
 def probe_verdict(
-    version: str, scores: Sequence[ProbeScore], trainer_logp: torch.Tensor, tolerance: float
-) -> tuple[list[str], float]:
-    """(errors, largest mean absolute difference) of the engines' probe log-probs against the trainer's."""
+    version: str, scores: Sequence[ProbeScore], trainer_logp: torch.Tensor, bounds: ProbeBounds
+) -> tuple[list[str], ProbeDiff | None]:
+    """(errors, largest differences) of the engines' probe log-probs against the trainer's."""
     errors: list[str] = []
-    diff = 0.0
+    diffs = []
     for s in scores:
         if s.refused is not None:
             errors.append(f"{s.engine} could not score the probe of version {version}: {s.refused}")
         elif s.logprobs is not None:
-            error = probe_error(s.engine, s.logprobs, trainer_logp, tolerance)
+            error = probe_error(s.engine, s.logprobs, trainer_logp, bounds)
             if error is not None:
                 errors.append(f"version {version}: {error}")
-            diff = max(diff, probe_diff(s.logprobs, trainer_logp))
-    return errors, diff
+            elif len(s.logprobs) == trainer_logp.numel():
+                diffs.append(ProbeDiff.of(s.logprobs, trainer_logp))
+    return errors, ProbeDiff.largest(diffs) if diffs else None

@@ -11,21 +11,24 @@ each; the engine's other ranks build their TP ranks' payloads where the transpor
 
 What every transport shares lives here: the plan (plan.py: coverage, routing, buckets), the
 stream of the trainer's tensors, the agreement of every rank on a failure (no rank waits on a
-failed one), and the verification afterwards (`sync.verify`: what is checked, each rank's report
-and the verdict are in verify.py). The probe runs at one moment per run (`verify.ProbeMoment`,
-logged by the setup): the trainer's log-probs are taken in `push` (it is on the device; by rank 0
-for every rank where its forward is no collective, `trainer.gathered()`); the engines score it
-once awake again (`probe_engines`: a forward needs the KV cache they get back last), or, where
-they keep their memory through the sync (`awake`: on the CPU, or not colocated), in `push` too,
-while the trainer scores it. A failed check fails the step on every rank (`WeightMismatchError`,
-`StaleWeightsError`) naming the engine.
+failed one), and the verification around it (`sync.verify`: what is checked, each rank's report
+and the verdict are in verify.py; SGLang's engines are reset before the send, so that what it
+misses is garbage the checks see). The probe (probe.py) is made and measured at start-up, while
+the engines serve model.path as each loaded it (`probe_at_start`), and its bounds calibrated here
+against the trainer, which holds those weights still. It runs at one moment per run
+(`verify.ProbeMoment`, logged by the setup): the trainer's log-probs are taken in `push` (it is on
+the device; by rank 0 for every rank where its forward is no collective, `trainer.gathered()`);
+the engines score it once awake again (`probe_engines`: a forward needs the KV cache they get
+back last), or, where they keep their memory through the sync (`awake`: on the CPU, or not
+colocated), in `push` too, while the trainer scores it. A failed check fails the step on every
+rank (`WeightMismatchError`, `StaleWeightsError`) naming the engine.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -35,14 +38,15 @@ from rltrain.config import Config
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
 from rltrain.interfaces import Needs, Trainer, World
-from rltrain.sync import verify
+from rltrain.sync import probe, verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
 from rltrain.sync.plan import EngineParallelism, EngineTopology, SyncPlan, WeightSpec, build_plan
+from rltrain.sync.probe import ProbeBounds, ProbeDiff, StartProbe
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import SyncContext, Transport, WeightStream
 from rltrain.sync.verify import ProbeMoment, Sums
-from rltrain.weights.checksum import entry, fetched
+from rltrain.weights.checksum import WeightMismatchError, entry, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 
 log = logging.getLogger("rltrain.sync")
@@ -84,13 +88,59 @@ def engine_layouts(receivers: list[EngineClient]) -> tuple[EngineParallelism, ..
     return tuple(out)
 
 
+def engine_place(world: World, engine: EngineLayout | None) -> tuple[str, bool]:
+    """This rank's engine's name and whether this rank is its leader (which talks to it): by the
+    layout, else the node's one engine, led by the node's leader."""
+    if engine is not None:
+        return engine.name, engine.is_engine_leader
+    return f"node{world.env.node_rank}-engine0", world.env.is_node_leader
+
+
+def probe_at_start(
+    cfg: Config, world: World, receivers: list[EngineClient], engine: EngineLayout | None, prompt: Sequence[int]
+) -> StartProbe | None:
+    """Collective over the bridge, while the engines serve model.path as each loaded it (before
+    their first release or sync): the probe's tokens — `prompt`'s first tokens and rank 0's
+    engine's greedy continuation of them, `sync.probe_tokens` in all — and every engine's
+    log-probs of them, for `WeightSync` to calibrate its bounds against the trainer. None where
+    the probe is off. An engine that gives none fails the start on every rank, naming it."""
+    length = cfg.sync.probe_tokens
+    if not (cfg.sync.verify and length):
+        return None
+    name, leader = engine_place(world, engine)
+    prefix = probe.natural_prefix(prompt, length)
+    tokens, error = None, None
+    if world.rank == 0:
+        try:
+            tokens = prefix + receivers[0].greedy(prefix, length - len(prefix))
+        except EngineError as e:
+            error = f"{name} gave no greedy continuation of the probe's prompt at start-up: {e}"
+    tokens, error = world.bridge.broadcast_object((tokens, error), src=0, phase="sync probe tokens")
+    scores: dict[str, list[float]] = {}
+    if error is None and leader:
+        for engine_name, client in zip(verify.receiver_names(name, len(receivers)), receivers):
+            try:
+                scores[engine_name] = client.score(tokens)
+            except EngineError as e:
+                error = f"{engine_name} could not score the probe at start-up: {e}"
+                break
+    errors = world.bridge.all_gather_object(error, phase="sync probe at start")
+    if any(errors):
+        raise RuntimeError(next(e for e in errors if e))
+    return StartProbe(tokens, len(prefix), scores)
+
+
 class WeightSync:
     """`receivers`: this rank's engine clients, indexed by EP rank (the loop: its one engine;
     with several and a MoE model, experts are routed, plan.py). `engine`: this rank's place in
     its engine (`engine/layout.py`): its leader sends, its TP ranks build their payloads (None:
     one engine of TP size 1 per node, sent to by the node's leader). Every rank of an engine
     holds the same list (each checks the served version). `awake`: the engines keep their memory
-    through the sync (`NodeEngine.releases` false), so the probe is scored in `push`."""
+    through the sync (`NodeEngine.releases` false), so the probe is scored in `push`. `start`:
+    the engines' scores of the probe at start-up (`probe_at_start`): the trainer scores it here,
+    as it holds model.path's weights still, and the probe's bounds are calibrated from the
+    difference (a collective); None: random tokens, the precision's ceilings. `alive`: whether
+    this rank's engine process still runs (asked by its leader when an engine does not answer)."""
 
     def __init__(
         self,
@@ -101,12 +151,13 @@ class WeightSync:
         engine_model_path: str,
         engine: EngineLayout | None = None,
         awake: bool = False,
+        start: StartProbe | None = None,
+        alive: Callable[[], bool] | None = None,
     ):
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="rltrain-probe")
         env = world.env
-        self.engine_name = engine.name if engine is not None else f"node{env.node_rank}-engine0"
-        self.leader = engine.is_engine_leader if engine is not None else env.is_node_leader
+        self.engine_name, self.leader = engine_place(world, engine)
         self.tp_rank, tp_size = (engine.tp_rank, engine.gpus_per_engine) if engine is not None else (0, 1)
         self.tp_group = None
         if engine is not None and tp_size > 1:
@@ -128,11 +179,23 @@ class WeightSync:
         caps = EngineCapabilities.shared(asked)  # (none asked: defaults)
         if self.tp_group is not None:
             caps = self.tp_group.all_gather_object(caps, phase="sync caps")[0]
-        sessions, vocab = cfg.sync_transport in ("tensor", "distributed"), model_cfg.vocab_size
+        sessions = cfg.sync_transport in ("tensor", "distributed")
+        checks = verify.Checks.decide(cfg.sync.verify, cfg.sync.probe_tokens, caps, awake, sessions)
+        if cfg.sync.verify and self.leader and not (checks.checksums or checks.weights_checker):
+            log.warning(
+                "sync.verify: %s neither checksums the weights it holds nor answers /weights_checker: a weight "
+                "the sync misses is seen only by the probe, and there as last version's copy",
+                self.engine_name,
+            )
+        tokens, bounds = self._probe_and_bounds(checks, caps, model_cfg.vocab_size, start)
         self.verifier = verify.EngineVerifier(
-            cfg.sync, self.receivers, self.engine_name, self.leader, self.plan, caps, awake, sessions, vocab
+            self.receivers, self.engine_name, self.leader, self.plan, caps, checks, tokens, bounds, alive
         )
-        self.checks, self.probe = self.verifier.checks, self.verifier.probe
+        self.checks, self.probe = checks, tokens
+        # Whether any rank resets its engines before each sync (they all agree on it then).
+        self.resets = cfg.sync.verify and any(
+            world.bridge.all_gather_object(checks.weights_checker and self.leader, phase="sync resets")
+        )
         context = SyncContext(
             cfg=cfg.sync,
             world=world,
@@ -153,12 +216,46 @@ class WeightSync:
         )
         self.transport: Transport = make_transport(cfg.sync_transport, context)
         self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
-        self.verify_seconds = 0.0  # of the last push
+        self.verify_seconds = self.reset_seconds = 0.0  # of the last push
+
+    def _probe_and_bounds(
+        self, checks: verify.Checks, caps: EngineCapabilities, vocab: int, start: StartProbe | None
+    ) -> tuple[list[int], ProbeBounds]:
+        """The probe's tokens and bounds: calibrated from `start` against the trainer's log-probs
+        of its tokens now (a collective), where it is given; else random tokens within the
+        precision's ceilings. An engine that computed otherwise at start-up stops the run here."""
+        cfg = self.cfg.sync
+        if checks.probe is ProbeMoment.OFF:
+            return [], ProbeBounds.fixed(0.0)
+        engine_dtype = getattr(torch, caps.dtype) if caps.dtype else None
+        precision = probe.precision(engine_dtype, self.plan.weights[0].dtype)
+        if start is None:
+            return probe.random_tokens(vocab, cfg.probe_tokens), probe.uncalibrated(cfg, precision)
+        rank0 = self.world.rank == 0
+        ours = self._trainer_probe(start.tokens) if rank0 or self.trainer.sharded else None
+        gathered = self.world.bridge.all_gather_object((start.scores, ours if rank0 else None), phase="sync probe")
+        reference = gathered[0][1]
+        measured = {name: ProbeDiff.of(lp, reference) for scores, _ in gathered for name, lp in scores.items()}
+        errors = [e for name, d in sorted(measured.items()) if (e := probe.start_error(name, d, cfg, precision))]
+        if errors:
+            raise WeightMismatchError("; ".join(errors))
+        bounds = probe.calibrated(cfg, precision, ProbeDiff.largest(list(measured.values())))
+        if rank0:
+            log.info(
+                "sync probe: %d tokens, %d of the first prompt and the engine's greedy continuation; bounds: mean "
+                "%.3g, worst position %.3g (%s)",
+                len(start.tokens),
+                start.prompt_tokens,
+                bounds.mean,
+                bounds.worst,
+                bounds.how,
+            )
+        return start.tokens, bounds
 
     @property
     def timings(self) -> dict[str, float]:
         """Seconds per part of the last push (benchmarks), the verification's included."""
-        return {**self.transport.timings, "verify": self.verify_seconds}
+        return {**self.transport.timings, "verify": self.reset_seconds + self.verify_seconds}
 
     def push(self, version: str) -> dict[str, float]:
         """Send the trainer's weights as `version`; verified on return (collective)."""
@@ -182,6 +279,7 @@ class WeightSync:
     def _stream(self, version: str, sums: Sums) -> int:
         """The transport's send of every planned tensor; a rank that failed fails it on every rank."""
         error, sent = None, 0
+        self._reset(version)
         try:
             sent = self.transport.send(version, WeightStream(self.plan, lambda names: self._tensors(names, sums)))
         except (OSError, ValueError, RuntimeError) as e:  # this rank failed; the others must hear of it
@@ -190,6 +288,25 @@ class WeightSync:
         if any(errors):
             raise SyncError(next(e for e in errors if e))
         return sent
+
+    def _reset(self, version: str) -> None:
+        """Before the send, where any engine answers /weights_checker: the leaders reset their
+        engines' weights (`EngineVerifier.before_sync`: what the send misses is then garbage the
+        checks see), and every rank learns that it worked before any starts the send's
+        collectives (a rank that skipped them would leave the others waiting)."""
+        if not self.resets:
+            return
+        t0, error = time.perf_counter(), None
+        try:
+            self.verifier.before_sync()
+        except EngineError as e:
+            error = (
+                f"rank {self.world.rank}: {self.engine_name} could not reset its weights before version {version}: {e}"
+            )
+        errors = self.world.bridge.all_gather_object(error, phase="sync reset")
+        self.reset_seconds = time.perf_counter() - t0
+        if any(errors):
+            raise SyncError(next(e for e in errors if e))
 
     def _tensors(self, names: list[str] | None, sums: Sums) -> Iterator[tuple[str, torch.Tensor]]:
         """The trainer's tensors this rank sends (a collective): all of them, or, routed inside
@@ -211,15 +328,18 @@ class WeightSync:
         moment, sharded = self.checks.probe, self.trainer.sharded
         return moment is not ProbeMoment.OFF and (sharded or moment is ProbeMoment.AWAKE or self.world.rank == 0)
 
-    def _trainer_probe(self) -> torch.Tensor:
-        """The trainer's log-probs of the probe's tokens 1.. at temperature 1."""
-        return self.trainer.logprobs(verify.probe_batch(self.probe), temperature=1.0)[0][0, 1:]
+    def _trainer_probe(self, tokens: list[int] | None = None) -> torch.Tensor:
+        """The trainer's log-probs of the probe's tokens 1.. (or `tokens`') at temperature 1."""
+        batch = probe.probe_batch(self.probe if tokens is None else tokens)
+        return self.trainer.logprobs(batch, temperature=1.0)[0][0, 1:]
 
     def _verify(self, version: str, sums: Sums, early: Future[torch.Tensor] | None = None) -> dict[str, float]:
-        """This rank's report on its engines, judged with every rank's (a collective). Returns how
-        many /weights_checker digests were compared and the probe's largest difference where it ran
-        in the push (its seconds go to `self.timings["verify"]`: metrics rows hold no timings
-        outside their "time")."""
+        """This rank's report on its engines, judged with every rank's (a collective). Returns what
+        was compared (`sync_digests_compared`: checksums with the trainer's and SGLang digests with
+        another engine's; `sync_rewrites_checked`: SGLang TP ranks whose every parameter was found
+        rewritten after its reset) and the probe's largest differences where it ran in the push
+        (its seconds go to `self.timings["verify"]`: metrics rows hold no timings outside their
+        "time")."""
         t0 = time.perf_counter()
         per_rank = {self.tp_rank: sums}  # TP rank -> what its trainer rank sent and checksummed
         if self.checks.checksums and self.tp_group is not None:
@@ -228,10 +348,20 @@ class WeightSync:
         self._probe_in_push(version, report, early)
         verdict = verify.judge(version, self.world.bridge.all_gather_object(report, phase="sync verify"))
         self.verify_seconds = time.perf_counter() - t0
-        stats = {"sync_digests": float(verdict.digests)}
-        if verdict.probe_diff is not None:
-            stats["sync_probe_diff"] = verdict.probe_diff
-        return stats
+        stats = {
+            "sync_digests_compared": float(verdict.digests_compared),
+            "sync_rewrites_checked": float(verdict.rewrites_checked),
+        }
+        return {**stats, **self._probe_stats(version, verdict)}
+
+    def _probe_stats(self, version: str, verdict: verify.Verdict) -> dict[str, float]:
+        """The probe's largest differences, mean and worst position, of a verdict that judged it
+        (and, once, the engines it left to the restart path)."""
+        if verdict.dead and self.world.rank == 0:
+            log.warning("sync of version %s: %s exited; left to the restart", version, ", ".join(verdict.dead))
+        if verdict.probe is None:
+            return {}
+        return {"sync_probe_diff": verdict.probe.mean, "sync_probe_worst": verdict.probe.worst}
 
     def _probe_in_push(self, version: str, report: verify.RankReport, early: Future[torch.Tensor] | None) -> None:
         """The probe's part of the push: where the engines score it in the push, theirs (the
@@ -254,16 +384,17 @@ class WeightSync:
     def probe_engines(self) -> dict[str, float]:
         """The probe of the last push, on the engines (awake: weights and KV cache back), against
         the trainer's log-probs taken then. Collective over the bridge; a mismatch anywhere raises
-        WeightMismatchError on every rank, naming the engine. Returns the largest mean absolute
-        difference seen ({} when no probe is due: none pushed, or probed in the push itself)."""
+        WeightMismatchError on every rank, naming the engine. Returns the largest differences seen,
+        mean and worst position ({} when no probe is due: none pushed, or probed in the push itself;
+        0 where no engine answered: they exited, left to the restart path)."""
         due, self._probe_due = self._probe_due, None
         if due is None:
             return {}
         version, trainer_logp = due
         scores = self.verifier.scores(version) if self.leader else []
-        report = verify.RankReport(scores=scores, trainer_logp=trainer_logp, tolerance=self.verifier.tolerance)
+        report = verify.RankReport(scores=scores, trainer_logp=trainer_logp, bounds=self.verifier.bounds)
         verdict = verify.judge(version, self.world.bridge.all_gather_object(report, phase="sync probe"))
-        return {"sync_probe_diff": verdict.probe_diff or 0.0}
+        return self._probe_stats(version, verdict) or {"sync_probe_diff": 0.0, "sync_probe_worst": 0.0}
 
     def engine_restarted(self) -> None:
         """This node's engine was started again (its weight-update groups died with it)."""
@@ -277,4 +408,9 @@ class WeightSync:
 
 
 class SyncError(RuntimeError):
-    """A rank could not send or load a weight version; the engine keeps its previous weights."""
+    """A rank could not send or load a weight version. What the engine holds then depends on the
+    transport: disk and delta refuse a bad version before the engine loads anything (it keeps
+    the previous one); tensor and distributed may leave a partial update; and an SGLang engine
+    whose weights were reset before the sync (`sync.verify`) holds garbage for whatever was not
+    sent. In every case it is not to be sampled from until a sync succeeds (the loop stops on this
+    error; a restart starts the engines afresh)."""

@@ -110,3 +110,76 @@ if _REC and os.environ.get("RANK") is not None:
         return _update(self, serialized_named_tensors, *args, **kw)
 
     _client.EngineClient.update_weights_from_tensor = _recorded_update
+
+# RLTRAIN_TEST_SYNC_DROP="<checkpoint name>[,<name>...]": every rank's weight sync leaves these
+# weights out of what it sends, after checksumming them as a sender that believes it sent them
+# would: a sync that misses a parameter, or one half of a weight the engine fuses.
+_DROP = os.environ.get("RLTRAIN_TEST_SYNC_DROP")
+if _DROP and os.environ.get("RANK") is not None:
+    import rltrain.sync.weight_sync as _weight_sync
+
+    _dropped = set(_DROP.split(","))
+    _tensors = _weight_sync.WeightSync._tensors
+
+    def _dropping_tensors(self, names, sums):
+        for name, t in _tensors(self, names, sums):
+            if name not in _dropped:
+                yield name, t
+
+    _weight_sync.WeightSync._tensors = _dropping_tensors
+
+# RLTRAIN_TEST_ENGINE_ORDER="<dir>:<rank>:<seconds>" records, on every rank, when its trainer is put
+# away (TrainerCycle.make_room, put_away) and brought back (bring_back), and when it asks its engine
+# to release or resume memory (EngineClient.release, resume), as JSON lines in <dir>/rank<r>.jsonl
+# (time.time() at start and end); <rank>'s put-aways and every release take <seconds> longer.
+# What an engine's ranks must wait for shows in the times (tests/test_engine_ranks.py).
+_ORDER = os.environ.get("RLTRAIN_TEST_ENGINE_ORDER")
+if _ORDER and os.environ.get("RANK") is not None:
+    import functools
+    import json
+    import time
+
+    import rltrain.between_steps as _between
+    import rltrain.engine.client as _client
+
+    _dir, _slow_rank, _delay = _ORDER.rsplit(":", 2)
+    _record_path = os.path.join(_dir, f"rank{os.environ['RANK']}.jsonl")
+    os.makedirs(_dir, exist_ok=True)
+
+    def _recorded(cls, name, slow, detail=lambda *a: None):
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def run(self, *args, **kw):
+            start = time.time()
+            try:
+                return original(self, *args, **kw)
+            finally:
+                if slow:
+                    time.sleep(float(_delay))
+                with open(_record_path, "a") as f:
+                    event = {"what": name, "start": start, "end": time.time(), "detail": detail(*args)}
+                    f.write(json.dumps(event) + "\n")
+
+        setattr(cls, name, run)
+
+    _slow = os.environ["RANK"] == _slow_rank
+    _recorded(_between.TrainerCycle, "make_room", _slow)
+    _recorded(_between.TrainerCycle, "put_away", _slow)
+    _recorded(_between.TrainerCycle, "bring_back", False)
+    _recorded(_client.EngineClient, "release", True, lambda tags=None: tags)
+    _recorded(_client.EngineClient, "resume", False, lambda tags=None: tags)
+
+# RLTRAIN_TEST_SGLANG_CPU_RELEASE=1: the ranks ask SGLang on CPU to release and resume its memory
+# when engine.release=true, as on CUDA (SGLang answers, frees nothing: its memory saver is
+# CUDA-only), so that the phase verbs' order runs against real SGLang on a CPU.
+if os.environ.get("RLTRAIN_TEST_SGLANG_CPU_RELEASE") == "1" and os.environ.get("RANK") is not None:
+    import rltrain.engine.launcher as _launcher
+
+    _releases = _launcher.engine_releases
+    _launcher.engine_releases = lambda cfg, backend, device: cfg.release is True or _releases(cfg, backend, device)
+
+# RLTRAIN_TEST_SGLANG_CPU_DETERMINISTIC=1: SGLang's deterministic inference starts on a CPU
+# (sglang_cpu_deterministic.py says what stands in for what), in SGLang's processes only.
+if os.environ.get("RLTRAIN_TEST_SGLANG_CPU_DETERMINISTIC") == "1" and os.environ.get("RANK") is None:
+    import sglang_cpu_deterministic  # noqa: F401

@@ -139,6 +139,8 @@ class EmbeddedServer:
             "logprob_formats": list(LOGPROB_FORMATS),
             # A published disk version's files are checked against its manifest on load.
             "weight_files": "verified",
+            # GET /weights_checksum: the checksum of the weights it owns (weights/checksum.py).
+            "weights_checksum": True,
             # Its parallel layout, in SGLang's field names (the sync's router reads them). One
             # process on one device: with --tp-size it takes SGLang's per-TP-rank payloads
             # (experts split over --ep-size of its ranks); with --ep-size alone it is EP rank
