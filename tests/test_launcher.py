@@ -367,3 +367,40 @@ def test_the_embedded_engines_memory_saver_is_asked_for_where_it_can_run(monkeyp
             timeout=60,
         )
         assert r.returncode != 0 and "pip install torch_memory_saver" in r.stderr
+
+
+def _launch_refused(rank: int, world_size: int, extra: list[str], release: bool | str, colocate: bool) -> str:
+    from rltrain.config import ConfigError, EngineConfig
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=60)
+    try:
+        cfg = EngineConfig(backend="sglang", device="cuda", extra_args=extra, release=release)
+        NodeEngine.launch(cfg, "/m", world, Path("/nonexistent"), colocate=colocate)
+        return "launched"
+    except ConfigError as e:
+        return str(e)
+    finally:
+        world.close()
+
+
+def test_hicache_is_refused_at_start_up_where_the_engine_releases_its_memory():
+    """SGLang 0.5.23 releases its weights, KV cache and CUDA graphs (its memory saver's tags), never
+    HiCache's pinned host pool: with the trainer colocated and the engine's memory released, the
+    pool would stay allocated through training. Refused before anything starts, in either of
+    SGLang's spellings; kept where nothing is released (here the next check, the GPUs this CPU
+    machine does not have, is what refuses)."""
+    cases = [
+        (["--enable-hierarchical-cache"], "auto", True),
+        (["--hicache-ratio", "2", "--enable-hicache"], True, True),
+        (["--enable-hierarchical-cache"], False, True),
+        (["--enable-hierarchical-cache"], "auto", False),
+    ]
+    out = [values(run_ranks(_launch_refused, 1, *case, deadline_s=60))[0] for case in cases]
+    for refused in out[:2]:
+        assert "SGLang's HiCache" in refused and "never HiCache's host pool" in refused, refused
+        assert "engine.release=false" in refused and "loop.colocate=false" in refused
+    assert out[0].startswith("engine.extra_args has --enable-hierarchical-cache")
+    assert out[1].startswith("engine.extra_args has --enable-hicache")
+    for kept in out[2:]:
+        assert "HiCache" not in kept and "GPU(s) visible" in kept, kept

@@ -4,7 +4,7 @@ its server's command line and the environment that server adds to its rank's.
 Nothing is started here: `engine/process.py` runs the command, `engine/launcher.py` decides which
 rank does. `auto` resolves to SGLang where it is installed and a GPU is present, else the embedded
 engine; the embedded engine's keys (`engine.embedded.*`) reach it as flags, and its API key through
-its environment, off its command line.
+its environment, off its command line. Each engine gets its own random seed (`engine_seed`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,33 @@ def check_engine(cfg: EngineConfig, seeded: bool) -> None:
         )
 
 
+# SGLang's flag for HiCache (a host-memory tier under the KV cache), in both its spellings.
+HOST_CACHE_FLAGS = ("--enable-hierarchical-cache", "--enable-hicache")
+
+
+def refuse_host_cache(extra_args: list[str]) -> None:
+    """SGLang's HiCache where the engine's memory is released for a colocated trainer (ConfigError).
+    SGLang 0.5.23 releases only what its memory saver holds (/release_memory_occupation's tags:
+    weights, kv_cache, cuda_graph); HiCache's host pool is pinned host memory allocated beside
+    it, which no tag releases, so it would stay allocated through every training phase."""
+    flags = [a for a in extra_args if a.split("=", 1)[0] in HOST_CACHE_FLAGS]
+    if flags:
+        raise ConfigError(
+            f"engine.extra_args has {flags[0]} (SGLang's HiCache) while the engine's memory is released for a "
+            "colocated trainer (loop.colocate=true, engine.release on): SGLang releases its weights, KV cache and "
+            "CUDA graphs, never HiCache's host pool, which would stay allocated through training. Drop the flag, "
+            "or keep the engine's memory (engine.release=false), or run the engines apart (loop.colocate=false)"
+        )
+
+
+def engine_seed(seed: int, layout: EngineLayout | None) -> int:
+    """The random seed of `layout`'s engine: engine.seed plus the engine's place among all the
+    job's engines (node by node), so that no two engines draw the same random numbers."""
+    if layout is None:
+        return seed
+    return seed + layout.node_rank * layout.engines_per_node + layout.engine
+
+
 def server_command(
     cfg: EngineConfig,
     model_path: str,
@@ -110,7 +137,7 @@ def server_command(
             "--dtype",
             cfg.dtype,
             "--seed",
-            str(cfg.seed),
+            str(engine_seed(cfg.seed, layout)),
             "--max-batch-size",
             str(cfg.embedded.max_batch_size),
             "--parent-pid",
@@ -147,7 +174,7 @@ def server_command(
             str(cfg.mem_fraction_static),
             "--skip-tokenizer-init",
             "--random-seed",
-            str(cfg.seed),
+            str(engine_seed(cfg.seed, layout)),
             "--dtype",
             cfg.dtype,
             # The engine idles through every training phase; without this its scheduler spins a

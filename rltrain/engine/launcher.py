@@ -5,8 +5,13 @@ starts its server (real SGLang over those GPUs, or the embedded engine on one; t
 from `engine/command.py`) as a child process on a free loopback port (`engine/process.py`: its
 own process group, killed with its rank) and waits for /health with a timeout. The server's
 output goes to `<run_dir>/engine/node<k>-engine<e>.log`; a server that dies is reported with the
-tail of that log. Every rank learns its engine's address over the Gloo bridge and generates
-through it.
+tail of that log. A healthy server is asked for its layout (/server_info) and refused unless it is
+the one laid out (`EngineLayout.check_reported`). Every rank learns its engine's address over the
+Gloo bridge and generates through it.
+
+An engine spans its ranks' GPUs, and only its leader talks to it: the ranks of an engine meet on
+their own bridge subgroup so that its memory is never taken or given back on a GPU whose rank is
+not ready for it (the phase verbs below).
 """
 
 from __future__ import annotations
@@ -18,12 +23,19 @@ from typing import Any
 
 import torch
 
-from rltrain.config import EngineConfig
+from rltrain.config import ConfigError, EngineConfig
 from rltrain.engine.client import EngineClient, EngineError
-from rltrain.engine.command import resolve_backend, resolve_device, server_command, server_environment
+from rltrain.engine.command import (
+    refuse_host_cache,
+    resolve_backend,
+    resolve_device,
+    server_command,
+    server_environment,
+)
 from rltrain.engine.layout import EngineLayout
 from rltrain.engine.process import EngineCrashed, EngineProcess
 from rltrain.interfaces import World
+from rltrain.runtime.bridge import Bridge
 from rltrain.runtime.net import free_port
 
 log = logging.getLogger("rltrain.engine")
@@ -33,18 +45,27 @@ class NodeEngine:
     """This rank's engine (one of its node's, `engine/layout.py`) in the loop's verbs: a client,
     and on the engine's leader rank the process too. The phase verbs are collectives over the
     bridge (every rank of the job calls them): each engine's leader talks to its engine, the
-    other ranks wait for it.
+    other ranks wait for it. A failure of the leader's request is raised on every rank that waits
+    for it (`EnginePhaseError`).
 
         release_memory   every rank done generating, then each leader pauses its engine
                          (aborting what is still in flight: a request a client gave up on) and
-                         frees its weights, KV cache and CUDA graphs              [colocated]
+                         frees its weights, KV cache and CUDA graphs; the engine's other ranks
+                         wait for that before their trainer comes back        [colocated]
         resume_weights   the leader takes the weights' memory back (garbage until the sync
                          rewrites every parameter, unless engine.weights_backup), then every
                          rank goes on                                             [colocated]
-        resume_kv        the leader takes the KV cache and CUDA graphs back (after the world's
-                         NCCL memory is freed: the caller waits for that) and lets the engine
+        resume_kv        once every rank of the engine has put its trainer away and finished its
+                         NCCL teardown (`World.wait_destroyed`), the leader takes the KV cache
+                         and CUDA graphs back on all of the engine's GPUs and lets the engine
                          generate again, then every rank goes on                  [colocated]
         recover          after a rollout: restart what died (or stop the job with its log tail)
+
+    The engine's leader maps and unmaps memory on every GPU of the engine, so the waits of
+    release_memory and resume_kv are over the engine's ranks (`engine_ranks`, a bridge subgroup;
+    None for an engine of one GPU): without them a peer could bring its trainer back while the
+    engine still holds its GPU, or the KV pool could be mapped on a GPU whose trainer state and
+    NCCL communicators are still there.
 
     Not colocated (`loop.colocate=false`), the engine keeps its memory and only the barriers run.
     SGLang releases memory on CUDA only: on CPU the release is skipped (said once in the log).
@@ -64,6 +85,7 @@ class NodeEngine:
         layout: EngineLayout | None = None,
         releases: bool = True,
         reports_memory: bool = True,
+        engine_ranks: Bridge | None = None,
     ):
         self.client = client
         self.url = url
@@ -78,6 +100,7 @@ class NodeEngine:
         # Ask the engine's /memory: on a GPU (the ledger's device parts), until it says it has none
         # (SGLang). On the CPU the ledger needs its RSS alone, read from the process (no request).
         self._reports_memory = self._asks_memory = reports_memory
+        self.engine_ranks = engine_ranks  # the bridge among this engine's ranks (None: one GPU)
 
     @classmethod
     def launch(
@@ -93,10 +116,15 @@ class NodeEngine:
     ) -> NodeEngine:
         """Collective over the bridge: each engine's leader starts and health-checks its engine,
         every rank connects to its own. `vocab_size`: the model's, so that the client refuses
-        token ids outside it. The layout is checked against the node first (ConfigError).
-        `meanwhile`: the rank's own set-up, run on every rank while the engines start (between
-        starting the process and waiting for its health)."""
+        token ids outside it. Refused (ConfigError): SGLang's HiCache where the engine's memory
+        is released for the trainer (`refuse_host_cache`), a layout the node cannot hold, and,
+        once healthy, an engine that is not the one laid out. `meanwhile`: the rank's own set-up,
+        run on every rank while the engines start (between starting the process and waiting for
+        its health)."""
         backend, device = resolve_backend(cfg.backend), resolve_device(cfg.device)
+        releases = engine_releases(cfg, backend, device)
+        if colocate and releases and backend == "sglang":
+            refuse_host_cache(cfg.extra_args)
         visible = torch.cuda.device_count() if device == "cuda" else None
         layout = EngineLayout.of(cfg, backend, world.env, visible)
         log_path = run_dir / "engine" / f"{layout.name}.log"
@@ -108,10 +136,7 @@ class NodeEngine:
                 backend,
                 device,
             )
-        releases = device == "cuda" if cfg.release == "auto" else bool(cfg.release)
-        if releases and backend == "sglang" and device == "cpu":
-            releases = False
-            if colocate and world.rank == 0:
+            if cfg.release is True and backend == "sglang" and device == "cpu" and colocate:
                 log.warning(
                     "SGLang releases memory on CUDA only: on CPU the engines keep their memory through training "
                     "(release and resume are skipped)"
@@ -125,6 +150,10 @@ class NodeEngine:
         first = (lambda: start(meanwhile)) if layout.is_engine_leader else None  # restarts run no set-up
         process, url = _started_everywhere(world, layout, first, "engine launch")
         assert url is not None
+        engine_ranks = None
+        if colocate and releases and layout.gpus_per_engine > 1:  # (made by its members: all are here)
+            ranks = layout.ranks(world.rank - world.env.local_rank)
+            engine_ranks = world.bridge.subgroup(ranks, f"engine/{layout.name}")
         client = EngineClient(
             url,
             request_timeout_s=cfg.request_timeout_s,
@@ -135,7 +164,19 @@ class NodeEngine:
             vocab_size=vocab_size,
             logprob_values=backend == "embedded",
         )
-        return cls(client, url, process, world, colocate, start, cfg.max_restarts, layout, releases, device == "cuda")
+        return cls(
+            client,
+            url,
+            process,
+            world,
+            colocate,
+            start,
+            cfg.max_restarts,
+            layout,
+            releases,
+            device == "cuda",
+            engine_ranks,
+        )
 
     @property
     def name(self) -> str:
@@ -156,31 +197,58 @@ class NodeEngine:
     def release_memory(self) -> None:
         """Every rank of the job must be done generating before an engine lets go of its memory:
         a release under a slower rank's requests fails them all. What is still in flight (a
-        request whose client timed out) is aborted first: SGLang releases only when idle."""
+        request whose client timed out) is aborted first: SGLang releases only when idle. The
+        engine's ranks return once their engine has let go of their GPUs (their trainer comes
+        back next, and with world.reload=false nothing else would make them wait)."""
         world = self._world()
         if not self.releases:  # nothing to let go of: no rank waits for another
             return
         world.bridge.barrier(phase="rollout done")
-        if self.is_leader:
+
+        def release() -> None:
             self.client.pause("abort")
             self.client.release(self.REGIONS)
+
+        self._on_leader(release, self.engine_ranks, "engine released")
 
     def resume_weights(self) -> None:
         world = self._world()
         if not self.releases:
             return
-        if self.is_leader:
-            self.client.resume(["weights"])
-        world.bridge.barrier(phase="engine resume weights")
+        self._on_leader(lambda: self.client.resume(["weights"]), world.bridge, "engine resume weights")
 
     def resume_kv(self) -> None:
+        """After the trainer's put-away: the KV cache and CUDA graphs are mapped on every GPU of
+        the engine, so the leader waits for every rank of its engine to have put its trainer
+        away and finished its NCCL teardown (waited for here, where the caller has not)."""
         world = self._world()
         if not self.releases:
             return
-        if self.is_leader:
+        world.wait_destroyed()
+        if self.engine_ranks is not None:
+            self.engine_ranks.barrier(phase=f"{self.name}: every rank's trainer put away")
+
+        def resume() -> None:
             self.client.resume(["kv_cache", "cuda_graph"])
             self.client.continue_generation()
-        world.bridge.barrier(phase="engine resume kv")
+
+        self._on_leader(resume, world.bridge, "engine resume kv")
+
+    def _on_leader(self, action: Callable[[], None], ranks: Bridge | None, phase: str) -> None:
+        """`action` (requests to the engine) on its leader; the ranks of `ranks` (a collective
+        over it; None: this rank alone) wait for it and learn every leader's failure, raised on
+        each of them as EnginePhaseError."""
+        error: str | None = None
+        cause: EngineError | None = None
+        if self.is_leader:
+            try:
+                action()
+            except EngineError as e:
+                error, cause = f"{self.name}: {e}", e
+        errors = [error] if ranks is None else ranks.all_gather_object(error, phase=phase)
+        failed = [e for e in errors if e]
+        if failed:
+            raise EnginePhaseError(f"{phase} failed on the engine's leader rank: " + "; ".join(failed)) from cause
 
     def weight_version(self) -> str | None:
         return self.client.weight_version()
@@ -278,8 +346,8 @@ class NodeEngine:
             try:
                 waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
                 log.info("engine healthy at %s after %.1fs", url, waited)
-                return proc
             except EngineError as e:
+                probe.close()
                 tail = proc.log_tail()
                 proc.stop()
                 # Another job may have taken the port between our probe and the server's bind.
@@ -287,8 +355,17 @@ class NodeEngine:
                     log.warning("engine port %d was taken; retrying on another port", port)
                     continue
                 raise proc.crashed_error(f"did not become healthy ({e})") from None
+            try:
+                (layout or EngineLayout(0, 1, 0, 1)).check_reported(probe.server_info())
+            except EngineError as e:
+                proc.stop()
+                raise proc.crashed_error(f"did not report its layout ({e})") from None
+            except ConfigError:
+                proc.stop()
+                raise
             finally:
                 probe.close()
+            return proc
         raise AssertionError("unreachable")
 
     def check_alive(self) -> None:
@@ -300,6 +377,21 @@ class NodeEngine:
         self.client.close()
         if self.process is not None:
             self.process.stop()
+        if self.engine_ranks is not None:
+            self.engine_ranks.close()
+            self.engine_ranks = None
+
+
+class EnginePhaseError(RuntimeError):
+    """A phase verb's request failed on an engine's leader; raised on every rank that waited for it."""
+
+
+def engine_releases(cfg: EngineConfig, backend: str, device: str) -> bool:
+    """Whether the engine frees its memory between rollouts when colocated: engine.release, auto
+    on CUDA; never SGLang on CPU, whose release frees nothing there (its memory saver needs CUDA)."""
+    if cfg.release == "auto":
+        return device == "cuda"
+    return bool(cfg.release) and not (backend == "sglang" and device == "cpu")
 
 
 def _started_everywhere(
@@ -310,22 +402,24 @@ def _started_everywhere(
     engines: set[str] | None = None,
 ) -> tuple[EngineProcess | None, str | None]:
     """Collective over the bridge: ranks given `start` (engine leaders) start their engine;
-    every rank learns its engine's URL. A failure anywhere raises on every rank; engines that
-    did start are stopped. `engines`: only these engines (by name) were started; the others'
-    ranks get (None, None)."""
-    process, url, error = None, None, None
+    every rank learns its engine's URL. A failure anywhere raises on every rank (ConfigError
+    where every failure is one: an engine that is not the one laid out); engines that did start
+    are stopped. `engines`: only these engines (by name) were started; the others' ranks get
+    (None, None)."""
+    process, url, error, refused = None, None, None, False
     if start is not None:
         try:
             process = start()
             url = process.url
-        except (EngineCrashed, EngineError, OSError) as e:
-            error = str(e)
-    entries = world.bridge.all_gather_object((layout.name, start is not None, url, error), phase=phase)
+        except (EngineCrashed, EngineError, OSError, ConfigError) as e:
+            error, refused = str(e), isinstance(e, ConfigError)
+    entries = world.bridge.all_gather_object((layout.name, start is not None, url, error, refused), phase=phase)
     failed = [e for e in entries if e[3] is not None]
     if failed:
         if process is not None:
             process.stop()
-        raise EngineCrashed("; ".join(f"{name}: {err}" for name, _, _, err in failed))
+        message = "; ".join(err if config else f"{name}: {err}" for name, _, _, err, config in failed)
+        raise ConfigError(message) if all(e[4] for e in failed) else EngineCrashed(message)
     if engines is not None and layout.name not in engines:
         return None, None
     return process, next(e[2] for e in entries if e[0] == layout.name and e[1])

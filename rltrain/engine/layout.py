@@ -20,12 +20,17 @@ cannot hold.
 
 On CPU a "GPU" is a rank: the same layout, with the node's CPU cores shared out between the
 engines' TP ranks (`cpu_binding`).
+
+A started engine's own report of its layout (/server_info) must be this layout
+(`check_reported`): the sync builds one payload per TP rank of the layout, and routes experts by
+SGLang's default expert groups.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from rltrain.config import ConfigError, EngineConfig
 from rltrain.runtime.env import DistEnv
@@ -101,6 +106,38 @@ class EngineLayout:
         """The global ranks of this rank's engine, in TP-rank order (torchrun numbers a node's
         ranks consecutively from `node_first_rank`)."""
         return [node_first_rank + r for r in self.local_ranks()]
+
+    def check_reported(self, info: dict[str, Any]) -> None:
+        """The engine's /server_info against this layout (ConfigError naming what to set): its
+        `tp_size` must be `gpus_per_engine` (an --tp-size in engine.extra_args would have the
+        sync build payloads for TP ranks that do not exist, or miss some), for every model; and
+        the two SGLang layouts whose expert placement the sync's routing does not follow are
+        refused: `moe_dp_size` > 1 with expert parallelism (SGLang's EP groups are then cut
+        from tp / (ep * moe_dp) ranks), and an elastic-EP joiner (`ep_join_rank_offset` != 0:
+        its EP ranks start at the offset)."""
+        where = f"{self.name} (engine.extra_args or the engine's defaults)"
+        tp = info.get("tp_size")
+        if tp != self.gpus_per_engine:
+            raise ConfigError(
+                f"{where} reports tp_size={tp!r}, but it was laid out over {self.gpus_per_engine} GPU(s) "
+                f"(engine.gpus_per_engine={self.gpus_per_engine}): the sync would build weight payloads for TP "
+                "ranks that do not exist, or miss some. Set the engine's TP size through engine.gpus_per_engine, "
+                "not --tp-size in engine.extra_args"
+            )
+        moe_dp, ep = info.get("moe_dp_size", 1), info.get("ep_size", 1)
+        if moe_dp != 1 and ep != 1:
+            raise ConfigError(
+                f"{where} reports moe_dp_size={moe_dp!r} with ep_size={ep!r}: SGLang then builds its expert groups "
+                f"over tp_size / (ep_size * moe_dp_size) ranks, which the sync's expert routing does not follow; "
+                "start it with --moe-dp-size 1 (the default), or without expert parallelism"
+            )
+        offset = info.get("ep_join_rank_offset", 0)
+        if offset:
+            raise ConfigError(
+                f"{where} reports ep_join_rank_offset={offset!r} (an elastic-EP joiner): its EP ranks start at "
+                "that offset, which the sync's expert routing does not follow; start it without "
+                "--elastic-ep-join-rank-offset"
+            )
 
     def cpu_binding(self, cores: list[int] | None = None) -> str:
         """SGLang's SGLANG_CPU_OMP_THREADS_BIND for this engine on CPU: the node's cores split

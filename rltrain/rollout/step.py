@@ -1,8 +1,8 @@
-"""A rank's rollout of each step, in the loop's order: the step's prompts drawn and sampled (with
-the step's own seeds if rollout.seeded), more batches of prompts while DAPO's dynamic sampling
-wants them (dynamic_sampling.py); after an engine restart, the failed groups once more; then the
-groups trained on: every sample from the current weights, and with dynamic sampling this rank's
-share of the informative groups.
+"""A rank's rollout of each step, in the loop's order: the step's prompts drawn and sampled (every
+sample with its own seed: the step's if rollout.seeded, else fresh ones), more batches of prompts
+while DAPO's dynamic sampling wants them (dynamic_sampling.py); after an engine restart, the
+failed groups once more; then the groups trained on: every sample from the current weights, and
+with dynamic sampling this rank's share of the informative groups.
 
 `collect` starts a step; `retry_failed` and `for_training` act on that step's prompts, sampling
 parameters and number of batches, which `collect` keeps.
@@ -11,6 +11,7 @@ parameters and number of batches, which `collect` keeps.
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 from rltrain.config import Config
@@ -38,6 +39,10 @@ class StepRollout:
             n=cfg.rollout.n,
             stop_token_ids=list(cfg.rollout.stop_token_ids) or None,
         )
+        # rollout.seeded=false still seeds every sample, from this rank's own generator: SGLang's
+        # deterministic sampler gives a row without a seed the seed 42, which makes the n samples of
+        # a prompt one sample n times. A new run draws what the last drew; a resumed one does not.
+        self._fresh_seeds = random.Random(f"rltrain/rollout/{cfg.run.seed}/{world.rank}")
         # The step's, set by `collect`.
         self._prompts: list[Prompt] = []
         self._params = self.run_params
@@ -46,11 +51,11 @@ class StepRollout:
     def collect(self, client: RolloutClient, step: int) -> Rollout:
         """Step `step`'s prompts for this rank, sampled and scored (a collective with dynamic sampling)."""
         cfg, world = self.cfg, self.world
-        self._params = self.run_params
         if cfg.rollout.seeded:
-            self._params = dataclasses.replace(
-                self.run_params, sampling_seed=rollout_seed(cfg.run.seed, step, world.rank)
-            )
+            seed = rollout_seed(cfg.run.seed, step, world.rank)
+        else:  # spaced as the step's seeds are (rows add their place, far below the spacing)
+            seed = self._fresh_seeds.randrange(1 << 40) * 1_000_000
+        self._params = dataclasses.replace(self.run_params, sampling_seed=seed)
         self._prompts = self.sampler.next_batch(world.rank, world.world_size)
         rollout = collect.collect(client, self._prompts, self._params, self.tokenizer, self.rewards)
         self._batches = 1

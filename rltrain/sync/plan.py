@@ -94,6 +94,11 @@ class EngineParallelism:
     eplb: bool = False
     redundant_experts: int = 0
     a2a_backend: str = "none"
+    # SGLang's --moe-dp-size (its EP groups are then cut from tp / (ep * moe_dp) ranks) and its
+    # elastic-EP join offset (its EP ranks start there): routing follows neither, and NodeEngine
+    # refuses both at launch (moe_dp_size > 1 with ep_size > 1; EngineLayout.check_reported).
+    moe_dp_size: int = 1
+    ep_offset: int = 0
 
     @classmethod
     def from_server_info(cls, info: dict) -> EngineParallelism:
@@ -110,6 +115,8 @@ class EngineParallelism:
             eplb=bool(info.get("enable_eplb", False)),
             redundant_experts=number("ep_num_redundant_experts", 0),
             a2a_backend=str(info.get("moe_a2a_backend") or "none"),
+            moe_dp_size=number("moe_dp_size", 1),
+            ep_offset=number("ep_join_rank_offset", 0),
         )
 
 
