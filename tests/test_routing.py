@@ -129,16 +129,37 @@ def test_dense_models_tied_and_untied_are_all_dense():
         assert ("lm_head.weight" in names) == (not tied)
 
 
-def test_an_expert_name_the_sync_does_not_know_is_an_error_naming_it():
-    for name in ("model.layers.0.mlp.expert_bias", "model.layers.0.mlp.Experts3.w1.weight"):
+def test_an_expert_name_the_sync_does_not_know_is_an_error_naming_it_where_experts_are_routed():
+    for name in ("model.layers.0.mlp.expert_scale", "model.layers.0.mlp.Experts3.w1.weight"):
         with pytest.raises(UnknownWeightName, match=re.escape(repr(name))):
             classify(name)
     specs = [
         WeightSpec("model.embed_tokens.weight", (4, 2), torch.float32),
-        WeightSpec("model.layers.0.mlp.expert_bias", (4,), torch.float32),
+        WeightSpec("model.layers.0.mlp.experts.0.w1.weight", (2, 2), torch.float32),
+        WeightSpec("model.layers.0.mlp.experts.1.w1.weight", (2, 2), torch.float32),
+        WeightSpec("model.layers.0.mlp.expert_scale", (4,), torch.float32),
     ]
-    with pytest.raises(UnknownWeightName, match="expert_bias"):
-        build_plan(specs, EngineTopology((1,), 0), 1 << 20)  # at any EP size: never silently dense
+    with pytest.raises(UnknownWeightName, match="expert_scale"):
+        build_plan(specs, EngineTopology((2,), 2), 1 << 20)  # EP 2: never silently dense
+    # At EP 1 nothing is routed: every engine rank takes every weight, whatever its name.
+    plan = build_plan(specs, EngineTopology((1,), 2), 1 << 20)
+    assert not plan.routed and all(plan.targets[s.name] == (0,) for s in specs)
+
+
+def test_a_routers_expert_bias_is_dense_at_every_ep_size():
+    """Bailing/Ling's `mlp.gate.expert_bias` (SGLang's BailingMoEGate) is the router's per-expert
+    score bias: every rank's router reads it (it was refused even at EP 1)."""
+    name = "model.layers.0.mlp.gate.expert_bias"
+    assert classify(name).kind == "dense"
+    specs = [
+        WeightSpec("model.layers.0.mlp.gate.weight", (2, 4), torch.float32),
+        WeightSpec(name, (2,), torch.float32),
+        WeightSpec("model.layers.0.mlp.experts.0.w1.weight", (2, 2), torch.float32),
+        WeightSpec("model.layers.0.mlp.experts.1.w1.weight", (2, 2), torch.float32),
+    ]
+    for ep in (1, 2):
+        plan = build_plan(specs, EngineTopology((ep,), 2), 1 << 20)
+        assert plan.targets[name] == tuple(range(ep)) and plan.routed == (ep > 1)
 
 
 def test_fused_expert_tensors_are_not_routed_and_the_reason_names_one():
@@ -181,6 +202,8 @@ SGLANG_INFO = {  # the fields of SGLang 0.5.23's /server_info the router reads (
         ([{**SGLANG_INFO, "enable_eplb": True}], "EPLB"),
         ([{**SGLANG_INFO, "ep_num_redundant_experts": 2}], "redundant experts"),
         ([{**SGLANG_INFO, "moe_a2a_backend": "deepep"}], "deepep"),
+        ([{"ep_size": 2, "ep_rank": r, "moe_dp_size": 2} for r in (0, 1)], "--moe-dp-size 2"),
+        ([{"ep_size": 2, "ep_rank": r, "ep_join_rank_offset": 4} for r in (0, 1)], "rank offset 4"),
         ([SGLANG_INFO], "inside each engine"),
         ([{"ep_size": 2, "ep_rank": 0}, {"ep_size": 4, "ep_rank": 1}], "layouts differ"),
         ([{"ep_size": 2, "ep_rank": 1}, {"ep_size": 2, "ep_rank": 0}], "receiver 0 reports EP rank 1 of 2"),

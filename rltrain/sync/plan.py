@@ -205,7 +205,10 @@ def build_plan(
     ep = topology.ep_size
     everyone = tuple(range(ep))
     inside = topology.inside
-    kinds = {w.name: classify(w.name) for w in weights}  # an unknown expert name raises, naming it
+    # Where experts could be routed, an unknown expert name raises, naming it. At EP 1 nothing is
+    # routed: every rank takes every weight whatever its name says, so no name is refused there.
+    routable = (inside.ep_size if inside is not None else ep) > 1
+    kinds = {w.name: classify(w.name) if routable else WeightKind("dense") for w in weights}
     reason = _routing_refused(kinds, topology)
     targets: dict[str, tuple[int, ...]] = {}
     for w in weights:
@@ -297,6 +300,11 @@ def _layout_refused(topo: EngineTopology) -> str | None:
             return f"engine {i} keeps {la.redundant_experts} redundant experts: some experts live on several ranks"
         if la.a2a_backend != "none":
             return f"engine {i} dispatches experts with {la.a2a_backend!r}: its expert placement is not known here"
+        # (refused at launch for the engines rltrain starts; here for any engine it is handed)
+        if la.moe_dp_size > 1 and la.ep_size > 1:
+            return f"engine {i} runs --moe-dp-size {la.moe_dp_size}: its EP groups are not the ones routed here"
+        if la.ep_offset:
+            return f"engine {i} joined elastic EP at rank offset {la.ep_offset}: its expert placement is not known here"
     if len({(la.tp_size, la.ep_size, la.dp_size) for la in layouts}) > 1:
         return f"the engines' layouts differ: {[(la.tp_size, la.ep_size, la.dp_size) for la in layouts]} (tp, ep, dp)"
     la = layouts[0]

@@ -52,6 +52,10 @@ except internals.InternalMissing:  # transformers < 5: checkpoints and modules s
 
 EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 SHARED_EXPERT = re.compile(r"(?:^|\.)shared_experts?(?:\.|_gate\.)")  # DeepSeek's, Qwen2-MoE's (and its gate)
+# A router's per-expert score bias (Bailing/Ling's `gate.expert_bias`, AFMoE's and Hunyuan-V3's
+# `expert_bias`: shape (num_experts,), SGLang 0.5.23's `models/bailing_moe.py` BailingMoEGate):
+# the router on every rank reads all of it, so it is dense, not an expert's weight.
+ROUTER_BIAS = re.compile(r"(?:^|\.)expert_bias$")
 FUSED_EXPERTS = re.compile(r"(?:^|\.)experts\.(?!\d)")  # one tensor for all experts (gpt-oss-style checkpoints)
 
 
@@ -84,6 +88,8 @@ def classify(name: str) -> WeightKind:
         return WeightKind("shared")
     if FUSED_EXPERTS.search(name):
         return WeightKind("fused_experts")
+    if ROUTER_BIAS.search(name):
+        return WeightKind("dense")
     if "expert" in name.lower():
         raise UnknownWeightName(
             f"weight {name!r} mentions experts but is neither a routed expert ('...experts.<e>...'), a "

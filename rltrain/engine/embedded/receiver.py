@@ -126,7 +126,8 @@ class WeightReceiver:
                 if seen is not t and (seen.shape != t.shape or seen.dtype != t.dtype or not torch.equal(seen, t)):
                     raise ValueError(f"TP ranks' copies of {n!r} differ (rank {k}'s is not rank 0's)")
             names_of.append(mine)
-        dense_names = {n for n in first if classify(n).expert is None}  # each name classified once
+        # (each name classified once; at EP 1 every weight is every rank's, whatever its name)
+        dense_names = {n for n in first if layout.ep_size <= 1 or classify(n).expert is None}
         dense0 = names_of[0] & dense_names
         for k, mine in enumerate(names_of):
             dense = mine & dense_names
