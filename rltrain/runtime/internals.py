@@ -37,7 +37,7 @@ class Internal:
     needs: str | None = None  # "cuda": exists only in CUDA builds of torch; "megatron": megatron-core installed
 
 
-_TORCH = "torch 2.11 (H200), 2.13 (CPU)"
+_TORCH = "torch 2.11 (H200), 2.13 (CPU), 2.14.1 (its CUDA build, on the CPU in CI)"
 _FSDP = "torch.distributed.fsdp._fully_shard"
 _MCORE = "megatron-core 0.16.1, 0.19.2"
 
