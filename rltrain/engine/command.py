@@ -106,6 +106,11 @@ def engine_seed(seed: int, layout: EngineLayout | None) -> int:
     return seed + layout.node_rank * layout.engines_per_node + layout.engine
 
 
+def _program(module: str, model_path: str, host: str, port: int) -> list[str]:
+    """The start of either server's command line (both take these flags, spelled so)."""
+    return [sys.executable, "-m", module, "--model-path", model_path, "--host", host, "--port", str(port)]
+
+
 def server_command(
     cfg: EngineConfig,
     model_path: str,
@@ -123,15 +128,7 @@ def server_command(
     tp_size, base_gpu = (layout.gpus_per_engine, layout.base_gpu_id) if layout is not None else (1, 0)
     if backend == "embedded":
         cmd = [
-            sys.executable,
-            "-m",
-            "rltrain.engine.embedded",
-            "--model-path",
-            model_path,
-            "--host",
-            host,
-            "--port",
-            str(port),
+            *_program("rltrain.engine.embedded", model_path, host, port),
             "--device",
             device if device == "cpu" else f"cuda:{base_gpu}",
             "--dtype",
@@ -159,15 +156,7 @@ def server_command(
             cmd += ["--weights-root", str(root)]
     elif backend == "sglang":
         cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            "--model-path",
-            model_path,
-            "--host",
-            host,
-            "--port",
-            str(port),
+            *_program("sglang.launch_server", model_path, host, port),
             "--tp-size",
             str(tp_size),
             "--mem-fraction-static",
