@@ -23,7 +23,8 @@ from rltrain.rollout import synthetic
 from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
 from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.stop import clear_marker
-from rltrain.sync.weight_sync import WeightSync, probe_at_start
+from rltrain.sync.calibration import probe_at_start
+from rltrain.sync.weight_sync import WeightSync
 from rltrain.trainer.fsdp import FSDPTrainer
 from rltrain.weights.hf_files import context_length_of
 

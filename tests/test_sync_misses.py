@@ -34,7 +34,8 @@ def _missing_rank(rank: int, world_size: int, model: str, url: str, dropped: str
     from rltrain.config import AlgoConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient
     from rltrain.runtime.world import World
-    from rltrain.sync.weight_sync import WeightSync, probe_at_start
+    from rltrain.sync.calibration import probe_at_start
+    from rltrain.sync.weight_sync import WeightSync
     from rltrain.trainer.fsdp import FSDPTrainer
 
     world = World(backend="gloo", timeout=120)

@@ -1,6 +1,6 @@
 """The probe: a natural token sequence every engine scores after each sync, against the trainer's
 log-probs of it, and the bounds its differences are judged by. Pure: no request, no collective
-(`weight_sync.probe_at_start` and `WeightSync` take the measurements).
+(`calibration.py` takes the measurements).
 
 The sequence (`StartProbe.tokens`) is the first data prompt's first tokens (`natural_prefix`)
 and the greedy continuation of them by rank 0's engine, made once at start-up: text the model

@@ -41,6 +41,8 @@ from typing import Any
 import torch
 
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
+from rltrain.engine.layout import EngineLayout
+from rltrain.interfaces import World
 from rltrain.sync.plan import SyncPlan
 from rltrain.sync.probe import ProbeBounds, ProbeDiff, probe_error
 from rltrain.sync.transport import SessionEnds
@@ -336,6 +338,14 @@ class EngineVerifier:
                 else:
                     out.append(ProbeScore(name, refused=str(e)))
         return out
+
+
+def engine_place(world: World, engine: EngineLayout | None) -> tuple[str, bool]:
+    """This rank's engine's name and whether this rank is its leader (which talks to it): by the
+    layout, else the node's one engine, led by the node's leader."""
+    if engine is not None:
+        return engine.name, engine.is_engine_leader
+    return f"node{world.env.node_rank}-engine0", world.env.is_node_leader
 
 
 def receiver_names(engine_name: str, n: int) -> list[str]:

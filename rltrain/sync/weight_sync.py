@@ -14,8 +14,8 @@ stream of the trainer's tensors, the agreement of every rank on a failure (no ra
 failed one), and the verification around it (`sync.verify`: what is checked, each rank's report
 and the verdict are in verify.py; SGLang's engines are reset before the send, so that what it
 misses is garbage the checks see). The probe (probe.py) is made and measured at start-up, while
-the engines serve model.path as each loaded it (`probe_at_start`), and its bounds calibrated here
-against the trainer, which holds those weights still. It runs at one moment per run
+the engines serve model.path as each loaded it (`calibration.probe_at_start`), and its bounds calibrated
+against the trainer as it is built, which holds those weights still. It runs at one moment per run
 (`verify.ProbeMoment`, logged by the setup): the trainer's log-probs are taken in `push` (it is on
 the device; by rank 0 for every rank where its forward is no collective, `trainer.gathered()`);
 the engines score it once awake again (`probe_engines`: a forward needs the KV cache they get
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -38,15 +38,15 @@ from rltrain.config import Config
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
 from rltrain.interfaces import Needs, Trainer, World
-from rltrain.sync import probe, verify
+from rltrain.sync import calibration, probe, verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
 from rltrain.sync.plan import EngineParallelism, EngineTopology, SyncPlan, WeightSpec, build_plan
-from rltrain.sync.probe import ProbeBounds, ProbeDiff, StartProbe
+from rltrain.sync.probe import ProbeBounds, StartProbe
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import SyncContext, Transport, WeightStream
 from rltrain.sync.verify import ProbeMoment, Sums
-from rltrain.weights.checksum import WeightMismatchError, entry, fetched
+from rltrain.weights.checksum import entry, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 
 log = logging.getLogger("rltrain.sync")
@@ -88,48 +88,6 @@ def engine_layouts(receivers: list[EngineClient]) -> tuple[EngineParallelism, ..
     return tuple(out)
 
 
-def engine_place(world: World, engine: EngineLayout | None) -> tuple[str, bool]:
-    """This rank's engine's name and whether this rank is its leader (which talks to it): by the
-    layout, else the node's one engine, led by the node's leader."""
-    if engine is not None:
-        return engine.name, engine.is_engine_leader
-    return f"node{world.env.node_rank}-engine0", world.env.is_node_leader
-
-
-def probe_at_start(
-    cfg: Config, world: World, receivers: list[EngineClient], engine: EngineLayout | None, prompt: Sequence[int]
-) -> StartProbe | None:
-    """Collective over the bridge, while the engines serve model.path as each loaded it (before
-    their first release or sync): the probe's tokens — `prompt`'s first tokens and rank 0's
-    engine's greedy continuation of them, `sync.probe_tokens` in all — and every engine's
-    log-probs of them, for `WeightSync` to calibrate its bounds against the trainer. None where
-    the probe is off. An engine that gives none fails the start on every rank, naming it."""
-    length = cfg.sync.probe_tokens
-    if not (cfg.sync.verify and length):
-        return None
-    name, leader = engine_place(world, engine)
-    prefix = probe.natural_prefix(prompt, length)
-    tokens, error = None, None
-    if world.rank == 0:
-        try:
-            tokens = prefix + receivers[0].greedy(prefix, length - len(prefix))
-        except EngineError as e:
-            error = f"{name} gave no greedy continuation of the probe's prompt at start-up: {e}"
-    tokens, error = world.bridge.broadcast_object((tokens, error), src=0, phase="sync probe tokens")
-    scores: dict[str, list[float]] = {}
-    if error is None and leader:
-        for engine_name, client in zip(verify.receiver_names(name, len(receivers)), receivers):
-            try:
-                scores[engine_name] = client.score(tokens)
-            except EngineError as e:
-                error = f"{engine_name} could not score the probe at start-up: {e}"
-                break
-    errors = world.bridge.all_gather_object(error, phase="sync probe at start")
-    if any(errors):
-        raise RuntimeError(next(e for e in errors if e))
-    return StartProbe(tokens, len(prefix), scores)
-
-
 class WeightSync:
     """`receivers`: this rank's engine clients, indexed by EP rank (the loop: its one engine;
     with several and a MoE model, experts are routed, plan.py). `engine`: this rank's place in
@@ -137,7 +95,7 @@ class WeightSync:
     one engine of TP size 1 per node, sent to by the node's leader). Every rank of an engine
     holds the same list (each checks the served version). `awake`: the engines keep their memory
     through the sync (`NodeEngine.releases` false), so the probe is scored in `push`. `start`:
-    the engines' scores of the probe at start-up (`probe_at_start`): the trainer scores it here,
+    the engines' scores of the probe at start-up (`calibration.probe_at_start`): the trainer scores it here,
     as it holds model.path's weights still, and the probe's bounds are calibrated from the
     difference (a collective); None: random tokens, the precision's ceilings. `alive`: whether
     this rank's engine process still runs (asked by its leader when an engine does not answer)."""
@@ -157,7 +115,7 @@ class WeightSync:
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="rltrain-probe")
         env = world.env
-        self.engine_name, self.leader = engine_place(world, engine)
+        self.engine_name, self.leader = verify.engine_place(world, engine)
         self.tp_rank, tp_size = (engine.tp_rank, engine.gpus_per_engine) if engine is not None else (0, 1)
         self.tp_group = None
         if engine is not None and tp_size > 1:
@@ -187,7 +145,13 @@ class WeightSync:
                 "the sync misses is seen only by the probe, and there as last version's copy",
                 self.engine_name,
             )
-        tokens, bounds = self._probe_and_bounds(checks, caps, model_cfg.vocab_size, start)
+        tokens, bounds = (
+            ([], ProbeBounds.fixed(0.0))
+            if checks.probe is ProbeMoment.OFF
+            else calibration.tokens_and_bounds(
+                cfg.sync, world, caps, self.plan, model_cfg.vocab_size, start, self._trainer_probe, trainer.sharded
+            )
+        )
         self.verifier = verify.EngineVerifier(
             self.receivers, self.engine_name, self.leader, self.plan, caps, checks, tokens, bounds, alive
         )
@@ -217,40 +181,6 @@ class WeightSync:
         self.transport: Transport = make_transport(cfg.sync_transport, context)
         self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
         self.verify_seconds = self.reset_seconds = 0.0  # of the last push
-
-    def _probe_and_bounds(
-        self, checks: verify.Checks, caps: EngineCapabilities, vocab: int, start: StartProbe | None
-    ) -> tuple[list[int], ProbeBounds]:
-        """The probe's tokens and bounds: calibrated from `start` against the trainer's log-probs
-        of its tokens now (a collective), where it is given; else random tokens within the
-        precision's ceilings. An engine that computed otherwise at start-up stops the run here."""
-        cfg = self.cfg.sync
-        if checks.probe is ProbeMoment.OFF:
-            return [], ProbeBounds.fixed(0.0)
-        engine_dtype = getattr(torch, caps.dtype) if caps.dtype else None
-        precision = probe.precision(engine_dtype, self.plan.weights[0].dtype)
-        if start is None:
-            return probe.random_tokens(vocab, cfg.probe_tokens), probe.uncalibrated(cfg, precision)
-        rank0 = self.world.rank == 0
-        ours = self._trainer_probe(start.tokens) if rank0 or self.trainer.sharded else None
-        gathered = self.world.bridge.all_gather_object((start.scores, ours if rank0 else None), phase="sync probe")
-        reference = gathered[0][1]
-        measured = {name: ProbeDiff.of(lp, reference) for scores, _ in gathered for name, lp in scores.items()}
-        errors = [e for name, d in sorted(measured.items()) if (e := probe.start_error(name, d, cfg, precision))]
-        if errors:
-            raise WeightMismatchError("; ".join(errors))
-        bounds = probe.calibrated(cfg, precision, ProbeDiff.largest(list(measured.values())))
-        if rank0:
-            log.info(
-                "sync probe: %d tokens, %d of the first prompt and the engine's greedy continuation; bounds: mean "
-                "%.3g, worst position %.3g (%s)",
-                len(start.tokens),
-                start.prompt_tokens,
-                bounds.mean,
-                bounds.worst,
-                bounds.how,
-            )
-        return start.tokens, bounds
 
     @property
     def timings(self) -> dict[str, float]:
