@@ -103,3 +103,23 @@ def test_reading_weights_for_a_checksum_a_file_or_a_delta_leaves_their_storage_r
     for t in weights.values():
         assert t.untyped_storage().resizable()
         t.untyped_storage().resize_(0)  # what FSDP2's reshard does
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
+def test_the_gpu_kernels_block_rows_fold_to_the_definitions_sums(n):
+    """kernels/triton_checksum.block_sums (the CUDA path; here under Triton's interpreter): its
+    rows of partial sums, folded with other tensors' rows in one `fold`, are the definition, at
+    extreme words too (where a wrong widening or wrap would show)."""
+    from rltrain.kernels.triton_checksum import block_sums
+    from rltrain.weights import checksum as integrity
+
+    g = torch.Generator().manual_seed(n)
+    t = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+    extreme = torch.full((n + 5,), -(2**31), dtype=torch.int32)
+    small = torch.arange(9, dtype=torch.int32)
+    rows = [block_sums(t, integrity.BLOCK), block_sums(extreme, integrity.BLOCK), integrity._device_sums(small)]
+    assert rows[0].shape == (max(1, -(-n // integrity.BLOCK)), 2)
+    folded = [tuple(p) for p in integrity.fold(rows).tolist()]
+    assert folded == [_reference(t), _reference(extreme), _reference(small)]
+    with pytest.raises(ValueError, match="int32"):
+        block_sums(t.to(torch.int64), integrity.BLOCK)

@@ -557,3 +557,26 @@ def test_cuda_memory_saver_keeps_the_graphs_through_release_and_resume(model_a, 
     finally:
         srv.client.close()
         srv.process.stop()
+
+
+def test_cuda_checksums_by_the_kernel_equal_the_torch_ops_sums():
+    """weights/checksum.py on a GPU sums through kernels/triton_checksum.py: every tensor's sums
+    equal the torch path's (the definition, tested on the CPU) on the same device, for bf16
+    weights of odd sizes and one of more than 2**31 words (8 GiB: int64 offsets inside the kernel)."""
+    from rltrain.weights import checksum as integrity
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [
+        torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        for n in (1, 2, 3, 4095 * 2, 4096 * 2 + 1, 151936 * 257)
+    ]
+    tensors.append(torch.randint(-(2**31), 2**31 - 1, ((1 << 31) + 7,), dtype=torch.int32, device="cuda", generator=g))
+    rows = [integrity._device_sums(t) for t in tensors]
+    assert all(r.shape[0] > 1 for r in rows[-2:])  # the kernel's rows, not one torch-path row
+    got = [tuple(p) for p in integrity.fold(rows).tolist()]
+    want = []
+    for t in tensors:
+        flat = t.contiguous().reshape(-1).view(torch.uint8)
+        flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 4)]).view(torch.int32)
+        want.append(tuple(integrity._torch_sums(flat).tolist()))
+    assert got == want

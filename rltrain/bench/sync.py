@@ -353,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 elif a.profile and not verify:
                     ws.push(str(len(results) * 100 + 99))
+                if verify:
+                    verify_s = ws.timings["verify"]  # of the last timed push: the reset and the verdict
                 ws.close()
                 results[verify] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
@@ -412,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"{results[True][0] - best:9.3f} | "
                     f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}"
                     + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else "")
+                )
+                extra = results[True][0] - best
+                print(
+                    f"{'':>11s} verification {extra:.3f} s = {extra / best:.0%} of the sync's own time: "
+                    f"inside the send and its end (both ends' checksums, the probe) {extra - verify_s:.3f} s, "
+                    f"the verdict after it {verify_s:.3f} s"
                 )
             world.bridge.barrier(f"{transport} measured")
         finally:

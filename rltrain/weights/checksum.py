@@ -14,8 +14,13 @@ once (a bounded temporary, 128 MiB) and reduced along both axes: with i = r * CO
 
 (torch widens a whole input to the sum's dtype before reducing it unless it is half to float on
 a GPU, so reducing the int32 matrix with dtype=int64 directly would copy a 0.6 GB embedding to
-1.2 GB.) The sums stay on the device until `combine` needs them, which fetches every tensor's
-in one transfer instead of waiting for the device once per tensor.
+1.2 GB.) On a GPU one Triton kernel per tensor reads the words once instead
+(kernels/triton_checksum.py): a row of partial sums per block of BLOCK words. Either way a
+tensor's sums are rows (plain, weighted) where row b covers the words from b * BLOCK on, its
+weighted sum by position inside the row's block (one row of whole-tensor sums is the block at
+0). They stay on the device until `combine` needs them: `fold` adds every tensor's rows up in a
+few torch ops for all of them together, fetched in one transfer instead of waiting for the
+device once per tensor.
 """
 
 from __future__ import annotations
@@ -32,20 +37,41 @@ COLS = 4096  # int32 words per row of the reduction
 ROWS = 4096  # rows widened to int64 at a time: 128 MiB
 HOST_WORDS = 1 << 16  # a host tensor up to this many words is summed by numpy (`_host_sums`)
 HOST_BLOCK = HOST_WORDS
+BLOCK = 4096  # words per row of the GPU kernel's partial sums
 _POSITIONS = np.arange(1, HOST_BLOCK + 1, dtype=np.int64)
 
 
 @torch.no_grad()
 def _device_sums(t: torch.Tensor) -> torch.Tensor:
-    """[plain, position-weighted] int64 sums of `t`'s bytes as int32 words, on `t`'s device."""
+    """[rows, 2] int64 partial sums (module doc) of `t`'s bytes as int32 words, on `t`'s device."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = (-flat.numel()) % 4
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     words = flat.view(torch.int32)
-    if words.device.type == "cpu" and words.numel() <= HOST_WORDS:
-        return torch.tensor(_host_sums(host_bytes(words).view(np.int32)), dtype=torch.int64)
-    return _torch_sums(words)
+    if words.device.type == "cuda":
+        from rltrain.kernels.triton_checksum import block_sums  # noqa: PLC0415 - needs Triton: CUDA only
+
+        return block_sums(words, BLOCK)
+    if words.numel() <= HOST_WORDS:
+        return torch.tensor([_host_sums(host_bytes(words).view(np.int32))], dtype=torch.int64)
+    return _torch_sums(words).view(1, 2)
+
+
+def fold(parts: list[torch.Tensor]) -> torch.Tensor:
+    """[len(parts), 2] int64 (plain, weighted) sums of each tensor from its rows of partial sums
+    (`_device_sums`, all on one device): weighted = sum_b (b * BLOCK * plain_b + weighted_b),
+    with torch's int64 wrap-around."""
+    device = parts[0].device
+    rows = torch.cat(parts)
+    counts = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(parts)), counts).to(device)
+    first = (torch.cumsum(counts, 0) - counts).to(device)
+    block = torch.arange(rows.shape[0], dtype=torch.int64, device=device) - first[owner]
+    plain = torch.zeros(len(parts), dtype=torch.int64, device=device).index_add_(0, owner, rows[:, 0])
+    weighted = torch.zeros(len(parts), dtype=torch.int64, device=device)
+    weighted.index_add_(0, owner, block * BLOCK * rows[:, 0] + rows[:, 1])
+    return torch.stack([plain, weighted], dim=1)
 
 
 def _torch_sums(words: torch.Tensor) -> torch.Tensor:
@@ -88,7 +114,7 @@ def _wrap(x: int) -> int:
 
 
 def tensor_sums(t: torch.Tensor) -> tuple[int, int]:
-    s1, s2 = _device_sums(t).tolist()
+    s1, s2 = fold([_device_sums(t)])[0].tolist()
     return s1, s2
 
 
@@ -109,7 +135,7 @@ def fetched(sums: dict[str, Entry]) -> dict[str, tuple[str, tuple[int, ...], tup
             pending.setdefault(on_device.device, []).append((name, on_device))
     ints: dict[str, tuple[int, int]] = {}
     for group in pending.values():
-        for (name, _), pair in zip(group, torch.stack([t for _, t in group]).tolist()):
+        for (name, _), pair in zip(group, fold([t for _, t in group]).tolist()):
             ints[name] = (pair[0], pair[1])
     out = {}
     for n, (d, s, p) in sums.items():
