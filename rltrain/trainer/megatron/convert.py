@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weights for dense decoder models (Llama, Qwen2, Qwen3), with TP sharding.
+"""HF <-> megatron-core weights for Llama, Qwen2, Qwen3 and Qwen3-MoE / Mixtral, with TP sharding.
 
 megatron-bridge was considered first; it is not on PyPI for the megatron-core that Python 3.11
 resolves here (0.16.1), so the conversion is written out, for the three dense families only, and
@@ -33,13 +33,21 @@ expert names here use the *global* expert index; a model holding a block of expe
 parallel) maps them to its local indices. Experts are not tensor-parallel sharded yet (MoE needs
 TP=1). HF's `norm_topk_prob` (renormalise the top-k probabilities) is megatron's top-k before the
 softmax (`moe_router_pre_softmax=False`).
+
+HF -> megatron works on a rank's part only (`mcore_state`): a `WeightSource` hands out HF tensors
+or row/column slices of them, and each megatron weight of the rank's stage and experts is made
+from the slices that land in its TP shard (a run of query groups of q, k and v; a block of rows of
+gate and up; a block of columns of a row-parallel weight). Backed by the safetensors files
+(load.py) a rank reads its share of the checkpoint and no more; backed by a dict (`DictSource`) it
+converts a state held in memory, through the same code.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -212,7 +220,12 @@ def mcore_names(d: Dims) -> list[str]:
     return names
 
 
-# ---------------------------------------------------------------------- HF -> megatron (full)
+# ---------------------------------------------------------------------- names and shapes, megatron -> HF
+
+
+def _within_layer(name: str) -> str:
+    """A megatron weight name without its `decoder.layers.i.` prefix (others as they are)."""
+    return name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
 
 
 def hf_names_of(name: str, d: Dims) -> list[str]:
@@ -247,34 +260,10 @@ def hf_names_of(name: str, d: Dims) -> list[str]:
     raise ConversionError(f"unknown megatron weight {name!r}")
 
 
-def to_mcore(name: str, parts: list[torch.Tensor], d: Dims) -> torch.Tensor:
-    """The full megatron tensor `name` from its HF parts (in `hf_names_of` order)."""
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        q, k, v = parts
-        per = d.heads // d.groups * d.head_dim
-        tail = q.shape[1:]
-        fused = torch.cat(
-            [
-                q.reshape(d.groups, per, *tail),
-                k.reshape(d.groups, d.head_dim, *tail),
-                v.reshape(d.groups, d.head_dim, *tail),
-            ],
-            dim=1,
-        )
-        return fused.reshape(-1, *tail)
-    if rest == "mlp.linear_fc1.weight" or rest.endswith(".linear_fc1.weight"):
-        return torch.cat(parts, dim=0)
-    (t,) = parts
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight") and d.padded_vocab != d.vocab:
-        t = torch.cat([t, t.new_zeros(d.padded_vocab - d.vocab, *t.shape[1:])])
-    return t
-
-
 def from_mcore(name: str, full: torch.Tensor, d: Dims) -> list[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of a full megatron tensor."""
     hf = hf_names_of(name, d)
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         per = d.heads // d.groups * d.head_dim
         tail = full.shape[1:]
@@ -291,7 +280,7 @@ def from_mcore(name: str, full: torch.Tensor, d: Dims) -> list[tuple[str, torch.
 
 def full_shape(name: str, d: Dims) -> tuple[int, ...]:
     """The shape of a (global, unsharded) megatron weight."""
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     qkv_rows = (d.heads + 2 * d.groups) * d.head_dim
     return {
         "embedding.word_embeddings.weight": (d.padded_vocab, d.hidden),
@@ -310,32 +299,14 @@ def full_shape(name: str, d: Dims) -> tuple[int, ...]:
     }.get(rest) or {"linear_fc1": (2 * d.moe_ffn, d.hidden), "linear_fc2": (d.hidden, d.moe_ffn)}[rest.split(".")[-2]]
 
 
-# ---------------------------------------------------------------------- TP sharding
-
-
-def tp_shard(name: str, full: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    """This TP rank's part of a full megatron tensor."""
-    if tp == 1:
-        return full
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
-    if rest == "mlp.linear_fc1.weight":
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
-    if rest in _ROW_PARALLEL:
-        return full.chunk(tp, dim=1)[rank]
-    if rest.startswith("self_attention.linear_qkv") or name in (
-        "embedding.word_embeddings.weight",
-        "output_layer.weight",
-    ):
-        return full.chunk(tp, dim=0)[rank]
-    return full  # replicated (norms)
+# ---------------------------------------------------------------------- TP, EP and PP placement
 
 
 def tp_unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     """The full megatron tensor from every TP rank's part (in TP rank order)."""
     if len(parts) == 1:
         return parts[0]
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     if rest == "mlp.linear_fc1.weight":
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
@@ -350,12 +321,12 @@ def tp_unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def tp_partition_dim(name: str) -> int:
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     return 1 if rest in _ROW_PARALLEL else 0
 
 
 def is_tp_sharded(name: str) -> bool:
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     return (
         rest == "mlp.linear_fc1.weight"
         or rest in _ROW_PARALLEL
@@ -366,7 +337,7 @@ def is_tp_sharded(name: str) -> bool:
 
 def expert_of(name: str) -> int | None:
     """The global expert index of a megatron expert weight name (None: not an expert weight)."""
-    rest = name.split(".", 3)[-1] if name.startswith("decoder.layers.") else name
+    rest = _within_layer(name)
     m = _EXPERT.match(rest)
     return int(m.group(1)) if m else None
 
@@ -374,33 +345,6 @@ def expert_of(name: str) -> int | None:
 def local_expert_name(name: str, local: int) -> str:
     """`name` with its (global) expert index replaced by a local one."""
     return re.sub(r"local_experts\.\d+\.", f"local_experts.{local}.", name)
-
-
-def hf_to_mcore_shards(
-    hf: dict[str, torch.Tensor], d: Dims, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
-) -> dict[str, torch.Tensor]:
-    """This rank's megatron state (its TP shard; with expert parallel, its block of experts under
-    local indices) from a full HF state dict. Every HF weight must be used by some rank."""
-    out, used = {}, set()
-    per_rank = d.experts // ep if d.experts else 0
-    for name in mcore_names(d):
-        srcs = hf_names_of(name, d)
-        missing = [s for s in srcs if s not in hf]
-        if missing:
-            raise ConversionError(f"HF checkpoint lacks {missing} (needed for {name})")
-        used.update(srcs)
-        e = expert_of(name)
-        if e is not None:
-            if e // per_rank != ep_rank:
-                continue  # another expert-parallel rank's expert
-            out[local_expert_name(name, e % per_rank)] = to_mcore(name, [hf[s] for s in srcs], d)
-            continue
-        out[name] = tp_shard(name, to_mcore(name, [hf[s] for s in srcs], d), rank, tp)
-    unused = sorted(set(hf) - used - ({"lm_head.weight"} if d.tied else set()))
-    unused = [n for n in unused if not n.endswith("rotary_emb.inv_freq")]
-    if unused:
-        raise ConversionError(f"HF weights with no megatron counterpart: {unused[:5]}")
-    return out
 
 
 def stage_of(name: str, d: Dims, pp: int) -> int:
@@ -423,12 +367,157 @@ def stage_name(name: str, d: Dims, pp: int) -> str:
     return f"decoder.layers.{int(m.group(1)) % (d.layers // pp)}.{m.group(2)}"
 
 
-def to_stage(state: dict[str, torch.Tensor], d: Dims, pp: int, pp_rank: int) -> dict[str, torch.Tensor]:
-    """The part of a (TP-sharded) megatron state that pipeline stage `pp_rank` holds, under its
-    local names. With tied embeddings the last stage holds its own copy of the output head."""
-    if pp == 1:
-        return state
-    out = {stage_name(n, d, pp): t for n, t in state.items() if stage_of(n, d, pp) == pp_rank}
-    if d.tied and pp_rank == pp - 1:
-        out["output_layer.weight"] = state["embedding.word_embeddings.weight"]
+# ---------------------------------------------------------------------- HF -> megatron: a rank's part
+
+
+class WeightSource(Protocol):
+    """An HF checkpoint's tensors by name, read whole or in part: load.py's reads slices out of the
+    safetensors files, `DictSource` serves tensors already in memory."""
+
+    def names(self) -> Collection[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Rows `rows` (dim 0) and columns `cols` (dim 1) of tensor `name` (None: all of them), in
+        storage of its own: never a view that keeps the whole tensor or file alive."""
+        ...
+
+
+class DictSource:
+    """A `WeightSource` over HF tensors held in memory (a state dict)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def names(self) -> Collection[str]:
+        return self.tensors.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        t = self.tensors[name]
+        if rows is not None:
+            t = t[rows]
+        if cols is not None:
+            t = t[:, cols]
+        return t.clone()
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """The part of the model one rank holds: its tensor-parallel shard, its block of experts
+    (expert parallel) and its pipeline stage's layers."""
+
+    tp_rank: int = 0
+    tp: int = 1
+    ep_rank: int = 0
+    ep: int = 1
+    pp_rank: int = 0
+    pp: int = 1
+
+
+def hf_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
+    """Every HF weight the model is made of, at its checkpoint shape (tied: no `lm_head`)."""
+    return {
+        hf: tuple(t.shape)
+        for name in mcore_names(d)
+        for hf, t in from_mcore(name, torch.empty(full_shape(name, d), device="meta"), d)
+    }
+
+
+def check_source(src: WeightSource, d: Dims) -> None:
+    """Refuse a checkpoint whose weight names or shapes do not fit `d`, naming every misfit.
+    Reads no tensor data (shapes come from the files' headers)."""
+    want = hf_shapes(d)
+    have = set(src.names())
+    missing = sorted(set(want) - have)
+    ignored = {"lm_head.weight"} if d.tied else set()
+    unknown = sorted(n for n in have - set(want) - ignored if not n.endswith("rotary_emb.inv_freq"))
+    seen = {n: src.shape(n) for n in want if n in have}
+    wrong = [f"{n} {list(seen[n])}, expected {list(s)}" for n, s in want.items() if n in seen and seen[n] != s]
+    problems = [
+        f"{len(found)} {what}: {', '.join(found[:5])}{', ...' if len(found) > 5 else ''}"
+        for what, found in (
+            ("weights missing", missing),
+            ("weights with no megatron counterpart", unknown),
+            ("weights of the wrong shape", wrong),
+        )
+        if found
+    ]
+    if problems:
+        raise ConversionError(
+            "the HF checkpoint does not fit the model its config.json describes (is the config the "
+            "checkpoint's own?): " + "; ".join(problems)
+        )
+
+
+def _split(size: int, rank: int, n: int, what: str) -> slice:
+    """Rank `rank`'s contiguous run of `size` items split evenly over `n` ranks."""
+    if size % n:
+        raise ConversionError(f"{what} ({size}) do not split evenly over tensor parallel size {n}")
+    step = size // n
+    return slice(rank * step, (rank + 1) * step)
+
+
+def mcore_shard(name: str, src: WeightSource, d: Dims, tp_rank: int, tp: int) -> torch.Tensor:
+    """Tensor-parallel rank `tp_rank`'s part of the (global) megatron weight `name`, made of the rows
+    or columns of its HF tensors that land in it, read from `src` and no more."""
+    hf, rest = hf_names_of(name, d), _within_layer(name)
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        # A TP rank holds a contiguous run of query groups: that run's rows of q, k and v each.
+        per = d.heads // d.groups * d.head_dim
+        mine = _split(d.groups, tp_rank, tp, "the key/value heads")
+        q, k, v = (
+            src.read(n, slice(mine.start * rows, mine.stop * rows))
+            for n, rows in zip(hf, (per, d.head_dim, d.head_dim))
+        )
+        tail = q.shape[1:]
+        grouped = [q.reshape(-1, per, *tail), k.reshape(-1, d.head_dim, *tail), v.reshape(-1, d.head_dim, *tail)]
+        return torch.cat(grouped, dim=1).reshape(-1, *tail)
+    if rest == "mlp.linear_fc1.weight":  # [gate shard; up shard]
+        rows = _split(d.ffn, tp_rank, tp, "intermediate_size")
+        return torch.cat([src.read(n, rows) for n in hf])
+    if expert_of(name) is not None:  # experts are not TP-sharded: [gate; up], or down
+        return torch.cat([src.read(n) for n in hf]) if len(hf) == 2 else src.read(hf[0])
+    (one,) = hf
+    if rest in _ROW_PARALLEL:
+        return src.read(one, cols=_split(full_shape(name, d)[1], tp_rank, tp, f"the columns of {name}"))
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        # Vocabulary-parallel over the padded vocabulary: the padding rows (zeros) are not read.
+        rows = _split(d.padded_vocab, tp_rank, tp, "the padded vocabulary")
+        t = src.read(one, slice(min(rows.start, d.vocab), min(rows.stop, d.vocab)))
+        pad = rows.stop - rows.start - t.shape[0]
+        return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    return src.read(one)  # replicated: norms, the router
+
+
+def mcore_state(src: WeightSource, d: Dims, part: RankPart) -> dict[str, torch.Tensor]:
+    """A rank's megatron state from an HF checkpoint, under its stage's names: the weights of its
+    pipeline stage (with tied embeddings the last stage holds its own copy of the output head), its
+    block of experts under local indices, each cut to its TP shard. The checkpoint is checked whole
+    first (`check_source`), then only what the rank holds is read."""
+    check_source(src, d)
+    if d.experts % part.ep:
+        raise ConversionError(f"expert parallel size {part.ep} must divide the {d.experts} experts")
+    per_rank = d.experts // part.ep
+    out = {}
+    for name in mcore_names(d):
+        if stage_of(name, d, part.pp) != part.pp_rank:
+            continue
+        e = expert_of(name)
+        if e is not None and e // per_rank != part.ep_rank:
+            continue  # another expert-parallel rank's expert
+        local = name if e is None else local_expert_name(name, e % per_rank)
+        out[stage_name(local, d, part.pp)] = mcore_shard(name, src, d, part.tp_rank, part.tp)
+    if d.tied and part.pp > 1 and part.pp_rank == part.pp - 1:
+        out["output_layer.weight"] = mcore_shard("embedding.word_embeddings.weight", src, d, part.tp_rank, part.tp)
     return out
+
+
+def hf_to_mcore_shards(
+    hf: Mapping[str, torch.Tensor], d: Dims, rank: int, tp: int, ep_rank: int = 0, ep: int = 1
+) -> dict[str, torch.Tensor]:
+    """A rank's megatron state (one pipeline stage) from a full HF state dict held in memory."""
+    return mcore_state(DictSource(hf), d, RankPart(rank, tp, ep_rank, ep))
