@@ -210,6 +210,21 @@ REGISTRY: dict[str, Internal] = {
             "transformers 5.17, 5.19",
         ),
         Internal(
+            "transformers.PreTrainedModel._init_weights",
+            "weights/hf_sharded.py: compute_buffers",
+            "recomputes a module's non-persistent buffers (rotary inv_freq) after to_empty, as from_pretrained does "
+            "(each model's own override; checked by the buffers' tensor versions, refused where it writes none)",
+            "transformers 5.19",
+            field=True,
+        ),
+        Internal(
+            "torch.Tensor._version",
+            "weights/hf_sharded.py: compute_buffers",
+            "whether _init_weights wrote a buffer in place",
+            _TORCH,
+            field=True,
+        ),
+        Internal(
             "transformers.initialization.no_init_weights",
             "trainer/fsdp.py: _build",
             "building a model whose state is restored next without initialising it",

@@ -12,7 +12,9 @@ Offload keeps the modules and parks their storages in one page-locked host buffe
 
 The model is the one transformers builds, with the changes of `causal_lm.py` (the log-prob head,
 compiled blocks); its export gathers whole tensors in chunks and converts them to checkpoint
-names (weights/names.py).
+names (weights/names.py). It is built on the meta device and sharded before it is allocated, and
+each rank reads only its own shards of the checkpoint (weights/hf_sharded.py): no rank ever holds
+the whole model, on the device or in host memory.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from rltrain.trainer.sharding import (
 )
 from rltrain.trainer.state import GC_EVERY, capture_host_state, held, restore_host_state, return_memory, timed
 from rltrain.weights.hf_files import write_checkpoint
+from rltrain.weights.hf_sharded import compute_buffers, load_hf_checkpoint
 from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoint
 
 log = logging.getLogger("rltrain.trainer")
@@ -148,26 +151,24 @@ class FSDPTrainer:
         return self.cfg.attention
 
     def _build(self, init: str) -> PreTrainedModel:
-        """init: "checkpoint" (weights from model_path), "empty" (allocated on the device, no
-        random init; buffers computed), "meta" (nothing allocated; filled by `sharding.load`)."""
+        """init: "checkpoint" (weights from model_path, each rank reading only its own shards:
+        weights/hf_sharded.py), "empty" (allocated, no random init; buffers computed), "meta"
+        (allocated, nothing computed; filled by `sharding.load`). Built on the meta device and
+        sharded before anything is allocated: no rank ever holds the whole model."""
         attention = {"attn_implementation": self.attention} if self.attention != "auto" else {}
         if self.cfg.compile and self.attention == "flex_attention":
             attention["attn_implementation"] = outside_graphs("flex_attention")
-        if init == "checkpoint":
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **attention)
-            # (transformers declares its .to through functools.wraps, whose stub loses the bound self)
-            model = model.to(self.device)  # type: ignore[arg-type]
-        else:
-            # Skip the random init: the state is restored next, and initialising a large model on
-            # the host costs seconds. fork_rng: whatever init remains must not move the global
-            # RNG of a re-created run.
-            where = torch.device("meta") if init == "meta" else self.device
-            with (
-                torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
-                internals.no_init_weights(),
-                where,
-            ):
-                model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype, **attention)
+        # No init: the state is read or restored next. fork_rng: whatever init transformers still
+        # runs must not move the global RNG of a run.
+        with (
+            torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []),
+            internals.no_init_weights(),
+            torch.device("meta"),
+        ):
+            model = AutoModelForCausalLM.from_config(self._hf_config, dtype=self.dtype, **attention)
+        # no_init_weights skips tying, and `to_empty` makes a plain module's parameters anew, one
+        # per module: tied before sharding (FSDP2 keeps one parameter for both modules) and after.
+        model.tie_weights()
         head = model.get_output_embeddings()
         if LogprobHead.fits(head, model.config):
             model.set_output_embeddings(LogprobHead(head))
@@ -175,8 +176,12 @@ class FSDPTrainer:
             compile_blocks(model)
         if self.sharded:
             shard(model, self.device)
-        if init == "meta":
-            model.to_empty(device=self.device)
+        model.to_empty(device=self.device)
+        model.tie_weights()
+        if init == "checkpoint":
+            load_hf_checkpoint(model, self.model_path)
+        elif init == "empty":
+            compute_buffers(model)
         return model
 
     def _build_reference(self) -> PreTrainedModel | None:
