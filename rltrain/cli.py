@@ -8,6 +8,8 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import logging
 import os
 import sys
@@ -103,10 +105,16 @@ def _report_cpus(env: DistEnv) -> None:
 
 
 def train(cfg: Config, env: DistEnv, stop: StopRequest) -> int:
-    from rltrain.history import HistoryError  # noqa: PLC0415 - show-config and --help answer without importing torch
+    from rltrain.history import HistoryError, PreviousAttemptFailed  # noqa: PLC0415 - show-config and --help answer without importing torch
     from rltrain.loop import run  # noqa: PLC0415 - show-config and --help answer without importing torch
+    from rltrain.runtime.bridge import restart_attempt  # noqa: PLC0415 - show-config and --help answer without importing torch
+    from rltrain.runtime.failure import failing_in, how_the_job_failed, name_failure, record_failure  # noqa: PLC0415
     from rltrain.runtime.world import World  # noqa: PLC0415 - show-config and --help answer without importing torch
 
+    # A crash outside Python (a segfault or abort in a library, at exit too) prints every
+    # thread's Python stack instead of only an exit code.
+    with contextlib.suppress(ValueError, OSError, RuntimeError):  # a stderr without a file descriptor
+        faulthandler.enable(all_threads=True)
     # NCCL's cuMem allocations and SGLang's memory saver do not mix, and both ends of an NCCL
     # weight group must agree: off unless the user says otherwise (the engine inherits it).
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
@@ -121,26 +129,44 @@ def train(cfg: Config, env: DistEnv, stop: StopRequest) -> int:
         # the engine process.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    world = World.from_config(cfg.world, env)
-    ok = False
     try:
+        with failing_in(env.rank, "the world's start"):
+            world = World.from_config(cfg.world, env)
         last = run(cfg, world, stop)
-        ok = True
+        with failing_in(env.rank, "the world's close at the end of the run"):
+            world.close()
     except ConfigError as e:  # what only the machine shows (the engine layout, its device)
         print(f"rltrain: rank {env.rank}: config error: {e}", file=sys.stderr)
         return 2
     except HistoryError as e:
         if env.rank == 0:
             print(f"rltrain: refusing to start: {e}", file=sys.stderr)
+            if restart_attempt() > 0:  # what the attempt before it failed on
+                before = how_the_job_failed(cfg.run_dir, env.world_size)
+                print(f"rltrain: the attempt before this restart failed: {before}", file=sys.stderr)
         return 2
-    finally:
-        if ok:
-            world.close()
+    except PreviousAttemptFailed as e:
+        if env.rank == 0:
+            print(f"rltrain: {e}", file=sys.stderr)
+        return e.status
+    except BaseException as e:
+        name_failure(e, env.rank, "the loop")  # unless a part of it named it
+        record_failure(cfg.run_dir, env.rank, e)  # for the restart, if there is one
+        raise
     if env.rank == 0 and cfg.metrics.plot:
-        from rltrain.plot import write_plots  # noqa: PLC0415 - show-config and --help answer without importing torch
-
-        for p in write_plots(cfg.run_dir):
-            log.info("wrote %s", p)
+        _write_plots(cfg.run_dir)
     if env.rank == 0 and last:
         log.info("done: step %d, reward %.3f, pass rate %.3f", last["step"], last["reward_mean"], last["pass_rate"])
     return 0
+
+
+def _write_plots(run_dir: Path) -> None:
+    """The run's plots; a failure is a warning: every step is recorded, and the plots can be
+    written again from the metrics."""
+    from rltrain.plot import write_plots  # noqa: PLC0415 - show-config and --help answer without importing torch
+
+    try:
+        for p in write_plots(run_dir):
+            log.info("wrote %s", p)
+    except Exception as e:  # noqa: BLE001 - said, with the command that writes them again
+        log.warning("plots not written (%s: %s); `python -m rltrain.plot %s` writes them", type(e).__name__, e, run_dir)

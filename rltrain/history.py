@@ -8,6 +8,11 @@ set: torchrun's restarts, a requeue or a resubmission must never silently begin 
 `run.start_over=true` begins again on purpose; the old metrics and checkpoints are kept beside
 theirs, renamed `*.before-<time>`. Pruning never removes the newest checkpoint of a recorded
 step (rltrain/checkpoint.py), so once one is recorded every restart finds one to continue from.
+
+A job whose every step is recorded has nothing to run, checkpoint or not (`Finished`). If it is
+a torchrun restart, the attempt before it failed after its last step (at the end of the run):
+it ends with that attempt's first error (`PreviousAttemptFailed`, from runtime/failure.py's
+records), never with success over it or a refusal that hides it.
 """
 
 from __future__ import annotations
@@ -20,12 +25,44 @@ from pathlib import Path
 from rltrain.checkpoint import candidates, find_resumable
 from rltrain.config import Config
 from rltrain.metrics import DROPPED, last_recorded_step
+from rltrain.runtime.bridge import restart_attempt
+from rltrain.runtime.failure import how_the_job_failed
 
 log = logging.getLogger("rltrain.history")
 
 
 class HistoryError(RuntimeError):
     """Starting here would throw a run's history away."""
+
+
+class PreviousAttemptFailed(RuntimeError):
+    """A torchrun restart found every step recorded: the attempt before it failed after its last
+    step. The message is that attempt's first error; `status` the exit status it ends with."""
+
+    status = 1  # a rank's exit status when an error ends it
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every step this job runs is recorded (`step`: the last recorded one): nothing to run."""
+
+    step: int
+
+
+def last_step(cfg: Config) -> int:
+    """The step this job ends after: loop.steps, or loop.stop_after where it is set and earlier."""
+    return min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
+
+
+def nothing_to_run(cfg: Config, done: int, world_size: int) -> None:
+    """Say so; a restart raises how the attempt before it failed (every rank: the same exit)."""
+    log.info("nothing to run: step %d of %d is done (run.start_over=true runs again)", done, last_step(cfg))
+    if restart_attempt() == 0:
+        return
+    raise PreviousAttemptFailed(
+        f"restart {restart_attempt()} of this job has nothing left to run, but the job failed after step "
+        f"{done} was recorded: {how_the_job_failed(cfg.run_dir, world_size)}"
+    )
 
 
 @dataclass
@@ -52,9 +89,10 @@ class History:
         return self.recorded == 0 and not self.checkpoints
 
 
-def begin(cfg: Config, checkpoint_root: Path) -> Path | None:
-    """Rank 0, before anything starts: the checkpoint to continue from (None: step 1), after
-    refusing a start that would lose history or moving the old run aside (run.start_over)."""
+def begin(cfg: Config, checkpoint_root: Path) -> Path | Finished | None:
+    """Rank 0, before anything starts: the checkpoint to continue from (None: step 1; Finished:
+    every step recorded, no checkpoint needed), after refusing a start that would lose history
+    or moving the old run aside (run.start_over)."""
     history = History.read(cfg, checkpoint_root)
     if history.empty:
         return None
@@ -65,6 +103,8 @@ def begin(cfg: Config, checkpoint_root: Path) -> Path | None:
         return None  # a named checkpoint: the user chose where the run continues
     if history.resumable is not None:
         return history.resumable
+    if cfg.checkpoint.resume == "auto" and history.recorded >= last_step(cfg):
+        return Finished(history.recorded)
     what = []
     if history.recorded:
         what.append(f"{history.metrics} records steps up to {history.recorded}")

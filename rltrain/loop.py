@@ -15,6 +15,10 @@ PROBE          every engine scores a fixed sequence as the trainer did (sync.ver
 A stop request (SIGTERM, SIGUSR1: runtime/stop.py) is agreed on by all ranks before a step's
 rollout (the last finished step is saved, nothing else runs) and before its save (the step is
 saved and recorded, its weights not synced); then the loop ends.
+
+A failure names where it happened (a phase of a step, the setup, or a part closed at the end of
+the run: runtime/failure.py) on the rank that saw it; at the end, every part is closed even if
+one fails. A job whose every step is recorded has nothing to run (history.py).
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 from rltrain.config import Config
+from rltrain.history import Finished, PreviousAttemptFailed, last_step, nothing_to_run
 from rltrain.interfaces import World
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.prepare import LogpGapAlarm, prepare_batch
 from rltrain.rollout.step import StepRollout
+from rltrain.runtime.failure import clear_failures, failing_in, name_failure
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.runtime.stop import StopRequest, write_marker
-from rltrain.setup import RunParts, setup_run
+from rltrain.setup import RunParts, setup_run, where_the_run_begins
 
 log = logging.getLogger("rltrain.loop")
 
@@ -41,7 +47,12 @@ Phase = Callable[[str], AbstractContextManager[None]]
 
 
 def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
-    parts: RunParts = setup_run(cfg, world)
+    begins = where_the_run_begins(cfg, world)  # or a refusal that would lose history: before anything starts
+    if isinstance(begins, Finished):  # every step recorded: no setup, no checkpoint needed
+        nothing_to_run(cfg, begins.step, world.world_size)  # a restart ends with the failure of the attempt before it
+        return {}
+    with failing_in(world.rank, "the setup"):
+        parts: RunParts = setup_run(cfg, world, begins)
     engine, trainer, cycle, sampler = parts.engine, parts.trainer, parts.cycle, parts.sampler
     clock = PhaseClock(
         world.device,
@@ -55,17 +66,19 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
     last: dict[str, float] = {}
-    world.destroy()  # rollout runs with the NCCL world down
-    if cfg.loop.colocate:
-        world.wait_destroyed()
-    cycle.make_room()
-    engine.resume_kv()  # released during setup, for the trainer
-    parts.sync.probe_engines()  # of the weights the setup sent, if it did
+    done = parts.start_step  # the last recorded step
+    closing = [("the metrics writer's close", writer.close), *parts.closing()]
     try:
-        end = min(cfg.loop.steps, cfg.loop.stop_after) if cfg.loop.stop_after else cfg.loop.steps
-        if parts.start_step >= end:
-            log.info("nothing to run: step %d of %d is done (run.start_over=true runs again)", parts.start_step, end)
-        for step in range(parts.start_step, end):
+        with failing_in(world.rank, "the setup"):
+            world.destroy()  # rollout runs with the NCCL world down
+            if cfg.loop.colocate:
+                world.wait_destroyed()
+            cycle.make_room()
+            engine.resume_kv()  # released during setup, for the trainer
+            parts.sync.probe_engines()  # of the weights the setup sent, if it did
+        if parts.start_step >= last_step(cfg):
+            nothing_to_run(cfg, parts.start_step, world.world_size)
+        for step in range(parts.start_step, last_step(cfg)):
             clock.start_step(step + 1)
             if reason := stop.agreed(world, "before the rollout"):
                 _stop_at_step_boundary(cfg, parts, world, step, reason)
@@ -93,19 +106,40 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason is None:
                 train_stats.update(_to_rollout(clock.phase, parts, world, version))
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
-            cycle.recorded(step + 1)  # after the row: pruning keeps the newest recorded checkpoint
+            done = step + 1
+            cycle.recorded(done)  # after the row: pruning keeps the newest recorded checkpoint
             if step == parts.start_step:
                 # What the first step built (compiled code, the trainer's state, the libraries'
                 # caches) lives to the end: frozen, Python's full collections, triggered by each
                 # rollout's many small objects, no longer walk it.
                 gc.freeze()
+                if world.rank == 0:  # the failure this attempt was restarted after is behind it
+                    clear_failures(cfg.run_dir)
             if reason is not None:
                 _stopped(cfg, world, step + 1, cycle.saved, reason)
                 break
-    finally:
-        writer.close()
-        parts.close()
+    except BaseException as e:
+        if not isinstance(e, PreviousAttemptFailed):  # (a phase's own name stays)
+            name_failure(e, world.rank, f"step {done + 1}, between its phases")
+        _end_of_run(closing, world.rank, done, failing=True)
+        raise
+    _end_of_run(closing, world.rank, done, failing=False)
     return last
+
+
+def _end_of_run(closing: list[tuple[str, Callable[[], None]]], rank: int, done: int, failing: bool) -> None:
+    """Close every part, each named if it fails, none left open by another's failure (the
+    engine's process above all). The first failure is raised, unless the run failed before:
+    then that error goes on, and these are only logged."""
+    first: Exception | None = None
+    for name, close in closing:
+        try:
+            with failing_in(rank, f"{name} at the end of the run" + (f", after step {done}" if done else "")):
+                close()
+        except Exception as e:  # noqa: BLE001 - named and logged; the first is raised below
+            first = first or e
+    if first is not None and not failing:
+        raise first
 
 
 def _stop_at_step_boundary(cfg: Config, parts: RunParts, world: World, done: int, reason: str) -> None:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from rltrain.config import Config
 from rltrain.interfaces import World
+from rltrain.runtime.failure import name_failure
 from rltrain.runtime.files import atomic_write_text
 from rltrain.runtime.ledger import MemoryLedger
 
@@ -53,7 +54,7 @@ class PhaseClock:
         try:
             yield
         except BaseException as e:
-            log.error("rank %d failed in phase %s of step %d: %s: %s", self.rank, name, self.step, type(e).__name__, e)
+            name_failure(e, self.rank, f"phase {name} of step {self.step}")  # logged, and kept with the error
             raise
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0  # a phase entered twice adds up

@@ -17,11 +17,13 @@ from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
 from rltrain.engine.command import check_engine, resolve_device
 from rltrain.engine.launcher import NodeEngine
 from rltrain.engine.process import EngineCrashed
-from rltrain.history import HistoryError
+from rltrain.history import Finished, HistoryError
 from rltrain.interfaces import Trainer, World
 from rltrain.rollout import synthetic
 from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
 from rltrain.rollout.rewards import RewardRunner, load_reward
+from rltrain.runtime.bridge import restart_attempt
+from rltrain.runtime.failure import clear_failures
 from rltrain.runtime.stop import clear_marker
 from rltrain.sync.calibration import probe_at_start
 from rltrain.sync.weight_sync import WeightSync
@@ -43,10 +45,13 @@ class RunParts:
     start_step: int
     initial_version: str | None
 
-    def close(self) -> None:
-        self.rewards.close()
-        self.sync.close()
-        self.engine.shutdown()
+    def closing(self) -> list[tuple[str, Callable[[], None]]]:
+        """What ends the run's parts, in order, each named (the loop runs every one)."""
+        return [
+            ("the reward workers' close", self.rewards.close),
+            ("the weight sync's close", self.sync.close),
+            ("the engine's shutdown", self.engine.shutdown),
+        ]
 
 
 def _on_rank0(world: World, what: str, fn: Callable[[], object]) -> None:
@@ -76,10 +81,9 @@ def check_context(cfg: Config, context: int, model: str) -> int:
     return context
 
 
-def setup_run(cfg: Config, world: World) -> RunParts:
+def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
+    """`resume_from`: the checkpoint the run continues from (`where_the_run_begins`), or None."""
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
-    # Where the run begins, or a refusal that would lose its history: before anything starts.
-    resume_from = _begin(cfg, world)
     model_path = Path(cfg.model.path)
     if cfg.model.build in ("tiny-addition", "tiny-addition-moe"):
         # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
@@ -275,10 +279,13 @@ def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else cfg.run_dir / "checkpoints"
 
 
-def _begin(cfg: Config, world: World) -> Path | None:
-    """Rank 0 reads the run directory's history (history.begin) and every rank takes its answer:
-    all must load the same checkpoint, and a refusal stops every rank with the same message."""
-    choice: Path | str | None = None
+def where_the_run_begins(cfg: Config, world: World) -> Path | Finished | None:
+    """Before anything starts, rank 0 reads the run directory's history (history.begin) and every
+    rank takes its answer: all must load the same checkpoint, and a refusal stops every rank with
+    the same message. A job's first attempt clears the failure records of earlier jobs; a
+    restart keeps them until it records a step (the loop): it may have nothing to run, or be
+    refused, and then reports them."""
+    choice: Path | Finished | str | None = None
     if world.rank == 0:
         try:
             choice = history.begin(cfg, checkpoint_dir(cfg))
@@ -286,6 +293,8 @@ def _begin(cfg: Config, world: World) -> Path | None:
             choice = str(e)
         if not isinstance(choice, str):
             clear_marker(cfg.run_dir)  # this job runs: no longer the one that stopped
+        if restart_attempt() == 0:
+            clear_failures(cfg.run_dir)
     choice = world.bridge.broadcast_object(choice, src=0, phase="where the run begins")
     if isinstance(choice, str):
         raise HistoryError(choice)

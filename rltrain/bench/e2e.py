@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from rltrain.bench.first_error import failed_run_report
+
 SWITCHES = (
     "engine_release",
     "world_rebuild",
@@ -58,12 +60,12 @@ GOALS = (
 )
 
 
-def _build(path: str, shape: str) -> None:
+def _build(path: str, shape: str, layers: int | None = None) -> None:
     """In a child process: the model (on the GPU, then saved) and the task's tokenizer."""
     from rltrain.bench.models import build
     from rltrain.rollout import synthetic
 
-    build(Path(path), shape, torch.device("cuda", 0))
+    build(Path(path), shape, torch.device("cuda", 0), layers=layers)
     synthetic.build_tokenizer(synthetic.addition_words()).save_pretrained(path)
 
 
@@ -88,7 +90,9 @@ def stop_token_ids(vocab: int, count: int) -> list[int]:
 def run_loop(
     root: Path, model: Path, a: argparse.Namespace, engine: str = "embedded", packed: bool = False
 ) -> Path | None:
-    """One loop run under torchrun; its run directory, or None (said, with the log's tail) if it failed."""
+    """One loop run under torchrun; its run directory, or None (said, with its first error) if it
+    failed. Each run begins again (run.start_over: a kept directory's earlier run is renamed
+    aside, not reported as this one), and an earlier log is kept beside."""
     label = engine + ("-packed" if packed else "")
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
@@ -110,6 +114,7 @@ def run_loop(
         f"rollout.max_new_tokens={a.max_new_tokens}",
         f"loop.steps={a.steps}",
         "checkpoint.interval=0",
+        "run.start_over=true",
         f"sync.transport={a.transport}",
         "metrics.progress_bar=false",
         "metrics.plot=true",
@@ -137,14 +142,13 @@ def run_loop(
         *overrides,
     ]
     log = root / f"loop-{label}.log"
+    if log.exists():  # an earlier run's (a failed one's first error may be in it)
+        log.rename(log.with_name(f"{log.name}.before-{time.strftime('%Y%m%d-%H%M%S')}"))
+    print(f"the loop {label} runs under torchrun; its log: {log}", flush=True)
     with open(log, "w") as out:
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     if r.returncode != 0:  # said, and the other runs still reported
-        print(
-            f"the loop {label} failed (exit {r.returncode}); last lines of {log}:\n"
-            + "\n".join(log.read_text().splitlines()[-40:]),
-            flush=True,
-        )
+        print(failed_run_report(f"the loop {label}", r.returncode, log), flush=True)
         return None
     return root / f"e2e-{label}"
 
@@ -315,8 +319,11 @@ def _old_logp_fused(run_dir: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rltrain.bench.models import QWEN3_SHAPES
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="1.7b", choices=["tiny", "0.6b", "1.7b"])
+    ap.add_argument("--shape", default="1.7b", choices=list(QWEN3_SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="build the shape's first LAYERS layers only")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
@@ -361,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.report_only and not a.keep:
         raise SystemExit("--report-only reports the runs of --keep DIR")
     if not a.report_only and not (model / "config.json").is_file():
-        p = mp.get_context("spawn").Process(target=_build, args=(str(model), a.shape))
+        p = mp.get_context("spawn").Process(target=_build, args=(str(model), a.shape, a.layers))
         p.start()
         p.join()
         if p.exitcode != 0:

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from rltrain.bench import e2e
+from rltrain.bench.first_error import failed_run_report
 
 COMPUTE = ("rollout", "logprobs", "train")
 SWITCHES = tuple(p for p in e2e.SWITCHES if p != "sync_probe")  # the probe is reported on its own
@@ -53,6 +54,7 @@ def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float
         f"model.path={root / 'base_model'}",
         f"loop.steps={steps}",
         "metrics.progress_bar=false",
+        "run.start_over=true",  # a kept directory's earlier run is renamed aside, not measured again
         *overrides,
     ]
     log = root / "quickstart.log"
@@ -61,9 +63,7 @@ def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float
         r = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env={**os.environ})
     t1 = time.time()
     if r.returncode != 0:
-        raise SystemExit(
-            f"the quickstart failed (exit {r.returncode}):\n" + "\n".join(log.read_text().splitlines()[-30:])
-        )
+        raise SystemExit(failed_run_report("the quickstart", r.returncode, log))
     rows = [json.loads(line) for line in (root / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     return rows, t0, t1
 

@@ -183,3 +183,22 @@ if os.environ.get("RLTRAIN_TEST_SGLANG_CPU_RELEASE") == "1" and os.environ.get("
 # (sglang_cpu_deterministic.py says what stands in for what), in SGLang's processes only.
 if os.environ.get("RLTRAIN_TEST_SGLANG_CPU_DETERMINISTIC") == "1" and os.environ.get("RANK") is None:
     import sglang_cpu_deterministic  # noqa: F401
+
+# RLTRAIN_TEST_END_FAULT="<rank>:<module>:<Class.method>:<raise|kill>" makes that rank raise in
+# (or SIGKILL itself on entering) that method, which the job calls once its last step is
+# recorded: a failure at the end of a run, as an out-of-memory while a part is closed or a crash
+# in a teardown would be. It fires in the first attempt only, like RLTRAIN_TEST_FAULT.
+_END = os.environ.get("RLTRAIN_TEST_END_FAULT")
+if _END and os.environ.get("RANK") == _END.split(":")[0] and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import importlib
+    import signal
+
+    _, _end_module, _end_method, _end_action = _END.split(":")
+    _end_cls = getattr(importlib.import_module(_end_module), _end_method.split(".")[0])
+
+    def _failing_at_the_end(self, *args, **kw):
+        if _end_action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"fault injected by the test in {_end_method} at the end of the run")
+
+    setattr(_end_cls, _end_method.split(".")[1], _failing_at_the_end)
