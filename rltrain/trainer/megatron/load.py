@@ -12,7 +12,6 @@ name, every shape) before it copies anything in.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Collection
 from pathlib import Path
@@ -23,19 +22,20 @@ from safetensors import safe_open
 
 from rltrain.trainer.megatron.convert import Dims, RankPart, mcore_state
 from rltrain.trainer.megatron.model import MegatronGroups, weights_of
-from rltrain.weights.hf_files import INDEX
+from rltrain.weights.hf_sharded import stored_tensors
 
 
 class SafetensorsSource:
     """The tensors of an HF checkpoint directory, read slice by slice (convert.py's `WeightSource`).
 
-    Names map to files through `model.safetensors.index.json` when there is one (else through the
-    headers of every `*.safetensors` file). `safe_open` maps a file without reading it; a read
-    copies the rows/columns asked for out of the mapping, so the rank's own memory holds its slices,
-    not the files. The file pages a read touches count in the process's resident memory while the
-    file is mapped, and a column slice touches nearly every page of its tensor: a file is unmapped
-    (and mapped again on its next read) once reads touched `unmap_after_bytes` of it. `bytes_read`
-    counts the tensor bytes handed out. Use as a context manager: leaving it unmaps every file."""
+    Names map to files as weights/hf_sharded.py's `stored_tensors` finds them (through
+    `model.safetensors.index.json` when there is one), shapes from the files' headers. `safe_open`
+    maps a file without reading it; a read copies the rows/columns asked for out of the mapping, so
+    the rank's own memory holds its slices, not the files. The file pages a read touches count in
+    the process's resident memory while the file is mapped, and a column slice touches nearly every
+    page of its tensor: a file is unmapped (and mapped again on its next read) once reads touched
+    `unmap_after_bytes` of it. `bytes_read` counts the tensor bytes handed out. Use as a context
+    manager: leaving it unmaps every file."""
 
     unmap_after_bytes = 256 << 20  # re-mapping costs a parse of the file's header
 
@@ -44,23 +44,7 @@ class SafetensorsSource:
         self.bytes_read = 0
         self._open_files: dict[Path, Any] = {}  # mapped on first use
         self._touched: dict[Path, int] = {}  # bytes of each mapped file that reads touched
-        index = self.root / INDEX
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            absent = sorted({f for f in weight_map.values() if not (self.root / f).is_file()})
-            if absent:
-                raise FileNotFoundError(f"{index} names files that are not in {self.root}: {', '.join(absent[:5])}")
-            self._file_of = {n: self.root / f for n, f in weight_map.items()}
-            return
-        files = sorted(self.root.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors (and no {INDEX}) in {self.root}")
-        self._file_of = {}
-        for f in files:
-            for n in self._mapped(f).keys():
-                if n in self._file_of:
-                    raise ValueError(f"{n} is in both {self._file_of[n].name} and {f.name} (and no {INDEX} says which)")
-                self._file_of[n] = f
+        self._stored = stored_tensors(self.root)  # (the FSDP trainer's reader finds files the same way)
 
     def _mapped(self, f: Path) -> Any:
         if f not in self._open_files:
@@ -72,13 +56,13 @@ class SafetensorsSource:
         self._open_files.pop(f).__exit__(None, None, None)
 
     def names(self) -> Collection[str]:
-        return self._file_of.keys()
+        return self._stored.keys()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._mapped(self._file_of[name]).get_slice(name).get_shape())
+        return self._stored[name].shape
 
     def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
-        f = self._file_of[name]
+        f = self._stored[name].file
         whole = self._mapped(f).get_slice(name)
         rows = slice(None) if rows is None else rows
         view = whole[rows] if cols is None else whole[rows, cols]
