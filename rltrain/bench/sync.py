@@ -353,8 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 elif a.profile and not verify:
                     ws.push(str(len(results) * 100 + 99))
-                if verify:
-                    verify_s = ws.timings["verify"]  # of the last timed push: the reset and the verdict
+                if verify:  # of the last timed push: the reset and what follows the send, part by part
+                    verify_s = ws.timings["verify"]
+                    parts = {k.removeprefix("verify: "): v for k, v in ws.timings.items() if k.startswith("verify: ")}
                 ws.close()
                 results[verify] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"{'':>11s} verification {extra:.3f} s = {extra / best:.0%} of the sync's own time: "
                     f"inside the send and its end (both ends' checksums, the probe) {extra - verify_s:.3f} s, "
-                    f"the verdict after it {verify_s:.3f} s"
+                    f"after it {verify_s:.3f} s (" + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()) + ")"
                 )
             world.bridge.barrier(f"{transport} measured")
         finally:

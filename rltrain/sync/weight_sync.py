@@ -181,11 +181,16 @@ class WeightSync:
         self.transport: Transport = make_transport(cfg.sync_transport, context)
         self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
         self.verify_seconds = self.reset_seconds = 0.0  # of the last push
+        self.verify_parts: dict[str, float] = {}  # the last push's verification, part by part
 
     @property
     def timings(self) -> dict[str, float]:
         """Seconds per part of the last push (benchmarks), the verification's included."""
-        return {**self.transport.timings, "verify": self.reset_seconds + self.verify_seconds}
+        return {
+            **self.transport.timings,
+            "verify": self.reset_seconds + self.verify_seconds,
+            **{f"verify: {k}": v for k, v in self.verify_parts.items()},
+        }
 
     def push(self, version: str) -> dict[str, float]:
         """Send the trainer's weights as `version`; verified on return (collective)."""
@@ -275,9 +280,12 @@ class WeightSync:
         if self.checks.checksums and self.tp_group is not None:
             per_rank = dict(enumerate(self.tp_group.all_gather_object(fetched(sums), phase="sync checksums")))
         report = self.verifier.report(version, self.transport.ends, sums, per_rank)
+        t1 = time.perf_counter()
         self._probe_in_push(version, report, early)
+        t2 = time.perf_counter()
         verdict = verify.judge(version, self.world.bridge.all_gather_object(report, phase="sync verify"))
         self.verify_seconds = time.perf_counter() - t0
+        self.verify_parts = {"reports": t1 - t0, "probe": t2 - t1, "verdict": t0 + self.verify_seconds - t2}
         stats = {
             "sync_digests_compared": float(verdict.digests_compared),
             "sync_rewrites_checked": float(verdict.rewrites_checked),
