@@ -38,3 +38,64 @@ def block_sums(words: torch.Tensor, block: int) -> torch.Tensor:
     out = torch.empty(blocks, 2, dtype=torch.int64, device=words.device)
     _block_sums_kernel[(blocks,)](words, n, out, BLOCK=block)
     return out
+
+
+@triton.jit
+def _multi_block_sums_kernel(
+    ptrs: tl.tensor,
+    words: tl.tensor,
+    row_start: tl.tensor,
+    tensors: tl.tensor,
+    out_ptr: tl.tensor,
+    BLOCK: tl.constexpr,
+    STEPS: tl.constexpr,
+) -> None:
+    # Row `pid` of the output belongs to the tensor t with row_start[t] <= pid < row_start[t + 1]:
+    # found by a binary search of STEPS halvings (2**STEPS >= the number of tensors).
+    pid = tl.program_id(0).to(tl.int64)
+    lo = tl.zeros((), dtype=tl.int64)
+    hi = lo + tensors
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi) // 2
+        right = tl.load(row_start + mid) <= pid
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid)
+    base = tl.load(ptrs + lo).to(tl.pointer_type(tl.int32))
+    n = tl.load(words + lo)
+    pos = tl.arange(0, BLOCK)
+    offs = (pid - tl.load(row_start + lo)) * BLOCK + pos
+    w = tl.load(base + offs, mask=offs < n, other=0).to(tl.int64)
+    tl.store(out_ptr + pid * 2, tl.sum(w, axis=0))
+    tl.store(out_ptr + pid * 2 + 1, tl.sum(w * (pos.to(tl.int64) + 1), axis=0))
+
+
+def multi_block_sums(tensors: list[torch.Tensor], block: int) -> list[torch.Tensor]:
+    """`block_sums` of each tensor's bytes as int32 words, in one kernel launch for all of them:
+    each tensor contiguous, on the same device, its address a multiple of 4 and its size a
+    whole number of words. Returns each tensor's [ceil(words / block) or 1, 2] rows, views of
+    one output. A table of addresses, sizes and first rows tells each program its tensor."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    sizes, addresses = [], []
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous() or t.device != device or t.data_ptr() % 4 or nbytes % 4:
+            raise ValueError(
+                f"multi_block_sums takes contiguous, 4-byte aligned whole words on {device}, not "
+                f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+        sizes.append(nbytes // 4)
+        addresses.append(t.data_ptr())
+    rows = [max(1, triton.cdiv(n, block)) for n in sizes]
+    starts = [0]
+    for r in rows:
+        starts.append(starts[-1] + r)
+    table = torch.tensor([addresses, sizes, starts[:-1]], dtype=torch.int64)
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
+    first = torch.tensor(starts, dtype=torch.int64)
+    first = first.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else first.to(device)
+    out = torch.empty(starts[-1], 2, dtype=torch.int64, device=device)
+    steps = max(1, (len(tensors) - 1).bit_length())
+    _multi_block_sums_kernel[(starts[-1],)](table[0], table[1], first, len(tensors), out, BLOCK=block, STEPS=steps)
+    return list(out.split(rows))

@@ -123,3 +123,11 @@ def test_the_gpu_kernels_block_rows_fold_to_the_definitions_sums(n):
     assert folded == [_reference(t), _reference(extreme), _reference(small)]
     with pytest.raises(ValueError, match="int32"):
         block_sums(t.to(torch.int64), integrity.BLOCK)
+
+
+def test_a_view_that_starts_inside_a_word_is_summed_as_its_own_bytes():
+    """A tensor viewed at an offset that is not a multiple of 4 bytes (a bf16 slice of another)
+    is summed as a copy of its bytes would be, instead of failing to be read as int32 words."""
+    base = torch.randn(4096 * 3 + 3).to(torch.bfloat16)
+    view = base[1:]  # 24,580 bytes: a whole number of words, from byte 2 of its storage
+    assert tensor_sums(view) == tensor_sums(view.clone()) == _reference(view.clone())

@@ -225,3 +225,21 @@ def test_trainer_with_the_fused_head_matches_the_unfused_loss_path(tmp_path, mon
         assert abs(s1[k] - s0[k]) <= tol * max(1.0, abs(s0[k])), (k, s1[k], s0[k])
     for a, b in zip(w1, w0):
         _close(a, b, tol)
+
+
+def test_checksum_sums_of_many_tensors_in_one_launch_equal_the_definition():
+    """kernels/triton_checksum.py's multi_block_sums (under the interpreter on the CPU): each
+    tensor's rows, folded, are the torch path's sums of its words (weights/checksum.py's
+    definition), for sizes around a block's edge, an empty tensor and int32 extremes; a view at
+    an odd address is refused (`checksum.entries` sums those one by one)."""
+    from rltrain.kernels.triton_checksum import multi_block_sums
+    from rltrain.weights import checksum as integrity
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 8190, 8192, 8194, 4096 * 2 * 5 + 6)]
+    tensors += [torch.empty(0), torch.tensor([-(2**31), 2**31 - 1, -1, 7], dtype=torch.int32)]
+    got = integrity.fold(multi_block_sums(tensors, integrity.BLOCK)).tolist()
+    want = [integrity._torch_sums(t.reshape(-1).view(torch.int32)).tolist() for t in tensors]
+    assert got == want
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        multi_block_sums([torch.zeros(9, dtype=torch.bfloat16)[1:]], integrity.BLOCK)

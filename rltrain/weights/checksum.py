@@ -48,6 +48,8 @@ def _device_sums(t: torch.Tensor) -> torch.Tensor:
     pad = (-flat.numel()) % 4
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
+    elif flat.storage_offset() % 4:  # a view that starts inside a word: its bytes, copied to read as words
+        flat = flat.clone()
     words = flat.view(torch.int32)
     if words.device.type == "cuda":
         from rltrain.kernels.triton_checksum import block_sums  # noqa: PLC0415 - needs Triton: CUDA only
@@ -123,6 +125,30 @@ def entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], torch.Tensor]:
     return str(t.dtype).removeprefix("torch."), tuple(t.shape), _device_sums(t)
 
 
+def entries(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
+    """`entry` of every (name, tensor), the same sums: on a GPU, the tensors that are whole
+    int32 words in place (contiguous, aligned: every weight of a model, in practice) in one
+    kernel launch for all of them (`multi_block_sums`), the rest one by one. What a sync's
+    checksums cost at either end is then the reading of the bytes, not a launch per tensor."""
+    named = list(named)
+    out: dict[str, tuple[str, tuple[int, ...], torch.Tensor]] = {}
+    batched: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        t = t.detach()
+        if t.device.type == "cuda" and t.is_contiguous() and t.data_ptr() % 4 == 0 and t.nbytes % 4 == 0:
+            batched.setdefault(t.device, []).append((name, t))
+    if batched:
+        from rltrain.kernels.triton_checksum import multi_block_sums  # noqa: PLC0415 - needs Triton: CUDA only
+
+        for group in batched.values():
+            for (name, t), rows in zip(group, multi_block_sums([t for _, t in group], BLOCK)):
+                out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), rows)
+    for name, t in named:
+        if name not in out:
+            out[name] = entry(t)
+    return {name: out[name] for name, _ in named}
+
+
 Entry = tuple[str, tuple[int, ...], "torch.Tensor | tuple[int, int]"]
 
 
@@ -155,7 +181,7 @@ def combine(sums: dict[str, Entry]) -> str:
 
 def checksum(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> str:
     """Checksum of (name, tensor) pairs, each cast to `dtype` first (the receiver's dtype)."""
-    return combine({n: entry(t if dtype is None else t.to(dtype)) for n, t in named})
+    return combine(dict(entries((n, t if dtype is None else t.to(dtype)) for n, t in named)))
 
 
 class WeightMismatchError(RuntimeError):

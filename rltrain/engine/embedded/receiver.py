@@ -33,7 +33,7 @@ from rltrain.engine.embedded.state import EngineState
 from rltrain.engine.embedded.writer import WeightWriter
 from rltrain.runtime.weight_group import close_weight_update_group, open_weight_update_group
 from rltrain.weights.bucket import BucketViews, deserialize
-from rltrain.weights.checksum import Entry, combine, entry, fetched
+from rltrain.weights.checksum import Entry, combine, entries, fetched
 from rltrain.weights.names import classify
 from rltrain.weights.versions import read_weights
 
@@ -152,12 +152,13 @@ class WeightReceiver:
         with state.lock:
             state.check_weights_held("checking")
             tensors = self.writer.tensors
-            on_device: dict[str, Entry] = {}
+            owned = []
             for name, (module_name, index, shape) in self.writer.checkpoint_names.items():
                 if not layout.owns(name):
                     continue
                 t = tensors[module_name]
-                on_device[name] = entry(t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape))
+                owned.append((name, t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape)))
+            on_device: dict[str, Entry] = dict(entries(owned))  # one launch for them all on a GPU
             sums: dict[str, Entry] = dict(fetched(on_device))  # once: the ranks' checksums combine subsets
             rep: dict[str, Any] = {
                 "checksum": combine(sums),
