@@ -39,6 +39,7 @@ from rltrain.engine.embedded.residency import Residency
 from rltrain.engine.embedded.sampling import token_hash_of
 from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.engine.embedded.scheduler import Scheduler
+from rltrain.engine.embedded.scoring import SequenceScorer
 from rltrain.engine.embedded.state import EngineState, EngineStateError
 from rltrain.engine.embedded.writer import WeightWriter
 from rltrain.generation import SamplingParams
@@ -122,6 +123,7 @@ class EmbeddedEngine:
             backup_dir,
             context_bytes,
         )
+        self.scorer = SequenceScorer(self.model, self.device, self.saver, graphs=cuda_graphs)  # the syncs' probe
         paged = None
         if self.decoder is not None:
             paged = ContinuousBatcher(self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic)
@@ -190,13 +192,11 @@ class EmbeddedEngine:
     @torch.no_grad()
     def score(self, input_ids: list[int]) -> list[float]:
         """Log-probs of `input_ids[1:]`, each given the tokens before it, at temperature 1
-        (SGLang's input_token_logprobs): one forward over the sequence."""
+        (SGLang's input_token_logprobs): one forward over the sequence (on CUDA, replayed from
+        the graph captured for that sequence: scoring.py)."""
         self.state.check_can_generate()
         with self.state.lock:
-            ids = torch.tensor([input_ids], device=self.device)
-            logits = self.model(input_ids=ids).logits[0, :-1].float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-        return logp.cpu().tolist()
+            return self.scorer.score(input_ids)
 
     def token_hash(self, vocab: int) -> torch.Tensor | None:
         """Seeded sampling's token hash, kept for the model's vocabulary (None: another width)."""
@@ -216,6 +216,9 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------ memory (residency.py)
 
     def release(self, tags: list[str] | None) -> dict[str, Any]:
+        if self.saver is None:  # (with the saver, the graph's memory is paused with its region)
+            with self.state.lock:
+                self.scorer.drop()
         self.residency.release(tags)
         return self.memory_report()
 
