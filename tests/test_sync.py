@@ -517,6 +517,59 @@ def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_e
         assert "rank 0" not in error and "engine0" not in error and "checksum" not in error, r
 
 
+def _one_rank_per_block_units(rank: int, world_size: int, model: str, url: str) -> dict:
+    """A trainer of one rank whose blocks are FSDP units of their own (as on GPUs: `gathered()`
+    changes nothing, its forward all-gathers per block): its probe forward runs on a thread
+    during the push, while the weights are exported and sent."""
+    import threading
+
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer import fsdp, sharding
+    from rltrain.weights.checksum import checksum
+
+    sharding.one_unit = fsdp.one_unit = lambda device: False  # type: ignore[assignment]  # per-block units
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = fsdp.FSDPTrainer(TrainerConfig(dtype="float32"), AlgoConfig(), model, torch.device("cpu"))
+    t.create()
+    sync = WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], model, awake=True)
+    threads = []
+    real = sync._trainer_probe
+    sync._trainer_probe = lambda *a: threads.append(threading.current_thread().name) or real(*a)  # type: ignore[method-assign]
+    out: dict = {}
+    try:
+        with t.gathered():
+            out["sharded"] = t.sharded
+        for version in ("1", "2"):
+            with torch.no_grad():  # a step's update
+                t.model.get_input_embeddings().weight.to_local().view(-1)[:: 50 + int(version)] += 0.25
+            out[version] = sync.push(version)
+        out["threads"] = threads
+        out["checksum"] = checksum(t.export_weights())
+        out["engine"] = sync.receivers[0].weights_checksum()["checksum"]
+        return out
+    finally:
+        sync.close()
+        world.close()
+
+
+def test_a_one_rank_trainer_scores_its_probe_on_a_thread_during_the_push(tmp_path, engines, big_a):
+    """Where the trainer's world is one rank, its probe forward has no peer to keep in step with:
+    it runs on a thread while the weights go out, also where the forward all-gathers (FSDP2 units
+    per block, as on GPUs). Two pushes of updated weights pass every check, and the engine then
+    holds exactly the trainer's weights."""
+    eng = engines(big_a)
+    (r,) = values(run_ranks(_one_rank_per_block_units, 1, str(big_a), eng.process.url, deadline_s=240))
+    assert r["sharded"], "per-block units: the forward is the FSDP2 one, all-gathers included"
+    assert r["threads"] and all(name.startswith("rltrain-probe") for name in r["threads"]), r["threads"]
+    for version in ("1", "2"):
+        assert r[version]["sync_digests_compared"] == 1 and r[version]["sync_probe_worst"] < 1e-3, r
+    assert r["engine"] == r["checksum"]
+
+
 def _stale_rank(rank: int, world_size: int, model: str, url: str) -> str:
     from rltrain.config import AlgoConfig, TrainerConfig, load_config
     from rltrain.engine.client import EngineClient

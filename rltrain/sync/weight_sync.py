@@ -46,7 +46,7 @@ from rltrain.sync.probe import ProbeBounds, StartProbe
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import SyncContext, Transport, WeightStream
 from rltrain.sync.verify import ProbeMoment, Sums
-from rltrain.weights.checksum import entry, fetched
+from rltrain.weights.checksum import entries, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 
 log = logging.getLogger("rltrain.sync")
@@ -180,6 +180,8 @@ class WeightSync:
         )
         self.transport: Transport = make_transport(cfg.sync_transport, context)
         self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
+        self._early: Future[torch.Tensor] | None = None  # the trainer's probe, scored during a push
+        self._start_early = False
         self.verify_seconds = self.reset_seconds = 0.0  # of the last push
         self.verify_parts: dict[str, float] = {}  # the last push's verification, part by part
 
@@ -197,15 +199,20 @@ class WeightSync:
         t0 = time.perf_counter()
         sums: Sums = {}
         with self.trainer.gathered():  # one gathering for the export and the probe
-            # The trainer's probe forward, where it is no collective, runs while the weights go out.
-            alone = self._scores_for_trainer() and not self.trainer.sharded
-            early = self._pool.submit(self._trainer_probe) if alone else None
+            # The trainer's probe forward, where it is no collective with a peer (not sharded, or
+            # a world of one rank: its export then runs no collective at all), runs on a thread
+            # while the weights go out: started once the first bucket is exported (the export's
+            # first walk of the modules is done by then; a forward swaps their parameters).
+            alone = self._scores_for_trainer() and (not self.trainer.sharded or self.world.world_size == 1)
+            self._early = None
+            self._start_early = alone
             try:
                 sent = self._stream(version, sums)
-                stats = self._verify(version, sums, early)
+                stats = self._verify(version, sums, self._early)
             finally:
-                if early is not None:
-                    wait([early])  # the weights are let go of only after that forward
+                if self._early is not None:
+                    wait([self._early])  # the weights are let go of only after that forward
+                self._early, self._start_early = None, False
         seconds = time.perf_counter() - t0
         log.debug("synced version %s by %s: %d bytes in %.3fs", version, self.cfg.sync_transport, sent, seconds)
         # sync_routed: the experts went only to the engine ranks that hold them (plan.py).
@@ -249,12 +256,14 @@ class WeightSync:
         checksums: by the leader, and by every rank of an engine over several (each TP rank's)."""
         dtype = self.verifier.engine_dtype
         check = self.checks.checksums and (self.leader or self.tp_group is not None)
-        for name, t in self.trainer.export_weights(names, needs=self.needs):
-            if not self.plan.needed_by(self.tp_rank, name):
-                continue
-            if check:
-                sums[name] = entry(t if dtype is None else t.to(dtype))
-            yield name, t
+        exported = self.trainer.export_weights(names, needs=self.needs)
+        mine = [(n, t) for n, t in exported if self.plan.needed_by(self.tp_rank, n)]
+        if check:  # the bucket's checksums in one launch on a GPU, queued before its copy
+            sums.update(entries((n, t if dtype is None else t.to(dtype)) for n, t in mine))
+        if self._start_early:  # (push)
+            self._start_early = False
+            self._early = self._pool.submit(self._trainer_probe)
+        yield from mine
 
     def _scores_for_trainer(self) -> bool:
         """Whether this rank takes the trainer's probe log-probs: every rank where the forward is a
