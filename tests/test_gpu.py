@@ -580,3 +580,71 @@ def test_cuda_checksums_by_the_kernel_equal_the_torch_ops_sums():
         flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % 4)]).view(torch.int32)
         want.append(tuple(integrity._torch_sums(flat).tolist()))
     assert got == want
+
+
+def test_cuda_checksums_in_one_launch_equal_one_launch_per_tensor():
+    """`checksum.entries` sums the weights that are whole words in place in one kernel launch
+    (kernels/triton_checksum.py: multi_block_sums); a tensor that is not (a view at an odd
+    address, an odd number of bytes) goes one by one. Every tensor's sums equal `entry`'s."""
+    from rltrain.weights import checksum as integrity
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    base = torch.randn(4096 * 3 + 3, device="cuda", generator=g).to(torch.bfloat16)
+    named = [
+        (f"w{i}", torch.randn(n, device="cuda", generator=g).to(torch.bfloat16))
+        for i, n in enumerate((2, 8190, 8194, 151936 * 64))
+    ]
+    named += [
+        ("empty", torch.empty(0, device="cuda")),
+        ("odd", base[1:]),
+        ("odd_bytes", base[:3]),
+        ("int", base.view(torch.int16)[:4096].contiguous()),
+    ]
+    got = {
+        n: tuple(p)
+        for n, p in zip(
+            [n for n, _ in named], integrity.fold([e[2] for e in integrity.entries(named).values()]).tolist()
+        )
+    }
+    want = {
+        n: tuple(p)
+        for n, p in zip([n for n, _ in named], integrity.fold([integrity.entry(t)[2] for _, t in named]).tolist())
+    }
+    assert got == want
+    assert integrity.checksum(named) == integrity.combine({n: integrity.entry(t) for n, t in named})
+
+
+def test_cuda_probe_scores_replayed_from_a_graph_follow_the_weights():
+    """engine/embedded/scoring.py: a sequence scored a second time is captured in a CUDA graph;
+    replays give what the eager forward gives, see weights updated in place (a sync), and weights
+    moved to new addresses (a release without the memory saver) are captured again."""
+    import transformers
+
+    from rltrain.engine.embedded.scoring import SequenceScorer
+
+    cfg = transformers.Qwen3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    eager = SequenceScorer(model, torch.device("cuda"), None, graphs=False)
+    scorer = SequenceScorer(model, torch.device("cuda"), None)
+    ids = [int(t) for t in torch.randint(0, 512, (33,))]
+    first = scorer.score(ids)
+    assert scorer.captures == 0 and first == eager.score(ids)  # once: eager, no capture
+    assert scorer.score(ids) == first and scorer.captures == 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)  # in place, as a sync writes
+    replayed = scorer.score(ids)
+    assert scorer.captures == 1 and replayed == eager.score(ids) and replayed != first
+    for p in model.parameters():
+        p.data = p.data.clone()  # new addresses
+    assert scorer.score(ids) == eager.score(ids) and scorer.captures == 2

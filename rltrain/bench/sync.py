@@ -25,6 +25,7 @@ import argparse
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -34,6 +35,10 @@ from rltrain.bench.models import QWEN3_30B_A3B, SYNC_SHAPES, qwen3_config
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
+
+    from rltrain.engine.client import EngineClient
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.fsdp import FSDPTrainer
 
 
 def build(path: Path, shape: str, dtype: torch.dtype, device: torch.device) -> Path:
@@ -205,6 +210,87 @@ def _engine_breakdown(log_path: Path) -> None:
     )
 
 
+def verification_alone(ws: WeightSync, trainer: FSDPTrainer, client: EngineClient, device: torch.device) -> None:
+    """Each part of a verified push's checks timed alone (median of 5, the device synchronised
+    around each), against the engine that holds the last version: where the time goes."""
+    import statistics
+
+    from rltrain.weights.checksum import Entry, combine, entries, entry
+
+    def timed(fn: Callable[[], object]) -> float:
+        runs = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            runs.append(time.perf_counter() - t0)
+        return statistics.median(runs)
+
+    probe = ws.probe or list(range(1, 34))
+    weights = list(trainer.export_weights())
+    one_by_one: dict[str, Entry] = {n: entry(t) for n, t in weights}  # (warms both paths' kernels)
+    assert combine(one_by_one) == combine(dict(entries(weights))), "the one-launch checksums differ"
+    parts = {
+        "trainer: probe forward": timed(lambda: ws._trainer_probe(probe)),
+        "trainer: probe forward, gathered": timed(lambda: _gathered(trainer, lambda: ws._trainer_probe(probe))),
+        "trainer: every weight exported": timed(lambda: sum(1 for _ in trainer.export_weights())),
+        "trainer: checksums, a launch per weight": timed(lambda: combine({n: entry(t) for n, t in weights})),
+        "trainer: checksums, one launch": timed(lambda: combine(dict(entries(weights)))),
+        "engine: probe scored (POST /generate)": timed(lambda: client.score(probe)),
+        "engine: checksum report (GET /weights_checksum)": timed(client.weights_checksum),
+        "engine: a round trip (GET /health)": timed(client.health),
+    }
+    if device.type == "cuda":
+        parts.update(_probe_floor(trainer.model_path, probe, device, timed))
+    print("verification's parts alone, median of 5: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in parts.items()))
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ws._trainer_probe(probe)
+            _sync(device)
+        print("the trainer's probe forward, by self CPU time:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+def _probe_floor(
+    path: str, probe: list[int], device: torch.device, timed: Callable[[Callable[[], object]], float]
+) -> dict[str, float]:
+    """The probe's forward without FSDP (the model as transformers builds it, the engine's
+    scoring path): eager, and replayed from a CUDA graph captured once (its floor)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model.to(device)  # type: ignore[arg-type]  # (transformers' .to: bench.models.save_random_qwen2 says why)
+    model.eval()
+    ids = torch.tensor([probe], device=device)
+
+    @torch.no_grad()
+    def forward() -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits
+
+    out = {"plain model: probe forward, eager": timed(forward)}
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        out["plain model: probe forward, CUDA graph"] = timed(graph.replay)
+    except Exception as e:  # noqa: BLE001 - what a capture of transformers' forward meets, reported
+        print(f"the probe's forward could not be captured in a CUDA graph: {type(e).__name__}: {e}")
+    return out
+
+
+def _gathered(trainer: FSDPTrainer, fn: Callable[[], object]) -> None:
+    with trainer.gathered():
+        fn()
+
+
 def routing_table() -> list[tuple[int, float, float]]:
     """(ep, GB to each EP rank routed, unrouted) for a Qwen3-30B-A3B-shaped MoE, from metadata."""
     import transformers
@@ -236,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
+    ap.add_argument(
+        "--verify-parts",
+        action="store_true",
+        help="also time each part of the verification alone, against the engine after the verified pushes",
+    )
     a = ap.parse_args(argv)
 
     from torch.distributed.tensor import DTensor
@@ -356,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                 if verify:  # of the last timed push: the reset and what follows the send, part by part
                     verify_s = ws.timings["verify"]
                     parts = {k.removeprefix("verify: "): v for k, v in ws.timings.items() if k.startswith("verify: ")}
+                    if a.verify_parts and transport == "tensor" and ranks == 1:
+                        verification_alone(ws, trainer, client, device)
                 ws.close()
                 results[verify] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
