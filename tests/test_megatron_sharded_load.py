@@ -127,7 +127,7 @@ def _padding_bytes(state: dict[str, torch.Tensor], d, part) -> int:
 
 def _sliced(path: Path, d, part) -> tuple[dict[str, torch.Tensor], int]:
     from rltrain.trainer.megatron.convert import mcore_state
-    from rltrain.trainer.megatron.load import SafetensorsSource
+    from rltrain.weights.hf_sharded import SafetensorsSource
 
     with SafetensorsSource(path) as src:
         state = mcore_state(src, d, part)
@@ -212,7 +212,7 @@ def test_the_in_memory_conversion_is_the_same_code(tmp_path):
 
 def test_a_checkpoint_that_does_not_fit_is_refused_before_any_read(tmp_path):
     from rltrain.trainer.megatron.convert import ConversionError, RankPart, dims, mcore_state
-    from rltrain.trainer.megatron.load import SafetensorsSource
+    from rltrain.weights.hf_sharded import SafetensorsSource
 
     path = make_model(tmp_path / "m", seed=5, arch="qwen3")
     d = dims(transformers.AutoConfig.from_pretrained(path), 2)
@@ -259,8 +259,9 @@ def _load_rank(rank: int, world_size: int, path: str, tp: int, pp: int) -> dict:
     (VmHWM, reset to the current RSS just before: file pages it touched count too)."""
     from rltrain.runtime.world import World
     from rltrain.trainer.megatron.convert import dims
-    from rltrain.trainer.megatron.load import SafetensorsSource, hf_state
+    from rltrain.trainer.megatron.load import hf_state
     from rltrain.trainer.megatron.model import MegatronGroups
+    from rltrain.weights.hf_sharded import SafetensorsSource
 
     # Unmap a file after fewer touched bytes than by default, which exceeds this whole checkpoint.
     SafetensorsSource.unmap_after_bytes = 8 << 20

@@ -273,3 +273,28 @@ def test_no_rank_holds_the_whole_model_in_host_memory_while_loading(tmp_path):
         assert r["shard"] == total // 2
         assert r["grown"] <= 1.5 * total / 2 + MARGIN, (r, total)
         assert r["grown"] < total, (r, total)
+
+
+def test_converted_expert_reads_share_one_row_of_indices_per_weight_kind(tmp_path, monkeypatch):
+    """The reads of transformers' fused experts share one expert row's element indices per
+    weight kind (every layer's and every expert's, each offset to its row): the plan holds 8 bytes
+    per element of one row per kind, not of every expert of every layer, and the model loads the
+    same. A conversion that keeps no expert per row needs indices over its whole tensor: above
+    GENERAL_INDEX_BYTES it is refused, naming the weight, before anything is read."""
+    from rltrain.weights import hf_sharded
+
+    path = make_moe_model(tmp_path / "moe", seed=5, experts=4, layers=3)
+    model = _meta_model(path)
+    reads = hf_sharded.plan_reads(model, hf_sharded.stored_tensors(path), path)
+    indices = {id(r.index): r.index for r in reads if r.index is not None}
+    kinds = {re.sub(r"\.\d+\.", ".#.", n): p for n, p in model.named_parameters() if "experts" in n}
+    row_bytes = sum(p[0].numel() * 8 for p in kinds.values())
+    assert len(reads) > len(indices) and sum(i.nbytes for i in indices.values()) <= row_bytes, (len(indices), kinds)
+    hf_sharded.load_hf_checkpoint(model, path)
+    want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in model.state_dict().items())
+
+    monkeypatch.setattr(hf_sharded, "_expert_rows", lambda *a: False)
+    monkeypatch.setattr(hf_sharded, "GENERAL_INDEX_BYTES", 1024)
+    with pytest.raises(NotImplementedError, match=r"mlp\.experts\.gate_up_proj.*keeps no expert per row"):
+        hf_sharded.plan_reads(_meta_model(path), hf_sharded.stored_tensors(path), path)

@@ -22,8 +22,10 @@ weight the checkpoint lacks (a tied head excepted), or a shape that differs is r
 such name (`CheckpointMismatch`).
 
 Host memory: a rank's reads touch only its rows' pages of the files, and a file is re-opened after
-`REMAP_BYTES` read through one mapping, which drops the pages read so far from the process (they
-stay in the page cache). A rank never holds more than its shards plus that much. No collectives.
+`REMAP_BYTES` read through one mapping (`SafetensorsSource`, megatron's reader too), which drops
+the pages read so far from the process (they stay in the page cache). A converted weight's reads
+share one row's index pattern per weight kind. A rank never holds more than its shards plus that
+much. No collectives.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import json
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,10 @@ from rltrain.weights.names import EXPERT, module_weights, to_checkpoint
 # Bytes read through one memory map of a file before it is re-opened (the pages read through a
 # map stay in the process's resident set until it is closed).
 REMAP_BYTES = 64 << 20
+# The largest index a converted weight that keeps no expert per row may need (8 bytes per element).
+GENERAL_INDEX_BYTES = 1 << 30
+# A layer's number inside a module name: weights of every layer share one index pattern.
+_LAYER = re.compile(r"\.\d+\.")
 # Segments wrappers put into module names that checkpoints do not have (torch.compile's, the
 # activation-checkpoint wrapper's, FSDP1's).
 _WRAPPERS = re.compile(r"(^|\.)(?:_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.")
@@ -70,8 +76,8 @@ class StoredTensor:
 @dataclass(frozen=True)
 class Read:
     """One checkpoint tensor (or its rows [start, stop)) copied into a rank's local tensor: whole
-    (`index` None) or, for a converted weight, element by element at `index` of the local tensor
-    (`mask`: which of the checkpoint tensor's elements are this rank's; None: all)."""
+    (`index` None) or, for a converted weight, element by element at `index` + `offset` of the
+    local tensor (`mask`: which of the checkpoint tensor's elements are this rank's; None: all)."""
 
     name: str
     stored: StoredTensor
@@ -79,6 +85,7 @@ class Read:
     rows: tuple[int, int] | None = None
     index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    offset: int = 0  # added to `index` (reads of one expert row each share one pattern)
 
     @property
     def nbytes(self) -> int:
@@ -184,25 +191,45 @@ def _expert_rows(model: Any, name: str, shape: torch.Size) -> bool:
 
 
 def _converted_reads(
-    model: Any, name: str, target: torch.Tensor, stored: dict[str, StoredTensor], general: bool = False
+    model: Any,
+    name: str,
+    target: torch.Tensor,
+    stored: dict[str, StoredTensor],
+    patterns: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]],
+    general: bool = False,
 ) -> list[Read]:
     """The reads that fill this rank's rows of converted weight `name` (several checkpoint
     tensors, not a reshaped one): where the conversion keeps an expert per row, the tensors of this
-    rank's experts, with the element indices of one block of this rank's rows; otherwise (or with
-    `general`) every checkpoint tensor with an element in those rows, with the indices of the
-    whole tensor (8 bytes per element of it, while it is read)."""
+    rank's experts, each with the element indices of one row (`patterns`: one per weight kind and
+    shape, shared by every layer's) offset to its row; otherwise (or with `general`) every
+    checkpoint tensor with an element in those rows, with the indices of the whole tensor (8 bytes
+    per element of it, refused above GENERAL_INDEX_BYTES)."""
     start, stop = local_rows(target)
     if stop <= start:
         return []
     local = _local(target)
     shape = target.shape
-    if not general and _expert_rows(model, name, shape):
-        block = torch.arange(local.numel()).reshape(local.shape)
-        return [
-            Read(_renumber(ck, start), stored[_renumber(ck, start)], local, index=idx.reshape(-1))
-            for ck, idx in to_checkpoint(model, name, block)
-        ]
     row = math.prod(shape[1:])
+    if not general and _expert_rows(model, name, shape):
+        # One expert's element positions in its row, shared by every expert's reads (8 bytes per
+        # element of one row, not of the rank's block), each read offset to its row.
+        key = (_LAYER.sub(".#.", name), tuple(shape))
+        if key not in patterns:
+            one = torch.arange(row).reshape(1, *shape[1:])
+            patterns[key] = [idx.reshape(-1) for _, idx in to_checkpoint(model, name, one)]
+        names = [ck for ck, _ in to_checkpoint(model, name, torch.empty((1, *shape[1:]), device="meta"))]
+        return [
+            Read(_renumber(ck, r), stored[_renumber(ck, r)], local, index=idx, offset=(r - start) * row)
+            for r in range(start, stop)
+            for ck, idx in zip(names, patterns[key], strict=True)
+        ]
+    if math.prod(shape) * 8 > GENERAL_INDEX_BYTES:
+        raise NotImplementedError(
+            f"{name} {list(shape)}: its conversion from the checkpoint's tensors keeps no expert per row, and "
+            f"mapping its elements takes {math.prod(shape) * 8 / 2**30:.1f} GiB of indices on every rank "
+            f"(more than {GENERAL_INDEX_BYTES >> 30} GiB): load this architecture with from_pretrained "
+            "(a smaller model) or add its conversion to weights/names.py as rows"
+        )
     whole = torch.arange(math.prod(shape)).reshape(shape) - start * row  # positions in the local rows
     reads = []
     for ck, idx in to_checkpoint(model, name, whole):
@@ -249,6 +276,7 @@ def plan_reads(model: torch.nn.Module, stored: dict[str, StoredTensor], path: st
             "config.json and *.safetensors written together, e.g. by save_pretrained)"
         )
     reads: list[Read] = []
+    patterns: dict[tuple[str, tuple[int, ...]], list[torch.Tensor]] = {}
     for module_name, t in weights:
         name = checkpoint_name(module_name)
         out = to_checkpoint(model, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
@@ -261,48 +289,106 @@ def plan_reads(model: torch.nn.Module, stored: dict[str, StoredTensor], path: st
             if stop > start:
                 reads.append(Read(ck, stored[ck], _local(t), rows=(start, stop)))
         else:
-            reads += _converted_reads(model, name, t, stored)
+            reads += _converted_reads(model, name, t, stored, patterns)
     return reads
 
 
+class SafetensorsSource:
+    """The tensors of an HF checkpoint directory, read slice by slice: both trainers' reader
+    (this module's `read`; megatron's `mcore_state`, as its `WeightSource`).
+
+    Names map to files as `stored_tensors` finds them (through `model.safetensors.index.json` when
+    there is one), shapes from the files' headers. `safe_open` maps a file without reading it; a
+    read copies the rows/columns asked for out of the mapping, so the rank's own memory holds its
+    slices, not the files. The file pages a read touches count in the process's resident memory
+    while the file is mapped, and a column slice touches nearly every page of its tensor: a file is
+    unmapped (and mapped again on its next read, which parses its header again) once reads touched
+    `unmap_after_bytes` of it. `bytes_read` counts the tensor bytes handed out. Use as a context
+    manager: leaving it unmaps every file."""
+
+    unmap_after_bytes = REMAP_BYTES
+
+    def __init__(self, model_path: str | Path, stored: dict[str, StoredTensor] | None = None):
+        self.root = Path(model_path)
+        self.bytes_read = 0
+        self._open_files: dict[Path, Any] = {}  # mapped on first use
+        self._touched: dict[Path, int] = {}  # bytes of each mapped file that reads touched
+        self._stored = stored if stored is not None else stored_tensors(self.root)
+
+    def _mapped(self, f: Path) -> Any:
+        if f not in self._open_files:
+            self._open_files[f] = safe_open(str(f), framework="pt")
+            self._touched[f] = 0
+        return self._open_files[f]
+
+    def _unmap(self, f: Path) -> None:
+        self._open_files.pop(f).__exit__(None, None, None)
+
+    def names(self) -> Collection[str]:
+        return self._stored.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._stored[name].shape
+
+    def take(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """Rows (and columns) of tensor `name` as safetensors gives them: possibly a view of the
+        file's mapping, valid until the next call (which unmaps a file past its budget): copy it
+        out before. `read` gives a copy."""
+        for full in [g for g, n in self._touched.items() if n >= self.unmap_after_bytes and g in self._open_files]:
+            self._unmap(full)
+        f = self._stored[name].file
+        whole = self._mapped(f).get_slice(name)
+        if not whole.get_shape():  # a scalar: no rows to slice
+            t = self._open_files[f].get_tensor(name)
+        else:
+            rows = slice(None) if rows is None else rows
+            t = whole[rows] if cols is None else whole[rows, cols]
+        self.bytes_read += t.nbytes
+        # A column slice spans the pages of its rows whole.
+        self._touched[f] += t.nbytes if cols is None else len(t) * math.prod(whole.get_shape()[1:]) * t.element_size()
+        return t
+
+    def read(self, name: str, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor:
+        """`take`, copied into storage of its own."""
+        return self.take(name, rows, cols).clone()
+
+    def close(self) -> None:
+        for f in list(self._open_files):
+            self._unmap(f)
+
+    def __enter__(self) -> SafetensorsSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @torch.no_grad()
-def read(reads: list[Read]) -> int:
-    """Copy every read's rows into its target, file by file, re-opening a file after REMAP_BYTES
-    read through one map of it. Returns the bytes read."""
+def read(reads: list[Read], src: SafetensorsSource) -> int:
+    """Copy every read's rows into its target through `src` (file by file: a file's mapping is
+    dropped after `src.unmap_after_bytes` read through it). A converted weight's index pattern
+    goes to the target's device once per pattern, not once per read. Returns the bytes read."""
     by_file: dict[Path, list[Read]] = defaultdict(list)
     for r in reads:
         by_file[r.stored.file].append(r)
     total = 0
-    for file, todo in by_file.items():
-        for batch in _by_bytes(todo, REMAP_BYTES):
-            with safe_open(str(file), "pt") as h:
-                for r in batch:
-                    if r.rows is not None:
-                        value = h.get_slice(r.name)[r.rows[0] : r.rows[1]]
-                    else:
-                        value = h.get_tensor(r.name)
-                    if r.index is None:
-                        r.target.copy_(value)
-                    else:
-                        flat = value.reshape(-1)
-                        if r.mask is not None:
-                            flat = flat[r.mask]
-                        r.target.view(-1)[r.index.to(r.target.device)] = flat.to(r.target.device, r.target.dtype)
-                    total += r.nbytes
+    on_device: dict[tuple[int, torch.device], torch.Tensor] = {}  # id(index pattern), device -> it there
+    for todo in by_file.values():
+        for r in todo:
+            value = src.take(r.name, None if r.rows is None else slice(*r.rows))
+            if r.index is None:
+                r.target.copy_(value)
+            else:
+                flat = value.reshape(-1)
+                if r.mask is not None:
+                    flat = flat[r.mask]
+                key = (id(r.index), r.target.device)
+                if key not in on_device:
+                    on_device[key] = r.index.to(r.target.device)
+                index = on_device[key] if not r.offset else on_device[key] + r.offset
+                r.target.view(-1)[index] = flat.to(r.target.device, r.target.dtype)
+            total += r.nbytes
     return total
-
-
-def _by_bytes(reads: list[Read], budget: int) -> Iterator[list[Read]]:
-    run: list[Read] = []
-    size = 0
-    for r in reads:
-        run.append(r)
-        size += r.nbytes
-        if size >= budget:
-            yield run
-            run, size = [], 0
-    if run:
-        yield run
 
 
 @torch.no_grad()
@@ -336,6 +422,8 @@ def load_hf_checkpoint(model: torch.nn.Module, path: str | Path) -> int:
     checkpoint at `path`, each rank its own rows, as `from_pretrained` + sharding would: weights
     cast to each tensor's dtype, non-persistent buffers recomputed. Refuses a checkpoint that does
     not fit before copying anything (CheckpointMismatch). Returns the bytes this rank read."""
-    reads = plan_reads(model, stored_tensors(path), path)
+    stored = stored_tensors(path)
+    reads = plan_reads(model, stored, path)
     compute_buffers(model)
-    return read(reads)
+    with SafetensorsSource(path, stored) as src:
+        return read(reads, src)
