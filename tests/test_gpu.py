@@ -617,7 +617,8 @@ def test_cuda_checksums_in_one_launch_equal_one_launch_per_tensor():
 def test_cuda_probe_scores_replayed_from_a_graph_follow_the_weights():
     """engine/embedded/scoring.py: a sequence scored a second time is captured in a CUDA graph;
     replays give what the eager forward gives, see weights updated in place (a sync), and weights
-    moved to new addresses (a release without the memory saver) are captured again."""
+    moved to new addresses are captured again; after a release without the memory saver it stays
+    eager (a capture per resume would cost more than it saves)."""
     import transformers
 
     from rltrain.engine.embedded.scoring import SequenceScorer
@@ -648,3 +649,5 @@ def test_cuda_probe_scores_replayed_from_a_graph_follow_the_weights():
     for p in model.parameters():
         p.data = p.data.clone()  # new addresses
     assert scorer.score(ids) == eager.score(ids) and scorer.captures == 2
+    scorer.drop(for_good=True)  # a release without the memory saver: eager from then on
+    assert scorer.score(ids) == scorer.score(ids) == eager.score(ids) and scorer.captures == 2

@@ -218,7 +218,7 @@ class EmbeddedEngine:
     def release(self, tags: list[str] | None) -> dict[str, Any]:
         if self.saver is None:  # (with the saver, the graph's memory is paused with its region)
             with self.state.lock:
-                self.scorer.drop()
+                self.scorer.drop(for_good=True)
         self.residency.release(tags)
         return self.memory_report()
 

@@ -11,8 +11,9 @@ eager, 8 ms replayed; bench.sync --verify-parts). A sequence is scored eagerly u
 second time (a prompt's input log-probs asked once cost no capture); then that scoring runs on a
 side stream (the warm-up a capture needs) and captures it, and later ones replay the graph while
 the sequence and the addresses of the model's weights and buffers stay the same. One graph is
-kept, for the last sequence captured; weights restored at new addresses capture again (after a
-release without the memory saver, whose memory the graph gives back: `drop`). With the memory saver
+kept, for the last sequence captured; weights at new addresses capture again. A release without
+the memory saver drops the graph (its memory goes back) and leaves the scorer eager from then on:
+every resume would bring new addresses and a capture each. With the memory saver
 the graph's memory is allocated in its cuda_graph region, like the paged path's graphs: kept
 through release and resume. A capture that fails leaves the scorer eager for good, with a
 warning. Off CUDA, or with the engine's CUDA graphs off (--disable-cuda-graph), it is eager.
@@ -94,6 +95,11 @@ class SequenceScorer:
         self.captures += 1
         return out
 
-    def drop(self) -> None:
-        """Forget the graph and its output (its memory goes back to the allocator's cache)."""
+    def drop(self, for_good: bool = False) -> None:
+        """Forget the graph and its output (its memory goes back to the allocator's cache);
+        `for_good`: score eagerly from now on (a release without the memory saver: each resume
+        brings the weights back at new addresses, and a capture per resume costs more than the
+        eager forward it saves)."""
         self._graph = self._logp = self._key = None
+        if for_good:
+            self.graphed = False
