@@ -118,8 +118,31 @@ class RolloutConfig:
     # unseeded row would get SGLang's fixed seed 42 under engine.deterministic); a resumed run
     # then samples otherwise.
     seeded: bool = True
+    # Multi-turn rollouts (rollout/env.py, rollout/multiturn.py): an environment per trajectory,
+    # module:Class made with the data record; or `tools` (module:function each) for the built-in
+    # tool environment (Qwen/Hermes <tool_call> JSON). Neither: one prompt, one response.
+    env: str | None = None
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 8  # model turns per trajectory
+    # Tokens after the first prompt (sampled and observations); 0: max_new_tokens x max_turns.
+    max_trajectory_tokens: int = 0
+    tool_timeout_s: float = 10.0  # a tool call that takes longer gives the model an error text
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.env or self.tools)
 
     def check(self) -> None:
+        if self.env and self.tools:
+            raise ConfigError(
+                "rollout.env and rollout.tools are both set: tools are the built-in environment's; a custom "
+                "environment runs its own tools"
+            )
+        if self.max_turns < 1 or self.max_trajectory_tokens < 0 or not self.tool_timeout_s > 0:
+            raise ConfigError(
+                f"rollout.max_turns={self.max_turns} (>= 1), rollout.max_trajectory_tokens="
+                f"{self.max_trajectory_tokens} (>= 0) and rollout.tool_timeout_s={self.tool_timeout_s} (> 0)"
+            )
         if self.n < 1 or self.max_new_tokens < 1:
             raise ConfigError(f"rollout.n={self.n}, rollout.max_new_tokens={self.max_new_tokens}: both must be >= 1")
         if self.temperature <= 0:

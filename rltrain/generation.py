@@ -86,6 +86,9 @@ class Completion:
     prompt_tokens: int = 0
     weight_version: str | None = None
     error: str | None = None
+    # A multi-turn trajectory (rollout/multiturn.py): 1 on the tokens the model sampled, 0 on the
+    # environment's (None: every token is sampled, as in a single-turn completion).
+    loss_mask: list[int] | None = None
 
     @property
     def ok(self) -> bool:

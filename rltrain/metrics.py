@@ -185,6 +185,12 @@ class MetricsWriter:
             for k in ("sampled", "zero_advantage", "surplus", "kept"):
                 rec[f"dynamic_groups_{k}"] = tot(f"dynamic_groups_{k}")
             rec["dynamic_batches"] = max(g["dynamic_batches"] for g in gathered)
+        multi = sorted({k for g in gathered for k in g if k.startswith(("turns_", "tool_"))})
+        if multi:  # multi-turn rollouts (rollout/multiturn.py): summed over the ranks
+            rec["multiturn"] = {k: sum(g.get(k, 0.0) for g in gathered) for k in multi}
+            rec["turns_per_trajectory"] = rec["multiturn"].get("turns_turns", 0.0) / max(
+                rec["multiturn"].get("turns_trajectories", 0.0), 1.0
+            )
         slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
         rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}

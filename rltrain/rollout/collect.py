@@ -19,6 +19,7 @@ from rltrain.batch import TrainBatch
 from rltrain.generation import Completion, SamplingParams
 from rltrain.interfaces import RolloutClient
 from rltrain.rollout.data import Prompt
+from rltrain.rollout.multiturn import TURN_STATS, MultiTurn, TurnStats
 from rltrain.rollout.rewards import RewardRunner
 
 log = logging.getLogger("rltrain.rollout")
@@ -55,11 +56,13 @@ def collect(
     tokenizer: Any,
     rewards: RewardRunner,
     first: int = 0,
+    turns: MultiTurn | None = None,
 ) -> Rollout:
-    """`first`: the position of `prompts[0]` among the step's prompts (samples are seeded by it)."""
+    """`first`: the position of `prompts[0]` among the step's prompts (samples are seeded by it).
+    `turns`: multi-turn trajectories (rollout/multiturn.py) instead of one response per sample."""
     positions = list(range(first, first + len(prompts)))
     times: dict[str, float] = {}
-    rollout = _summarize(_generate(client, prompts, positions, params, tokenizer, rewards, times), retried=0)
+    rollout = _summarize(_generate(client, prompts, positions, params, tokenizer, rewards, times, turns), retried=0)
     rollout.stats.update(times)
     return rollout
 
@@ -69,6 +72,9 @@ def extend(rollout: Rollout, more: Rollout) -> Rollout:
     out = _summarize(rollout.every_group + more.every_group, retried=int(rollout.stats.get("generation_retried", 0)))
     for k in TIMES:
         out.stats[k] = rollout.stats.get(k, 0.0) + more.stats.get(k, 0.0)
+    for k in {*rollout.stats, *more.stats}:
+        if k.startswith(TURN_STATS):
+            out.stats[k] = rollout.stats.get(k, 0.0) + more.stats.get(k, 0.0)
     return out
 
 
@@ -84,13 +90,14 @@ def retry_failed(
     params: SamplingParams,
     tokenizer: Any,
     rewards: RewardRunner,
+    turns: MultiTurn | None = None,
 ) -> Rollout:
     """Generate the groups whose generation failed once more (the engine was restarted), with the
     sampling seeds they had; what fails again stays failed and is dropped."""
     again = rollout.generation_failed_prompts
     groups = list(rollout.every_group)
     if again:
-        fresh = _generate(client, [prompts[i] for i in again], again, params, tokenizer, rewards)
+        fresh = _generate(client, [prompts[i] for i in again], again, params, tokenizer, rewards, turns=turns)
         for i in again:
             groups[i] = fresh[i]
     return _summarize(groups, retried=len(again) * params.n)
@@ -104,21 +111,36 @@ def _generate(
     tokenizer: Any,
     rewards: RewardRunner,
     times: dict[str, float] | None = None,
+    turns: MultiTurn | None = None,
 ) -> dict[int, list[Sample]]:
     """Sample and score; the groups by prompt position. A failed generation is not scored.
-    `times`: gets the seconds spent waiting for the engine's answers and scoring them (`TIMES`)."""
+    `times`: gets the seconds spent waiting for the engine's answers and scoring them (`TIMES`).
+    Multi-turn (`turns`): a sample is a trajectory, scored by its environment's rewards where it
+    gave any, else by `rewards` on the model's last turn."""
     t0 = time.perf_counter()
-    completions = client.generate([p.input_ids for p in prompts], params, positions=positions)
+    given: dict[int, float] = {}  # sample -> the environment's reward
+    if turns is None:
+        completions = client.generate([p.input_ids for p in prompts], params, positions=positions)
+        samples = [Sample(dict(zip(positions, prompts))[c.prompt_index], c) for c in completions]
+        responses = [s.completion.output_ids for s in samples]
+    else:
+        turns.stats = TurnStats()
+        trajectories = turns.run(client, prompts, positions, params)
+        samples = [Sample(t.prompt, t.completion) for t in trajectories]
+        responses = [t.last_turn for t in trajectories]
+        given = {k: t.env_reward for k, t in enumerate(trajectories) if t.env_reward is not None}
     t1 = time.perf_counter()
-    by_position = dict(zip(positions, prompts))
-    samples = [Sample(by_position[c.prompt_index], c) for c in completions]
-    to_score = []
-    for s in samples:
+    to_score, texts = [], []
+    for k, s in enumerate(samples):
         if not s.completion.ok:
             s.error = s.completion.error or f"finish reason {s.completion.finish_reason!r}"
             continue
+        if k in given:
+            s.reward = given[k]
+            continue
         to_score.append(s)
-    for s, text in zip(to_score, decode_responses(tokenizer, [s.completion.output_ids for s in to_score])):
+        texts.append(responses[k])
+    for s, text in zip(to_score, decode_responses(tokenizer, texts)):
         s.text = text
     for s, scored in zip(to_score, rewards.score([(s.text, s.prompt.record) for s in to_score])):
         s.reward, s.error = scored.reward, scored.error
@@ -127,6 +149,8 @@ def _generate(
         groups[s.completion.prompt_index].append(s)
     if times is not None:
         times.update(generate_s=t1 - t0, score_s=time.perf_counter() - t1)
+        if turns is not None:
+            times.update(turns.summary())
     return groups
 
 
@@ -195,6 +219,17 @@ def build_batch(groups: list[list[Sample]], pad_id: int) -> tuple[TrainBatch, to
     pos = torch.arange(L)
     attn = (pos < seq_len).long()
     loss_mask = ((pos >= prompt_len) & (pos < seq_len)).float()
+    if any(s.completion.loss_mask is not None for s in flat):  # multi-turn: the model's tokens only
+        sampled = torch.tensor(
+            [
+                [0] * len(s.prompt.input_ids)
+                + (s.completion.loss_mask if s.completion.loss_mask is not None else [1] * len(s.completion.output_ids))
+                + [0] * (L - len(x))
+                for s, x in zip(flat, seqs)
+            ],
+            dtype=torch.float32,
+        ).reshape(B, L)
+        loss_mask = loss_mask * sampled
     rollout_logp = torch.tensor(
         [
             [0.0] * len(s.prompt.input_ids)

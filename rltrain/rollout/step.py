@@ -21,6 +21,7 @@ from rltrain.rollout import collect
 from rltrain.rollout.collect import Rollout
 from rltrain.rollout.data import Prompt, PromptSampler
 from rltrain.rollout.dynamic_sampling import enough_informative, keep_informative_over_ranks
+from rltrain.rollout.multiturn import MultiTurn
 from rltrain.rollout.rewards import RewardRunner
 from rltrain.weights.versions import StaleWeightsError
 
@@ -43,6 +44,8 @@ class StepRollout:
         # deterministic sampler gives a row without a seed the seed 42, which makes the n samples of
         # a prompt one sample n times. A new run draws what the last drew; a resumed one does not.
         self._fresh_seeds = random.Random(f"rltrain/rollout/{cfg.run.seed}/{world.rank}")
+        # Multi-turn trajectories (rollout.env or rollout.tools), else one response per sample.
+        self.turns = MultiTurn.from_config(cfg.rollout, tokenizer) if cfg.rollout.multi_turn else None
         # The step's, set by `collect`.
         self._prompts: list[Prompt] = []
         self._params = self.run_params
@@ -57,7 +60,7 @@ class StepRollout:
             seed = self._fresh_seeds.randrange(1 << 40) * 1_000_000
         self._params = dataclasses.replace(self.run_params, sampling_seed=seed)
         self._prompts = self.sampler.next_batch(world.rank, world.world_size)
-        rollout = collect.collect(client, self._prompts, self._params, self.tokenizer, self.rewards)
+        rollout = collect.collect(client, self._prompts, self._params, self.tokenizer, self.rewards, turns=self.turns)
         self._batches = 1
         # DAPO's dynamic sampling: more prompts while too few groups are informative.
         while (
@@ -66,7 +69,9 @@ class StepRollout:
             and not enough_informative(world, rollout, cfg.data.prompts_per_step)
         ):
             more = self.sampler.next_batch(world.rank, world.world_size)
-            fresh = collect.collect(client, more, self._params, self.tokenizer, self.rewards, len(self._prompts))
+            fresh = collect.collect(
+                client, more, self._params, self.tokenizer, self.rewards, len(self._prompts), self.turns
+            )
             rollout = collect.extend(rollout, fresh)
             self._prompts, self._batches = self._prompts + more, self._batches + 1
         return rollout
@@ -74,7 +79,9 @@ class StepRollout:
     def retry_failed(self, client: RolloutClient, rollout: Rollout) -> Rollout:
         """After an engine restart: the step's groups whose generation failed, sampled once more
         with the seeds they had."""
-        rollout = collect.retry_failed(rollout, client, self._prompts, self._params, self.tokenizer, self.rewards)
+        rollout = collect.retry_failed(
+            rollout, client, self._prompts, self._params, self.tokenizer, self.rewards, self.turns
+        )
         rollout.stats["engine_restarts"] = 1.0
         return rollout
 
