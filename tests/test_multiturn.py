@@ -278,3 +278,31 @@ def test_the_loop_trains_on_two_turn_trajectories(tmp_path):
         assert 1.0 < row["turns_per_trajectory"] <= 2.0, row
         assert mt["turns_observation_tokens"] > 0 and mt["turns_sampled_tokens"] > 0, mt
         assert row["logp_diff_engine_trainer"] < 1e-3, row
+
+
+@pytest.mark.parametrize("kind", ["embedded", "sglang"])
+def test_a_prefix_cached_before_a_weight_update_is_never_served_after_it(kind, model_a, model_b, tmp_path):
+    """Multi-turn trajectories resend their growing prefix every turn, which SGLang's radix cache
+    keeps (on by default). A prefix cached under the old weights must not be reused after the
+    sync: the weight update flushes it (rltrain sends flush_cache with every update). Greedy
+    continuations of the same long prompt after the update are transformers' own under the new
+    weights, not the old ones' (the embedded engine has no prefix cache: the same holds)."""
+    from conftest import HAVE_SGLANG, SKIP_SGLANG, start_engine
+    from models import engine_greedy, hf_greedy
+
+    if kind == "sglang" and not HAVE_SGLANG:
+        if SKIP_SGLANG:
+            pytest.skip("SGLang not installed and RLTRAIN_SKIP_SGLANG=1")
+        pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
+    prompt = [[1, *range(10, 60)]]  # 51 tokens: several radix-cache pages
+    want_a, want_b = hf_greedy(model_a, prompt, 4), hf_greedy(model_b, prompt, 4)
+    assert want_a != want_b
+    srv = start_engine(kind, model_a, tmp_path)
+    try:
+        assert engine_greedy(srv.client, prompt, 4) == want_a  # the prefix is now cached under A
+        srv.client.update_weights_from_disk(str(model_b), weight_version="b")
+        assert engine_greedy(srv.client, prompt, 4) == want_b
+        assert engine_greedy(srv.client, [prompt[0] + want_b[0]], 2) == hf_greedy(model_b, [prompt[0] + want_b[0]], 2)
+    finally:
+        srv.client.close()
+        srv.process.stop()
