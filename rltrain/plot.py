@@ -1,5 +1,6 @@
-"""`python -m rltrain.plot RUN_DIR`: reward curve, phase time breakdown and the memory ledger per phase as
-PNGs. `--ledger [STEP]` prints a step's memory ledger as a table instead."""
+"""`python -m rltrain.plot RUN_DIR`: reward curve, phase time breakdown, the memory ledger per phase and,
+for multi-turn runs, turns, tool calls and errors, tokens and seconds per trajectory, as PNGs.
+`--ledger [STEP]` prints a step's memory ledger as a table instead."""
 
 from __future__ import annotations
 
@@ -51,6 +52,37 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.legend(fontsize=7, ncol=2)
     ax.set_title("time per phase")
     out.append(_save(fig, run_dir / "phase_time.png"))
+
+    multi = [r for r in rows if "multiturn" in r]
+    if multi:  # multi-turn rollouts: turns, tool calls and errors, tokens and time per trajectory
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        at = [r["step"] for r in multi]
+        per = [max(r["multiturn"].get("turns_trajectories", 0.0), 1.0) for r in multi]
+        for key, label in (
+            ("turns_turns", "turns"),
+            ("tool_calls", "tool calls"),
+            ("tool_errors", "tool errors"),
+            ("turns_ended_by_max_turns", "ended by max_turns"),
+            ("turns_ended_by_budget", "ended by the token budget"),
+        ):
+            left.plot(at, [r["multiturn"].get(key, 0.0) / n for r, n in zip(multi, per)], label=label)
+        left.plot(at, [r["reward_mean"] for r in multi], label="reward mean", linestyle="--")
+        left.set_xlabel("step")
+        left.set_title("per trajectory")
+        left.legend(fontsize=7)
+        for key, label in (
+            ("turns_sampled_tokens", "sampled tokens"),
+            ("turns_observation_tokens", "observation tokens"),
+        ):
+            right.plot(at, [r["multiturn"].get(key, 0.0) / n for r, n in zip(multi, per)], label=label)
+        seconds = right.twinx()
+        for key, label in (("turns_engine_s", "s in the engine"), ("turns_env_s", "s in the environment")):
+            seconds.plot(at, [r["multiturn"].get(key, 0.0) / n for r, n in zip(multi, per)], label=label, linestyle=":")
+        right.set_xlabel("step")
+        right.set_title("tokens and seconds per trajectory")
+        right.legend(fontsize=7, loc="upper left")
+        seconds.legend(fontsize=7, loc="upper right")
+        out.append(_save(fig, run_dir / "turns.png"))
 
     out.append(plot_ledger(rows[-1], run_dir / "memory.png"))
     return out

@@ -267,6 +267,7 @@ def test_the_loop_trains_on_two_turn_trajectories(tmp_path):
         "rollout.env=multiturn_env:Recheck",
         f"rollout.stop_token_ids=[{digits}]",
         "rollout.max_new_tokens=4",
+        "metrics.plot=true",
         env={"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])},
     )
     assert r.returncode == 0, r.stderr[-4000:]
@@ -278,6 +279,7 @@ def test_the_loop_trains_on_two_turn_trajectories(tmp_path):
         assert 1.0 < row["turns_per_trajectory"] <= 2.0, row
         assert mt["turns_observation_tokens"] > 0 and mt["turns_sampled_tokens"] > 0, mt
         assert row["logp_diff_engine_trainer"] < 1e-3, row
+    assert (tmp_path / "quickstart" / "turns.png").stat().st_size > 10_000  # the multi-turn plot
 
 
 @pytest.mark.parametrize("kind", ["embedded", "sglang"])
