@@ -127,6 +127,9 @@ class RolloutConfig:
     # Tokens after the first prompt (sampled and observations); 0: max_new_tokens x max_turns.
     max_trajectory_tokens: int = 0
     tool_timeout_s: float = 10.0  # a tool call that takes longer gives the model an error text
+    # A turn cut at max_new_tokens ends its trajectory (finish reason length), or (true) goes to
+    # the environment like any other turn.
+    continue_after_length: bool = False
 
     @property
     def multi_turn(self) -> bool:

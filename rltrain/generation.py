@@ -84,6 +84,7 @@ class Completion:
     finish_reason: str = ""  # "stop", "length", "abort" or "" when failed
     matched_stop: int | None = None
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt, served from the engine's prefix cache (SGLang's radix cache)
     weight_version: str | None = None
     error: str | None = None
     # A multi-turn trajectory (rollout/multiturn.py): 1 on the tokens the model sampled, 0 on the
@@ -155,6 +156,7 @@ def parse_generate_response(data: Any, num_prompts: int, n: int, first_prompt: i
             finish_reason=kind,
             matched_stop=fr.get("matched") if isinstance(fr, dict) and isinstance(fr.get("matched"), int) else None,
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            cached_tokens=int(meta.get("cached_tokens") or 0),
             weight_version=meta.get("weight_version"),
         )
         if kind == "abort":

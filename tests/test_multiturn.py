@@ -5,6 +5,7 @@ limits, and seeded trajectories that repeat exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -308,3 +309,16 @@ def test_a_prefix_cached_before_a_weight_update_is_never_served_after_it(kind, m
     finally:
         srv.client.close()
         srv.process.stop()
+
+
+def test_a_turn_cut_at_its_length_ends_the_trajectory_unless_asked_to_go_on(server):
+    """A turn that reaches max_new_tokens ends its trajectory with finish reason length (it was
+    truncated); with rollout.continue_after_length the environment answers it like any turn."""
+    params = dataclasses.replace(_params(stops=False), ignore_eos=True)  # every turn runs to its 5 tokens
+    cut = MultiTurn(RolloutConfig(max_new_tokens=5, max_turns=3), _tokenizer(), Always)
+    (t,) = cut.run(server.client, [Prompt(0, [1], {})], [0], params)
+    assert t.ended_by == "length" and t.turns == 1 and t.completion.finish_reason == "length"
+    on_cfg = RolloutConfig(max_new_tokens=5, max_turns=3, max_trajectory_tokens=100, continue_after_length=True)
+    on = MultiTurn(on_cfg, _tokenizer(), Always)
+    (t,) = on.run(server.client, [Prompt(0, [1], {})], [0], params)
+    assert t.ended_by == "max_turns" and t.turns == 3 and t.completion.loss_mask.count(1) == 15

@@ -17,7 +17,8 @@ Each trajectory runs on its own thread: its turns go to the engine as they come 
 batches the requests in flight; no turn waits for other trajectories' turns), and a tool that is
 slow holds its own trajectory only. Limits: `rollout.max_turns` model turns, and
 `rollout.max_trajectory_tokens` tokens after the first prompt (each turn may sample what is left;
-reaching it ends the trajectory with finish reason `length`, as an overlong response does). Every
+reaching it ends the trajectory with finish reason `length`, as an overlong response does); a
+turn cut at `rollout.max_new_tokens` ends it too, unless `rollout.continue_after_length`. Every
 turn of trajectory (prompt i, sample j) has its own sampling seed: turn 0 the single-turn one
 (`sample_seed`), turn t a hash of it and t, so a resumed run samples the same trajectories.
 """
@@ -218,8 +219,11 @@ class MultiTurn:
             ids += c.output_ids
             mask += [1] * len(c.output_ids)
             logp += list(c.logprobs) if c.logprobs else [0.0] * len(c.output_ids)
-            if c.finish_reason == "length":
-                out.ended_by = "length" if len(mask) < budget else "budget"
+            if len(mask) >= budget:
+                out.ended_by = "budget"
+                break
+            if c.finish_reason == "length" and not self.cfg.continue_after_length:
+                out.ended_by = "length"
                 break
             text = self.tokenizer.decode(c.output_ids, skip_special_tokens=True)
             t0 = time.perf_counter()

@@ -1,0 +1,171 @@
+"""Benchmark: multi-turn rollouts (rollout/multiturn.py) against the same sampled tokens in one turn.
+
+    python -m rltrain.bench.multiturn                                   # CPU: a small model, embedded engine
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's H200 figure
+    python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
+
+A Qwen3-shaped model with random weights (bench.models) on one engine. The workload: N
+trajectories of T turns, each turn exactly K sampled tokens (ignore_eos; a turn cut at its length
+goes on: `rollout.continue_after_length`), each answered by an
+observation of O random token ids (an environment of this module), all N in flight at once as the
+rollout runs them. The reference, in the same run: the same N prompts sampled single-turn for
+T x K tokens each (the same sampled tokens). Reported: sampled tokens/s and turns/s of both, the
+share (goal >= 70%), and the tokens the engine prefilled per turn (the prompt tokens it was sent
+less those its prefix cache served: SGLang's `cached_tokens`) against the ideal, the observation's
+O tokens and the previous turn's last token (goal <= 1.1x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rltrain.bench.engine import _start
+from rltrain.bench.models import QWEN3_SHAPES, build
+from rltrain.config import RolloutConfig
+from rltrain.engine.client import EngineClient
+from rltrain.generation import Completion, SamplingParams
+from rltrain.rollout.data import Prompt
+from rltrain.rollout.env import EnvStep
+from rltrain.rollout.multiturn import MultiTurn
+
+OBSERVATION = 32  # --obs, for the environment (set by main)
+VOCAB = 1000
+
+
+class RandomObservations:
+    """Answers every model turn with OBSERVATION random ids (seeded by the record): the
+    trajectory runs to its turn limit."""
+
+    def __init__(self, record: dict):
+        self.rng = random.Random(record["seed"])
+
+    def reset(self) -> None:
+        return None
+
+    def step(self, text: str, token_ids: list[int]) -> EnvStep:
+        return EnvStep([self.rng.randrange(10, VOCAB) for _ in range(OBSERVATION)])
+
+
+class _Ids:
+    """The least tokenizer the rollout needs here: decode (the environment ignores the text)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    global OBSERVATION, VOCAB
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--shape", default=None, choices=sorted(QWEN3_SHAPES), help="default: 1.7b on CUDA, 0.6b cut to 2 layers on CPU"
+    )
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
+    ap.add_argument("--trajectories", type=int, default=None, help="default: 512 on CUDA, 16 on CPU")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")
+    ap.add_argument("--obs", type=int, default=32, help="observation tokens per turn")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--sglang-pythonpath", default="", help="tests/sglang_shim on a CPU-only machine")
+    ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
+    ap.add_argument("--mem-fraction", type=float, default=0.5)
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args(argv)
+    cuda = a.device == "cuda"
+    shape = a.shape or ("1.7b" if cuda else "0.6b")
+    layers = a.layers if a.layers is not None else (None if cuda else 2)
+    n = a.trajectories or (512 if cuda else 16)
+    OBSERVATION = a.obs
+    root = Path(a.dir or tempfile.mkdtemp(prefix="rltrain-bench-multiturn-"))
+    path = root / f"model_{shape}_{layers}"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not (path / "config.json").exists():
+        build(path, shape, torch.device(a.device), dtype, layers)
+    VOCAB = min(VOCAB, QWEN3_SHAPES[shape].vocab)
+    print(
+        f"# rltrain.bench.multiturn  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {a.device}  "
+        f"{a.engine}  {shape} ({layers or 'all'} layers)  {n} trajectories x {a.turns} turns x {a.tokens} sampled "
+        f"+ {a.obs} observation tokens, prompts of {a.prompt_len}"
+    )
+    proc, client = _start(a.engine, path, a.device, "bfloat16" if cuda else "float32", root, max(n, 1), a)
+    try:
+        rng = random.Random(0)
+        prompts = [Prompt(i, [rng.randrange(10, VOCAB) for _ in range(a.prompt_len)], {"seed": i}) for i in range(n)]
+        positions = list(range(n))
+        turn = SamplingParams(max_new_tokens=a.tokens, temperature=1.0, ignore_eos=True, sampling_seed=1 << 20)
+        budget = a.turns * (a.tokens + a.obs)
+        cfg = RolloutConfig(
+            max_new_tokens=a.tokens, max_turns=a.turns, max_trajectory_tokens=budget, continue_after_length=True
+        )
+        rows = []
+        for _ in range(2):  # the first warms the engine up (graphs, caches); the second is reported
+            client.flush_cache()
+            single = SamplingParams(
+                max_new_tokens=a.tokens * a.turns, temperature=1.0, ignore_eos=True, sampling_seed=1 << 21
+            )
+            t0 = time.perf_counter()
+            once = client.generate([p.input_ids for p in prompts], single, positions=positions)
+            single_s = time.perf_counter() - t0
+            client.flush_cache()
+            turns = MultiTurn(cfg, _Ids(), RandomObservations)
+            counted = _Counting(client)
+            t0 = time.perf_counter()
+            trajectories = turns.run(counted, prompts, positions, turn)
+            multi_s = time.perf_counter() - t0
+            rows.append((single_s, once, multi_s, trajectories, counted))
+        single_s, once, multi_s, trajectories, counted = rows[-1]
+        failed = sum(not t.completion.ok for t in trajectories) + sum(not c.ok for c in once)
+        sampled = sum(sum(t.completion.loss_mask or []) for t in trajectories)
+        single_tokens = sum(len(c.output_ids) for c in once)
+        n_turns = sum(t.turns for t in trajectories)
+        later = [c for c in counted.calls if c[0] > a.prompt_len]  # turns after the first
+        sent = sum(s for s, _ in later) / max(len(later), 1)
+        cached = sum(c for _, c in later) / max(len(later), 1)
+        prefilled = sent - cached
+        ideal = a.obs + 1
+        print(f"{'':>28s} {'single-turn':>12s} {'multi-turn':>12s}")
+        print(f"{'sampled tokens':>28s} {single_tokens:12d} {sampled:12d}")
+        print(f"{'seconds':>28s} {single_s:12.2f} {multi_s:12.2f}")
+        print(f"{'sampled tokens/s':>28s} {single_tokens / single_s:12.0f} {sampled / multi_s:12.0f}")
+        print(f"{'turns/s':>28s} {n / single_s:12.1f} {n_turns / multi_s:12.1f}")
+        share = (sampled / multi_s) / (single_tokens / single_s)
+        print(f"multi-turn tokens/s = {share:.0%} of single-turn (goal >= 70%)")
+        print(
+            f"prefilled per later turn: {prefilled:.1f} tokens (sent {sent:.1f}, from the prefix cache {cached:.1f}); "
+            f"ideal {ideal} (the observation + the last sampled token): {prefilled / ideal:.2f}x (goal <= 1.1x)"
+        )
+        print(f"failed: {failed}")
+        return 1 if failed else 0
+    finally:
+        client.close()
+        proc.stop()
+
+
+class _Counting:
+    """The engine client, keeping each turn's prompt length and the part of it its prefix cache served."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.calls: list[tuple[int, int]] = []  # (prompt tokens, cached)
+
+    def generate(
+        self,
+        input_ids: list[list[int]],
+        params: SamplingParams,
+        return_logprob: bool = True,
+        positions: list[int] | None = None,
+    ) -> list[Completion]:
+        out = self.client.generate(input_ids, params, return_logprob, positions)
+        self.calls += [(len(ids), c.cached_tokens) for ids, c in zip(input_ids, out)]
+        return out
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
