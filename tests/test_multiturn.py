@@ -322,3 +322,28 @@ def test_a_turn_cut_at_its_length_ends_the_trajectory_unless_asked_to_go_on(serv
     on = MultiTurn(on_cfg, _tokenizer(), Always)
     (t,) = on.run(server.client, [Prompt(0, [1], {})], [0], params)
     assert t.ended_by == "max_turns" and t.turns == 3 and t.completion.loss_mask.count(1) == 15
+
+
+def test_a_tool_that_never_returns_holds_neither_its_trajectory_nor_the_process_exit(tmp_path):
+    """A process whose tool call hangs (it sleeps an hour) gets the timeout text and then exits at
+    once: the call's thread is a daemon, not a pool worker the interpreter joins at exit."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})\n"
+        "from rltrain.rollout.env import Tools\n"
+        "tools = Tools(['hang:forever'], timeout_s=0.5, workers=1)\n"
+        'print(tools.call(\'{"name": "forever", "arguments": {}}\')[1])\n'
+        'print(tools.call(\'{"name": "forever", "arguments": {}}\')[1])\n'
+    )
+    (tmp_path / "hang.py").write_text(
+        'import time\n\ndef forever() -> str:\n    """Never return."""\n    time.sleep(3600)\n    return \'late\'\n'
+    )
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    # The second call finds the one slot held by the first, hung call: it times out too.
+    assert r.stdout.splitlines() == ["error: forever timed out after 0.5 s"] * 2
+    assert time.perf_counter() - t0 < 30

@@ -19,7 +19,8 @@ turn (the estimators see one reward per trajectory either way). An exception fro
 
 `ToolEnvironment`: the model calls tools in the Qwen/Hermes format, a JSON object between
 `<tool_call>` and `</tool_call>` (`{"name": ..., "arguments": {...}}`); each call runs (its own
-thread, `rollout.tool_timeout_s` at most) and its result comes back as a `tool` message; a turn
+daemon thread, `rollout.tool_timeout_s` at most: a tool that never returns holds neither the
+trajectory nor the process's exit) and its result comes back as a `tool` message; a turn
 without a call ends the trajectory. A call that is malformed, names no known tool, raises or times
 out gives the model an error text instead (counted: `ToolStats`), never a crash. Tools get the
 model's arguments as keyword arguments: they are untrusted input, and no tool here evaluates them
@@ -35,8 +36,6 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -104,9 +103,10 @@ class Tools:
             self.functions[fn.__name__] = fn
         self.schemas = [_schema(fn) for fn in self.functions.values()]
         self.timeout_s = timeout_s
-        # A tool that never returns keeps its thread; the pool's bound keeps them from piling up
-        # without end (a call past it waits, and times out, like any other).
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rltrain-tool")
+        # Each call runs on a daemon thread of its own (a tool that never returns must not keep
+        # the process from exiting), at most `workers` at once: a call waits for a slot within
+        # its timeout, so tools that hang cannot pile threads up without end.
+        self._slots = threading.BoundedSemaphore(workers)
         self.stats = ToolStats()
 
     def call(self, text: str) -> tuple[str, str]:
@@ -128,21 +128,43 @@ class Tools:
         if fn is None:
             self.stats.add(name, True, False, time.perf_counter() - t0)
             return name, f"error: no tool named {name!r}; the tools are {sorted(self.functions)}"
-        future = self._pool.submit(fn, **args)
-        try:
-            out = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            future.cancel()
+        done, box = self._run(fn, args)
+        if not done:
             self.stats.add(name, True, True, time.perf_counter() - t0)
             return name, f"error: {name} timed out after {self.timeout_s:g} s"
-        except Exception as e:  # noqa: BLE001 - the model sees what its call did
+        if "error" in box:
+            raised = box["error"]
             self.stats.add(name, True, False, time.perf_counter() - t0)
-            return name, f"error: {name} raised {type(e).__name__}: {e}"
+            return name, f"error: {name} raised {type(raised).__name__}: {raised}"
         self.stats.add(name, False, False, time.perf_counter() - t0)
-        return name, out if isinstance(out, str) else json.dumps(out)
+        out = box.get("out")
+        try:
+            return name, out if isinstance(out, str) else json.dumps(out)
+        except (TypeError, ValueError) as e:
+            return name, f"error: {name} returned {type(out).__name__}, not text or JSON ({e})"
+
+    def _run(self, fn: Callable[..., Any], args: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """(finished within the timeout, {"out": result} or {"error": exception})."""
+        deadline = time.monotonic() + self.timeout_s
+        box: dict[str, Any] = {}
+        if not self._slots.acquire(timeout=self.timeout_s):
+            return False, box
+
+        def call() -> None:
+            try:
+                box["out"] = fn(**args)
+            except Exception as e:  # noqa: BLE001 - the model sees what its call did
+                box["error"] = e
+            finally:
+                self._slots.release()
+
+        thread = threading.Thread(target=call, name="rltrain-tool", daemon=True)
+        thread.start()
+        thread.join(max(0.0, deadline - time.monotonic()))
+        return not thread.is_alive(), box
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to wait for: a call still running ends with its thread (a daemon)."""
 
 
 def _schema(fn: Callable[..., Any]) -> dict[str, Any]:
