@@ -347,3 +347,25 @@ def test_a_tool_that_never_returns_holds_neither_its_trajectory_nor_the_process_
     # The second call finds the one slot held by the first, hung call: it times out too.
     assert r.stdout.splitlines() == ["error: forever timed out after 0.5 s"] * 2
     assert time.perf_counter() - t0 < 30
+
+
+def secret(record: dict) -> str:
+    """Look up this task's secret.
+
+    Returns:
+        The secret.
+    """
+    return str(record["secret"])
+
+
+def test_a_tool_that_takes_the_record_gets_the_trajectory_s_record_never_the_model_s():
+    """A tool with a `record` parameter gets the trajectory's data record (the task's context);
+    a `record` the model passes is dropped, and the schema the model sees does not show it."""
+    tools = Tools([f"{__name__}:secret"], timeout_s=5)
+    try:
+        assert tools.schemas[0]["function"]["parameters"].get("properties", {}) == {}
+        env = ToolEnvironment({"prompt": "?", "secret": 42}, tools)
+        forged = '<tool_call>{"name": "secret", "arguments": {"record": {"secret": 0}}}</tool_call>'
+        assert env.step(forged, []).observation == [{"role": "tool", "name": "secret", "content": "42"}]
+    finally:
+        tools.close()

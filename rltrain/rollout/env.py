@@ -24,17 +24,21 @@ trajectory nor the process's exit) and its result comes back as a `tool` message
 without a call ends the trajectory. A call that is malformed, names no known tool, raises or times
 out gives the model an error text instead (counted: `ToolStats`), never a crash. Tools get the
 model's arguments as keyword arguments: they are untrusted input, and no tool here evaluates them
-as code. The tools' JSON schemas (from their signatures and docstrings, transformers'
-`get_json_schema`) go into the first prompt through the chat template's `tools`.
+as code. A tool with a parameter named `record` also gets the trajectory's data record (a
+per-task database, sandbox or answer key the model cannot set). The tools' JSON schemas (from
+their signatures and docstrings, transformers' `get_json_schema`) go into the first prompt
+through the chat template's `tools`.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import re
 import threading
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -42,6 +46,7 @@ from typing import Any, Protocol
 Observation = list[dict[str, Any]] | str | list[int]
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+RECORD = "record"  # a tool's parameter that gets the trajectory's data record
 
 
 @dataclass
@@ -109,8 +114,10 @@ class Tools:
         self._slots = threading.BoundedSemaphore(workers)
         self.stats = ToolStats()
 
-    def call(self, text: str) -> tuple[str, str]:
-        """(tool name or "?", the text the model sees) for one `<tool_call>` body."""
+    def call(self, text: str, record: dict[str, Any] | None = None) -> tuple[str, str]:
+        """(tool name or "?", the text the model sees) for one `<tool_call>` body. A tool with a
+        parameter named `record` is given the trajectory's data record there (the task's own
+        context: the model cannot set it, and its schema does not show it)."""
         t0 = time.perf_counter()
         try:
             call = json.loads(text)
@@ -128,6 +135,9 @@ class Tools:
         if fn is None:
             self.stats.add(name, True, False, time.perf_counter() - t0)
             return name, f"error: no tool named {name!r}; the tools are {sorted(self.functions)}"
+        args.pop(RECORD, None)  # (never the model's to set)
+        if RECORD in inspect.signature(fn).parameters:
+            args[RECORD] = record if record is not None else {}
         done, box = self._run(fn, args)
         if not done:
             self.stats.add(name, True, True, time.perf_counter() - t0)
@@ -168,8 +178,20 @@ class Tools:
 
 
 def _schema(fn: Callable[..., Any]) -> dict[str, Any]:
+    """The tool's JSON schema as transformers makes it, without its `record` parameter."""
     from transformers.utils import get_json_schema  # noqa: PLC0415 - transformers is heavy; tools only
 
+    signature = inspect.signature(fn)
+    if RECORD in signature.parameters:
+
+        def shown() -> None: ...
+
+        shown.__name__, shown.__doc__ = fn.__name__, fn.__doc__
+        shown.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            parameters=[p for p in signature.parameters.values() if p.name != RECORD]
+        )
+        shown.__annotations__ = {k: v for k, v in typing.get_type_hints(fn).items() if k != RECORD}
+        fn = shown
     try:
         return get_json_schema(fn)
     except Exception as e:  # noqa: BLE001 - transformers' own message says what the docstring lacks
@@ -193,4 +215,5 @@ class ToolEnvironment:
         calls = TOOL_CALL.findall(text)
         if not calls:
             return EnvStep(None)
-        return EnvStep([{"role": "tool", "name": name, "content": out} for name, out in map(self.tools.call, calls)])
+        answers = [self.tools.call(call, self.record) for call in calls]
+        return EnvStep([{"role": "tool", "name": name, "content": out} for name, out in answers])
