@@ -34,22 +34,22 @@ from rltrain.rollout.data import Prompt
 from rltrain.rollout.env import EnvStep
 from rltrain.rollout.multiturn import MultiTurn
 
-OBSERVATION = 32  # --obs, for the environment (set by main)
-VOCAB = 1000
+VOCAB = 1000  # token ids drawn for prompts and observations: 10 .. VOCAB (or the model's vocabulary)
 
 
 class RandomObservations:
-    """Answers every model turn with OBSERVATION random ids (seeded by the record): the
-    trajectory runs to its turn limit."""
+    """Answers every model turn with the record's `obs` random ids below its `vocab` (seeded by
+    the record): the trajectory runs to its turn limit."""
 
     def __init__(self, record: dict):
         self.rng = random.Random(record["seed"])
+        self.obs, self.vocab = record["obs"], record["vocab"]
 
     def reset(self) -> None:
         return None
 
     def step(self, text: str, token_ids: list[int]) -> EnvStep:
-        return EnvStep([self.rng.randrange(10, VOCAB) for _ in range(OBSERVATION)])
+        return EnvStep([self.rng.randrange(10, self.vocab) for _ in range(self.obs)])
 
 
 class _Ids:
@@ -60,7 +60,6 @@ class _Ids:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global OBSERVATION, VOCAB
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument(
@@ -82,13 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     shape = a.shape or ("1.7b" if cuda else "0.6b")
     layers = a.layers if a.layers is not None else (None if cuda else 2)
     n = a.trajectories or (512 if cuda else 16)
-    OBSERVATION = a.obs
     root = Path(a.dir or tempfile.mkdtemp(prefix="rltrain-bench-multiturn-"))
     path = root / f"model_{shape}_{layers}"
     dtype = torch.bfloat16 if cuda else torch.float32
     if not (path / "config.json").exists():
         build(path, shape, torch.device(a.device), dtype, layers)
-    VOCAB = min(VOCAB, QWEN3_SHAPES[shape].vocab)
+    vocab = min(VOCAB, QWEN3_SHAPES[shape].vocab)
     print(
         f"# rltrain.bench.multiturn  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {a.device}  "
         f"{a.engine}  {shape} ({layers or 'all'} layers)  {n} trajectories x {a.turns} turns x {a.tokens} sampled "
@@ -97,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     proc, client = _start(a.engine, path, a.device, "bfloat16" if cuda else "float32", root, max(n, 1), a)
     try:
         rng = random.Random(0)
-        prompts = [Prompt(i, [rng.randrange(10, VOCAB) for _ in range(a.prompt_len)], {"seed": i}) for i in range(n)]
+        records = [{"seed": i, "obs": a.obs, "vocab": vocab} for i in range(n)]
+        prompts = [Prompt(i, [rng.randrange(10, vocab) for _ in range(a.prompt_len)], records[i]) for i in range(n)]
         positions = list(range(n))
         turn = SamplingParams(max_new_tokens=a.tokens, temperature=1.0, ignore_eos=True, sampling_seed=1 << 20)
         budget = a.turns * (a.tokens + a.obs)

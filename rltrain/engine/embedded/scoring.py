@@ -42,7 +42,7 @@ class SequenceScorer:
         self._graph: Any = None
         self._key: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._logp: torch.Tensor | None = None  # the graph's output
-        self._seen: dict[tuple[int, ...], int] = {}  # the last SEEN sequences scored eagerly, by when
+        self._seen: dict[tuple[int, ...], None] = {}  # the last SEEN sequences scored eagerly, oldest first
         self.captures = 0
 
     @torch.no_grad()
@@ -65,7 +65,7 @@ class SequenceScorer:
             return self._logp.cpu().tolist()
         if key[0] in self._seen:
             return self._capture(ids, key)
-        self._seen[key[0]] = len(self._seen)
+        self._seen[key[0]] = None
         if len(self._seen) > SEEN:
             del self._seen[next(iter(self._seen))]
         return self._forward(ids).cpu().tolist()
