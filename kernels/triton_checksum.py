@@ -69,7 +69,7 @@ def _multi_block_sums_kernel(
     tl.store(out_ptr + pid * 2 + 1, tl.sum(w * (pos.to(tl.int64) + 1), axis=0))
 
 
-def multi_block_sums(tensors: list[torch.Tensor], block: int) -> list[torch.Tensor]:
+def multi_block_sums(tensors: list[torch.Tensor], block: int, num_warps: int = 4) -> list[torch.Tensor]:
     """`block_sums` of each tensor's bytes as int32 words, in one kernel launch for all of them:
     each tensor contiguous, on the same device, its address a multiple of 4 and its size a
     whole number of words. Returns each tensor's [ceil(words / block) or 1, 2] rows, views of
@@ -97,5 +97,7 @@ def multi_block_sums(tensors: list[torch.Tensor], block: int) -> list[torch.Tens
     first = first.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else first.to(device)
     out = torch.empty(starts[-1], 2, dtype=torch.int64, device=device)
     steps = max(1, (len(tensors) - 1).bit_length())
-    _multi_block_sums_kernel[(starts[-1],)](table[0], table[1], first, len(tensors), out, BLOCK=block, STEPS=steps)
+    _multi_block_sums_kernel[(starts[-1],)](
+        table[0], table[1], first, len(tensors), out, BLOCK=block, STEPS=steps, num_warps=num_warps
+    )
     return list(out.split(rows))

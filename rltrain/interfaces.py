@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -36,6 +37,19 @@ WeightSpecRow = tuple[str, str, torch.Size, torch.dtype]
 Needs = Callable[[int, str], bool]
 # One rank's shard of a released trainer, in host memory (trainer-specific layout)
 Snapshot = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ProbeRide:
+    """The last sync's probe (sync/probe.py), scored for the trainer as one more row of the next
+    training step's first micro-batch instead of by a forward of its own in the sync: the row
+    takes no part in the loss, and `judge` (a collective over the bridge, every rank) gets the
+    row's log-probs of tokens 1.. at temperature 1 (None where this rank ran no micro-batch) before
+    the step's first optimizer step, raises if an engine scored it otherwise, and returns the
+    probe's statistics for the step's metrics."""
+
+    tokens: list[int]
+    judge: Callable[[torch.Tensor | None], dict[str, float]]
 
 
 class Group(Protocol):
@@ -125,7 +139,13 @@ class Trainer(Protocol):
         self, batch: TrainBatch, reference: bool = False, temperature: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+    # `probe`: the last sync's probe rides the step's first micro-batch (where `rides_probe`)
+    def train_step(self, batch: TrainBatch, probe: ProbeRide | None = None) -> dict[str, float]: ...
+
+    # Whether a training forward gives the probe's log-probs as a forward of its own would: at
+    # temperature 1, no dropout, and a micro-batch whose rows do not interact (not pipelined)
+    @property
+    def rides_probe(self) -> bool: ...
 
     def data_group(self) -> Any: ...  # the group whose ranks hold different samples (None: the world)
 

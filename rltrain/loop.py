@@ -96,7 +96,13 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = prepare_batch(cfg, trainer, rollout)
             with clock.phase("train"):
-                train_stats = trainer.train_step(batch)
+                # The last sync's probe rides the step's first micro-batch, judged before its
+                # optimizer step (WeightSync.ride): the row's probe statistics are those of the
+                # weights its rollout came from.
+                probe = parts.sync.ride()
+                train_stats = trainer.train_step(batch, probe)
+                if probe is None and parts.sync.rides:  # (step 1: judged at the setup, or at start-up)
+                    train_stats.update(parts.sync.served_probe)
                 cycle.after_train()
             gap.observe(step + 1, {**adv_stats, **train_stats})  # a warning where the gap jumps
             with clock.phase("save"):
@@ -104,7 +110,11 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)
             version = str(step + 1)
             if reason is None:
-                train_stats.update(_to_rollout(clock.phase, parts, world, version))
+                sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
+                for k in ("sync_probe_diff", "sync_probe_worst"):  # the ridden probe's and the last push's
+                    if k in train_stats and k in sent:
+                        sent[k] = max(sent[k], train_stats[k])
+                train_stats.update(sent)
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
             done = step + 1
             cycle.recorded(done)  # after the row: pruning keeps the newest recorded checkpoint
@@ -176,14 +186,15 @@ def _to_training(phase: Phase, parts: RunParts, world: World) -> None:
         parts.cycle.bring_back()
 
 
-def _to_rollout(phase: Phase, parts: RunParts, world: World, version: str) -> dict[str, float]:
+def _to_rollout(phase: Phase, parts: RunParts, world: World, version: str, ride: bool) -> dict[str, float]:
     """From training to rollout: the engines take their weights' memory back and receive
-    `version` (verified), the world goes down, the trainer is put away, the engines take their
+    `version` (verified; the trainer's side of the probe rides the next training step where
+    `ride`: one follows), the world goes down, the trainer is put away, the engines take their
     KV cache back once the world's NCCL memory is free."""
     with phase("engine_resume_weights"):
         parts.engine.resume_weights()
     with phase("sync"):
-        stats = parts.sync.push(version)  # gathers shards: world up
+        stats = parts.sync.push(version, ride=ride)  # gathers shards: world up
     with phase("world_destroy"):
         world.destroy()  # NCCL teardown runs in the background during the trainer's put-away
     with phase("trainer_offload"):
@@ -205,5 +216,5 @@ def _send_weights_again(parts: RunParts, world: World, version: str | None) -> N
     assert version is not None
     untimed: Phase = lambda name: contextlib.nullcontext()  # noqa: E731 (timed as "engine_restart")
     _to_training(untimed, parts, world)
-    _to_rollout(untimed, parts, world, version)
+    _to_rollout(untimed, parts, world, version, ride=True)  # the step's training follows
     log.info("engine restarted: weight version %s sent again", version)

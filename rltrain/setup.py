@@ -203,7 +203,8 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
             "release their memory" if engine.releases else "keep their memory",
             cfg.sync.transport,
             f": {cfg.sync_transport}" if cfg.sync.transport == "auto" else "",
-            sync.checks.probe.value,
+            sync.checks.probe.value
+            + (", the trainer's side in the next training step's first micro-batch" if sync.rides else ""),
             "from the training forward" if cfg.algo.old_logp_from_training else "a separate pass",
         )
     initial = None

@@ -118,6 +118,9 @@ def test_on_the_cpu_each_switch_costs_what_it_frees_and_every_sync_is_still_veri
     r = run_quickstart(tmp_path, "loop.steps=4")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "sync.transport=auto: tensor" in r.stderr and "world: stays up" in r.stderr, r.stderr[-3000:]
+    # The trainer's side of the probe rides the next step's training (the sync runs no forward of
+    # its own); every row still has the probe of the weights its rollout came from.
+    assert "the trainer's side in the next training step's first micro-batch" in r.stderr, r.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:

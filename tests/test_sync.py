@@ -517,6 +517,85 @@ def test_one_rank_scores_the_probe_for_the_trainer_and_every_rank_judges_every_e
         assert "rank 0" not in error and "engine0" not in error and "checksum" not in error, r
 
 
+def _ride_rank(rank: int, world_size: int, model: str, url: str, engine_model: str, awake: bool) -> dict:
+    """Two versions pushed with `ride`: the push runs no trainer forward; the next training
+    step's first micro-batch carries the probe and judges it before its optimizer step."""
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.verify import WeightMismatchError
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from test_trainer import fixed_batch
+
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = FSDPTrainer(TrainerConfig(dtype="float32", micro_batch_size=2), AlgoConfig(), model, torch.device("cpu"))
+    t.create()
+    sync = WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], engine_model, awake=awake)
+    forwards = []
+    real = sync._trainer_probe
+    sync._trainer_probe = lambda *a: forwards.append(1) or real(*a)  # type: ignore[method-assign]
+    out: dict = {"rides": t.rides_probe}
+    batch = fixed_batch(B=4, L=40).slice(slice(0, 3))  # rows longer than the probe, one micro-batch short
+    try:
+        for version in ("1", "2"):
+            out[f"push{version}"] = sync.push(version, ride=True)
+            out[f"awake{version}"] = sync.probe_engines()
+            ride = sync.ride()
+            out[f"forwards{version}"] = len(forwards)
+            assert ride is not None and sync.ride() is None  # taken once
+            standalone = real()  # what a forward of its own gives, for the comparison below
+            seen = []
+            judge = ride.judge
+            ride = type(ride)(ride.tokens, lambda logp: seen.append(logp.clone()) or judge(logp))
+            before = t.model.get_input_embeddings().weight.full_tensor().clone()
+            try:
+                out[f"train{version}"] = t.train_step(batch, ride)
+            except WeightMismatchError as e:
+                out[f"error{version}"] = str(e)
+                out["unchanged"] = torch.equal(before, t.model.get_input_embeddings().weight.full_tensor())
+                break
+            out[f"row_vs_own{version}"] = float((seen[0] - standalone).abs().max())
+        return out
+    finally:
+        sync.close()
+        world.close()
+
+
+@pytest.mark.parametrize("awake", [True, False], ids=["probed-in-the-push", "probed-once-awake"])
+def test_the_trainers_probe_rides_the_next_training_step_and_is_judged_before_its_optimizer_step(
+    tmp_path, engines, big_a, awake
+):
+    """`push(version, ride=True)`: no trainer forward in the sync; the next training step's first
+    micro-batch carries the probe as one more row (the loss never sees it) and judges it before
+    its optimizer step. Against the engine that serves the trainer's model: two versions pass,
+    the row's log-probs are those of a forward of its own. Against one that runs another model:
+    the step raises WeightMismatchError on every rank, naming the engine, and nothing moved."""
+    import json
+    import shutil
+
+    eng = engines(big_a, tmp_path / "right")
+    ranks = values(run_ranks(_ride_rank, 2, str(big_a), eng.process.url, str(big_a), awake, deadline_s=240))
+    for r in ranks:
+        assert r["rides"] and r["forwards1"] == r["forwards2"] == 0, r
+        for version in ("1", "2"):
+            assert "sync_probe_diff" not in r[f"push{version}"] and r[f"awake{version}"] == {}, r
+            assert r[f"train{version}"]["sync_probe_worst"] < 1e-3, r
+            assert r[f"row_vs_own{version}"] < 1e-4, r
+    served = tmp_path / "served"
+    shutil.copytree(big_a, served)
+    config = json.loads((served / "config.json").read_text())
+    config["rms_norm_eps"] = 0.5
+    (served / "config.json").write_text(json.dumps(config))
+    wrong = engines(served, tmp_path / "wrong")
+    ranks = values(run_ranks(_ride_rank, 2, str(big_a), wrong.process.url, str(served), awake, deadline_s=240))
+    for r in ranks:
+        assert "push1" in r and "train1" not in r, r  # the checksums agree: the push passes
+        assert "log-probs of the probe sequence differ" in r["error1"] and "node0-engine0" in r["error1"], r
+        assert r["unchanged"], "judged before the optimizer step"
+
+
 def _one_rank_per_block_units(rank: int, world_size: int, model: str, url: str) -> dict:
     """A trainer of one rank whose blocks are FSDP units of their own (as on GPUs: `gathered()`
     changes nothing, its forward all-gathers per block): its probe forward runs on a thread

@@ -9,8 +9,11 @@ second process on the same device serving a model of the same architecture. Unde
 with several ranks (tensor and distributed) the trainer is FSDP2-sharded over every GPU: rank 0
 gathers each bucket from all ranks and sends it, as in the loop; the limit of `tensor` is then a
 raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport: one
-warm-up push, then timed pushes of new versions (steady state), with the post-sync checksum
-verification on and off. The limits, on the same bytes:
+warm-up push, then timed pushes of new versions (steady state): unverified; verified with the
+trainer's side of the probe scored in the push; verified with it riding the next training step
+(the loop's way, `WeightSync.ride`), whose whole cost adds the engines' probe once awake, the
+probe's row in a training micro-batch (`--micro` x `--micro-tokens`, forward and backward, with
+and without it) and its judge. The limits, on the same bytes:
   tensor       device-to-device copy in one process (the receiver's copy is the floor)
   disk, delta  raw safetensors write (+fsync) and read of the same tensors
   distributed  raw broadcast of the same bytes between two processes (gloo on CPU; NCCL between
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -254,6 +258,45 @@ def verification_alone(ws: WeightSync, trainer: FSDPTrainer, client: EngineClien
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
+def ride_cost(
+    trainer: FSDPTrainer, probe: list[int], device: torch.device, rows: int, length: int
+) -> tuple[float, float]:
+    """Seconds of a training micro-batch's forward and backward (`rows` x `length` random
+    tokens), alone and with the probe as one more row (`rl_update.forward_with_probe`): what
+    riding the next step costs the trainer. Median of 5, gradients dropped after each."""
+    import statistics
+
+    from rltrain.batch import TrainBatch
+    from rltrain.trainer import rl_update
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, trainer._hf_config.vocab_size, (rows, length), generator=g)
+    mb = TrainBatch(tokens, torch.ones_like(tokens), torch.ones(rows, length)).to(device)
+    model = trainer._live_model()
+    model.train()
+
+    def plain() -> None:
+        logp, _ = trainer.forward_logp(model, mb, with_entropy=True)
+        logp.sum().backward()
+
+    def ridden() -> None:
+        logp, _, _ = rl_update.forward_with_probe(trainer, model, mb, probe)
+        logp.sum().backward()
+
+    out = []
+    for fn in (plain, ridden, plain, ridden):  # the first two warm up
+        runs = []
+        for _ in range(5):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            runs.append(time.perf_counter() - t0)
+            trainer.zero_grad()
+        out.append(statistics.median(runs))
+    return out[2], out[3]
+
+
 def _probe_floor(
     path: str, probe: list[int], device: torch.device, timed: Callable[[Callable[[], object]], float]
 ) -> dict[str, float]:
@@ -321,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--micro", type=int, default=4, help="rows of the training micro-batch the probe rides")
+    ap.add_argument("--micro-tokens", type=int, default=389, help="tokens per row of that micro-batch")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
     ap.add_argument(
         "--verify-parts",
@@ -404,8 +449,12 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:  # (the first rank's)
                 client.wait_healthy(600, alive=lambda: proc.alive)
             world.bridge.barrier("engine up")
-            results: dict[bool, tuple[float, float]] = {}  # verify -> (fastest push s, bytes)
-            for verify in (False, True):
+            # (verify, ride) -> (fastest push s, bytes): unverified; verified with the trainer's
+            # probe forward in the push; verified with it riding the next training step
+            results: dict[tuple[bool, bool], tuple[float, float]] = {}
+            awake_s: list[float] = []  # the engines' probe after a ridden push (the loop's sync_probe)
+            judge_s: list[float] = []  # the ridden probe's judge (a gather over the bridge)
+            for verify, ride in ((False, False), (True, False), (True, True)):
                 cfg = load_config(
                     None,
                     [
@@ -431,8 +480,18 @@ def main(argv: list[str] | None = None) -> int:
                     version = str(len(results) * 100 + i + 1)
                     _sync(device)
                     t0 = time.perf_counter()
-                    stats = ws.push(version)
+                    stats = ws.push(version, ride=ride)
                     times.append(time.perf_counter() - t0)
+                    if ride:  # the engines' side once awake, then the judge the next step would run
+                        t0 = time.perf_counter()
+                        ws.probe_engines()
+                        awake_s.append(time.perf_counter() - t0)
+                        ridden = ws.ride()
+                        assert ridden is not None
+                        logp = ws._trainer_probe()  # (the training step's row stands in for it)
+                        t0 = time.perf_counter()
+                        ridden.judge(logp)
+                        judge_s.append(time.perf_counter() - t0)
                 if not verify:
                     timings = dict(ws.timings)  # of the last timed push
                 if a.profile and not verify and first:
@@ -444,15 +503,17 @@ def main(argv: list[str] | None = None) -> int:
                     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 elif a.profile and not verify:
                     ws.push(str(len(results) * 100 + 99))
-                if verify:  # of the last timed push: the reset and what follows the send, part by part
+                if verify and not ride:  # of the last timed push: the reset and what follows the send
                     verify_s = ws.timings["verify"]
                     parts = {k.removeprefix("verify: "): v for k, v in ws.timings.items() if k.startswith("verify: ")}
                     if a.verify_parts and transport == "tensor" and ranks == 1:
                         verification_alone(ws, trainer, client, device)
+                if ride:
+                    row_s = ride_cost(trainer, ws.probe or list(range(1, 34)), device, a.micro, a.micro_tokens)
                 ws.close()
-                results[verify] = (min(times[1:]), stats["sync_bytes"])
+                results[verify, ride] = (min(times[1:]), stats["sync_bytes"])
             nbytes = sum(w.nbytes for w in ws.plan.weights)
-            best, sent = results[False]
+            best, sent = results[False, False]
             if a.profile:
                 say(
                     "trainer side of the last timed push, s: "
@@ -505,15 +566,29 @@ def main(argv: list[str] | None = None) -> int:
                 gbps = nbytes / best / 1e9
                 print(
                     f"{transport:>11s} {s:>6s} {nbytes / 1e9:6.2f} | {best:7.3f} {gbps:7.2f} "
-                    f"{results[True][0] - best:9.3f} | "
+                    f"{results[True, False][0] - best:9.3f} | "
                     f"{limit_name:>28s} {limit:7.2f} | {gbps / limit:8.0%}"
                     + (f"  (delta wrote {sent / 1e6:.1f} MB)" if transport == "delta" else "")
                 )
-                extra = results[True][0] - best
+                extra = results[True, False][0] - best
                 print(
-                    f"{'':>11s} verification {extra:.3f} s = {extra / best:.0%} of the sync's own time: "
-                    f"inside the send and its end (both ends' checksums, the probe) {extra - verify_s:.3f} s, "
-                    f"after it {verify_s:.3f} s (" + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()) + ")"
+                    f"{'':>11s} verification, the trainer's probe in the sync: {extra:.3f} s = {extra / best:.0%} of "
+                    f"the sync's own time: inside the send and its end (both ends' checksums, the probe) "
+                    f"{extra - verify_s:.3f} s, after it {verify_s:.3f} s ("
+                    + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items())
+                    + ")"
+                )
+                in_sync = results[True, True][0] - best
+                awake, judged = statistics.median(awake_s[1:]), statistics.median(judge_s[1:])
+                row = row_s[1] - row_s[0]
+                whole = in_sync + awake + judged + row
+                print(
+                    f"{'':>11s} verification, the trainer's probe riding the next step (the loop's way): in the "
+                    f"sync {in_sync:.3f} s = {in_sync / best:.0%} of the sync's own time (goal <= 50%); whole "
+                    f"{whole:.3f} s = {whole / best:.0%}: + the engines' probe once awake {awake:.3f} s + the "
+                    f"probe's row in a training micro-batch of {a.micro} x {a.micro_tokens} tokens, forward and "
+                    f"backward {row_s[1]:.3f} s against {row_s[0]:.3f} s without it ({row:+.3f} s) + its judge "
+                    f"{judged:.3f} s"
                 )
             world.bridge.barrier(f"{transport} measured")
         finally:

@@ -55,11 +55,13 @@ class ProbeDiff:
 @dataclass(frozen=True)
 class ProbeBounds:
     """The largest mean and worst-position differences a sync passes with, and how they were
-    set (for the log and the errors)."""
+    set (for the log and the errors); `measured`: the start-up difference they were calibrated
+    from, where they were."""
 
     mean: float
     worst: float
     how: str = "fixed"
+    measured: ProbeDiff | None = None
 
     @staticmethod
     def fixed(mean: float, worst: float = math.inf) -> ProbeBounds:
@@ -101,7 +103,7 @@ def calibrated(cfg: SyncConfig, prec: str, measured: ProbeDiff) -> ProbeBounds:
     )
     if cfg.probe_tolerance or cfg.probe_worst_tolerance:
         how += "; sync.probe_tolerance / sync.probe_worst_tolerance where set"
-    return ProbeBounds(mean, worst, how)
+    return ProbeBounds(mean, worst, how, measured)
 
 
 def start_error(engine: str, measured: ProbeDiff, cfg: SyncConfig, prec: str) -> str | None:

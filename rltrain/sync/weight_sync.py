@@ -26,6 +26,7 @@ rank (`WeightMismatchError`, `StaleWeightsError`) naming the engine.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from transformers import AutoConfig
 from rltrain.config import Config
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
-from rltrain.interfaces import Needs, Trainer, World
+from rltrain.interfaces import Needs, ProbeRide, Trainer, World
 from rltrain.sync import calibration, probe, verify
 from rltrain.sync.disk import DiskTransport
 from rltrain.sync.distributed import DistributedTransport
@@ -156,10 +157,25 @@ class WeightSync:
             self.receivers, self.engine_name, self.leader, self.plan, caps, checks, tokens, bounds, alive
         )
         self.checks, self.probe = checks, tokens
-        # Whether any rank resets its engines before each sync (they all agree on it then).
-        self.resets = cfg.sync.verify and any(
-            world.bridge.all_gather_object(checks.weights_checker and self.leader, phase="sync resets")
+        # The trainer's side of the probe can ride the next training step (`push`): where the
+        # engines' checksums are compared with the trainer's in the sync itself (a miss or a
+        # half-written fused weight fails the sync there; against SGLang, whose digests are not
+        # the trainer's, only the probe sees a half-written fused weight: it stays in the sync).
+        # The probe's statistics of the weights the engines serve, last judged (at start-up: the
+        # difference the bounds were calibrated from, model.path on both sides).
+        measured = bounds.measured
+        self.served_probe = (
+            {} if measured is None else {"sync_probe_diff": measured.mean, "sync_probe_worst": measured.worst}
         )
+        # Whether any rank resets its engines before each sync, and whether the probe rides (the
+        # leaders know their engines' checks): every rank agrees on both.
+        can_ride = checks.probe is not ProbeMoment.OFF and trainer.rides_probe
+        leaders = world.bridge.all_gather_object(
+            (checks.weights_checker and self.leader, can_ride, checks.checksums if self.leader else None),
+            phase="sync resets",
+        )
+        self.resets = cfg.sync.verify and any(r for r, _, _ in leaders)
+        self.rides = all(c for _, c, _ in leaders) and all(k for _, _, k in leaders if k is not None)
         context = SyncContext(
             cfg=cfg.sync,
             world=world,
@@ -179,7 +195,10 @@ class WeightSync:
             probe=tuple(self.probe) if self.checks.probe is ProbeMoment.SESSION_END else (),
         )
         self.transport: Transport = make_transport(cfg.sync_transport, context)
-        self._probe_due: tuple[str, torch.Tensor] | None = None  # (version, the trainer's probe log-probs)
+        # (version, the trainer's probe log-probs; None: they ride the next training step)
+        self._probe_due: tuple[str, torch.Tensor | None] | None = None
+        self._rides = False  # the last push's probe rides the next training step
+        self._ride: tuple[str, list[verify.ProbeScore]] | None = None  # (version, this rank's engines' scores)
         self._early: Future[torch.Tensor] | None = None  # the trainer's probe, scored during a push
         self._start_early = False
         self.verify_seconds = self.reset_seconds = 0.0  # of the last push
@@ -194,16 +213,25 @@ class WeightSync:
             **{f"verify: {k}": v for k, v in self.verify_parts.items()},
         }
 
-    def push(self, version: str) -> dict[str, float]:
-        """Send the trainer's weights as `version`; verified on return (collective)."""
+    def push(self, version: str, ride: bool = False) -> dict[str, float]:
+        """Send the trainer's weights as `version`; verified on return (collective). `ride`: a
+        training step follows these weights, and the trainer's side of the probe rides its first
+        micro-batch (`ride()`; where `self.rides`) instead of a forward of its own here; the
+        engines' side is asked as before, and the probe judged there."""
         t0 = time.perf_counter()
         sums: Sums = {}
+        self._rides = ride and self.rides
+        self._ride = None  # an unjudged probe of an earlier version: these weights replace it
         with self.trainer.gathered():  # one gathering for the export and the probe
             # The trainer's probe forward, where it is no collective with a peer (not sharded, or
             # a world of one rank: its export then runs no collective at all), runs on a thread
             # while the weights go out: started once the first bucket is exported (the export's
             # first walk of the modules is done by then; a forward swaps their parameters).
-            alone = self._scores_for_trainer() and (not self.trainer.sharded or self.world.world_size == 1)
+            alone = (
+                not self._rides
+                and self._scores_for_trainer()
+                and (not self.trainer.sharded or self.world.world_size == 1)
+            )
             self._early = None
             self._start_early = alone
             try:
@@ -308,7 +336,8 @@ class WeightSync:
             log.warning("sync of version %s: %s exited; left to the restart", version, ", ".join(verdict.dead))
         if verdict.probe is None:
             return {}
-        return {"sync_probe_diff": verdict.probe.mean, "sync_probe_worst": verdict.probe.worst}
+        self.served_probe = {"sync_probe_diff": verdict.probe.mean, "sync_probe_worst": verdict.probe.worst}
+        return dict(self.served_probe)
 
     def _probe_in_push(self, version: str, report: verify.RankReport, early: Future[torch.Tensor] | None) -> None:
         """The probe's part of the push: where the engines score it in the push, theirs (the
@@ -319,6 +348,12 @@ class WeightSync:
             return
         in_push = moment is not ProbeMoment.AWAKE and self.leader
         engines = self.verifier.scores_in_push(version, self.transport.ends, self._pool) if in_push else None
+        if self._rides:  # judged when the next training step has the trainer's side (`ride`)
+            if moment is ProbeMoment.AWAKE:
+                self._probe_due = (version, None)
+            else:
+                self._ride = (version, engines.result() if isinstance(engines, Future) else engines or [])
+            return
         here = self._scores_for_trainer()
         trainer_logp = early.result() if early is not None else self._trainer_probe() if here else None
         if moment is ProbeMoment.AWAKE:
@@ -339,6 +374,33 @@ class WeightSync:
             return {}
         version, trainer_logp = due
         scores = self.verifier.scores(version) if self.leader else []
+        if trainer_logp is None:  # the trainer's side rides the next training step
+            self._ride = (version, scores)
+            return {}
+        return self._judge_probe(version, scores, trainer_logp)
+
+    def ride(self) -> ProbeRide | None:
+        """The probe of the last push for the next training step to score and judge (None: none
+        is due). Its judge is a collective over the bridge before that step's first optimizer
+        step: a mismatch raises WeightMismatchError on every rank, naming the engine, before
+        anything is trained on the rollout those weights made."""
+        if self._ride is None:
+            return None
+        version, scores = self._ride
+        self._ride = None
+        return ProbeRide(list(self.probe), functools.partial(self._judge_ride, version, scores))
+
+    def _judge_ride(
+        self, version: str, scores: list[verify.ProbeScore], trainer_logp: torch.Tensor | None
+    ) -> dict[str, float]:
+        # No micro-batch ran on this rank: a forward of its own (sharded, none ran on any rank).
+        logp = trainer_logp if trainer_logp is not None else self._trainer_probe()
+        return self._judge_probe(version, scores, logp.detach().cpu())
+
+    def _judge_probe(
+        self, version: str, scores: list[verify.ProbeScore], trainer_logp: torch.Tensor
+    ) -> dict[str, float]:
+        """The engines' `scores` of `version`'s probe against the trainer's log-probs (collective)."""
         report = verify.RankReport(scores=scores, trainer_logp=trainer_logp, bounds=self.verifier.bounds)
         verdict = verify.judge(version, self.world.bridge.all_gather_object(report, phase="sync probe"))
         return self._probe_stats(version, verdict) or {"sync_probe_diff": 0.0, "sync_probe_worst": 0.0}

@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import Needs, Snapshot, WeightSpecRow
+from rltrain.interfaces import Needs, ProbeRide, Snapshot, WeightSpecRow
 from rltrain.runtime import internals
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import HeldTensors
@@ -403,15 +403,22 @@ class FSDPTrainer:
         model.train(was_training)
         return out
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL step: `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step each."""
+    @property
+    def rides_probe(self) -> bool:
+        """A training forward scores the probe as `logprobs` would: at temperature 1, no dropout."""
+        return self.temperature == 1.0 and not rl_update.dropout_in(self._hf_config)
+
+    def train_step(self, batch: TrainBatch, probe: ProbeRide | None = None) -> dict[str, float]:
+        """One RL step: `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step
+        each; `probe` rides the first (`ProbeRide`)."""
         model = self._live_model()
         assert self.scheduler is not None
+        assert probe is None or self.rides_probe
 
-        def step(mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
-            return rl_update.optimizer_step(self, model, mini, loss_cfg)
+        def step(mini: TrainBatch, loss_cfg: PolicyLossConfig, ride: ProbeRide | None) -> dict[str, float]:
+            return rl_update.optimizer_step(self, model, mini, loss_cfg, ride)
 
-        metrics = rl_update.train_step(self, batch, self.seed * 100003 + self.steps, step)
+        metrics = rl_update.train_step(self, batch, self.seed * 100003 + self.steps, step, probe)
         metrics["lr"] = float(self.scheduler.get_last_lr()[0])
         self.scheduler.step()
         self.steps += 1

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
 from rltrain.batch import TrainBatch, idle_batch
 from rltrain.config import AlgoConfig, TrainerConfig
+from rltrain.interfaces import ProbeRide
 from rltrain.kernels import logprobs_entropy
 
 # The order of `micro_loss`'s statistics; engine_diff: |log-prob - engine's| summed over the loss
@@ -85,15 +86,16 @@ def lr_factor(cfg: TrainerConfig, total_steps: int, step: int) -> float:
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+OptimizerStep = Callable[[TrainBatch, PolicyLossConfig, ProbeRide | None], dict[str, float]]
+
+
 def train_step(
-    backend: Backend,
-    batch: TrainBatch,
-    seed: int,
-    optimizer_step: Callable[[TrainBatch, PolicyLossConfig], dict[str, float]],
+    backend: Backend, batch: TrainBatch, seed: int, optimizer_step: OptimizerStep, probe: ProbeRide | None = None
 ) -> dict[str, float]:
     """One RL step's statistics averaged over its optimizer steps, and `train_tokens_per_s`.
-    `seed` orders the mini-batches (the caller's seed and step count). The caller steps its
-    learning-rate schedule and adds `lr`."""
+    `seed` orders the mini-batches (the caller's seed and step count); `probe` rides the first
+    optimizer step (its statistics are returned as they are). The caller steps its learning-rate
+    schedule and adds `lr`."""
     algo = backend.algo
     cfg = loss_config(algo)
     n = len(batch)
@@ -101,39 +103,96 @@ def train_step(
     sums: dict[str, float] = {}
     t0 = time.perf_counter()
     tokens_trained = 0
+    probed: dict[str, float] = {}
     for _ in range(algo.ppo_epochs):
         order = torch.randperm(n, generator=g) if algo.mini_batches > 1 else torch.arange(n)
         # An empty batch still runs every optimizer step: the rank joins the collectives.
         for chunk in order.tensor_split(algo.mini_batches):
             mini = batch.slice(chunk)
-            stats = optimizer_step(mini, cfg)
+            stats = optimizer_step(mini, cfg, probe)
+            if probe is not None:
+                probe = None
+                probed = {k: stats.pop(k) for k in PROBE_STATS if k in stats}
             tokens_trained += int(mini.attention_mask.sum())
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
     updates = algo.ppo_epochs * algo.mini_batches
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["train_tokens_per_s"] = tokens_trained / max(time.perf_counter() - t0, 1e-9)
-    return metrics
+    return {**metrics, **probed}
+
+
+PROBE_STATS = ("sync_probe_diff", "sync_probe_worst")  # what a ridden probe's judge returns
 
 
 def optimizer_step(
-    backend: Backend, model: torch.nn.Module, mini: TrainBatch, loss_cfg: PolicyLossConfig
+    backend: Backend,
+    model: torch.nn.Module,
+    mini: TrainBatch,
+    loss_cfg: PolicyLossConfig,
+    probe: ProbeRide | None = None,
 ) -> dict[str, float]:
+    """One optimizer step over `mini`'s micro-batches. `probe`: one more row of the first
+    micro-batch's forward, judged before the gradients are applied (`ProbeRide`)."""
     normalizer, total_tokens = normalizers(backend, mini)
     backend.zero_grad()
     # Summed on the device: a copy to the host per micro-batch would wait for its backward and
     # leave the GPU idle while the next forward is launched.
     acc = torch.zeros(len(STATS), dtype=torch.float64, device=backend.device)
+    probe_logp = None
     for mb, _ in micro_batches(backend, mini):
         mb = mb.to(backend.device)
-        logp, ent = backend.forward_logp(model, mb, with_entropy=True)
+        if probe is not None and probe_logp is None:
+            logp, ent, probe_logp = forward_with_probe(backend, model, mb, probe.tokens)
+        else:
+            logp, ent = backend.forward_logp(model, mb, with_entropy=True)
         assert ent is not None
         loss, stats = micro_loss(backend.algo, mb, logp, ent, loss_cfg, normalizer)
         loss.backward()
         acc += stats
+    probed = probe.judge(probe_logp) if probe is not None else {}  # before the weights move
     grad_norm = backend.apply_gradients()
     backend.zero_grad()  # no gradients live between steps
-    return step_stats(backend, acc, total_tokens, grad_norm)
+    return {**step_stats(backend, acc, total_tokens, grad_norm), **probed}
+
+
+def dropout_in(config: Any) -> list[str]:
+    """The dropout rates above 0 a transformers config sets (a training forward then differs
+    from a scoring one)."""
+    return [
+        k
+        for k, v in vars(config).items()
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+    ]
+
+
+def with_probe_row(mb: TrainBatch, tokens: list[int], pad_id: int) -> TrainBatch:
+    """`mb`'s tokens and masks with the probe appended as one more row (both right-padded to
+    the longer of the two): a row the loss never sees."""
+    B, L = mb.tokens.shape
+    width = max(L, len(tokens))
+    grow = (0, width - L)
+    row = torch.full((1, width), pad_id, dtype=mb.tokens.dtype, device=mb.tokens.device)
+    row[0, : len(tokens)] = torch.tensor(tokens, dtype=mb.tokens.dtype)
+    seen = torch.zeros((1, width), dtype=mb.attention_mask.dtype, device=mb.tokens.device)
+    seen[0, : len(tokens)] = 1
+    pad = torch.nn.functional.pad
+    return TrainBatch(
+        torch.cat([pad(mb.tokens, grow, value=pad_id), row]),
+        torch.cat([pad(mb.attention_mask, grow), seen]),
+        torch.cat([pad(mb.loss_mask, grow), torch.zeros((1, width), dtype=mb.loss_mask.dtype, device=seen.device)]),
+    )
+
+
+def forward_with_probe(
+    backend: Backend, model: torch.nn.Module, mb: TrainBatch, tokens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The training forward of `mb` with the probe as one more row: `mb`'s log-probs and
+    entropies (as `forward_logp` gives them) and the probe's log-probs of tokens 1.., detached."""
+    B, L = mb.tokens.shape
+    logp, ent = backend.forward_logp(model, with_probe_row(mb, tokens, backend.pad_id), with_entropy=True)
+    probe_logp = logp[B, 1 : len(tokens)].detach().float()
+    return logp[:B, :L], None if ent is None else ent[:B, :L], probe_logp
 
 
 def micro_batches(backend: Backend, batch: TrainBatch) -> Iterator[tuple[TrainBatch, bool]]:

@@ -49,7 +49,7 @@ from transformers import AutoConfig
 from rltrain.algo.losses import PolicyLossConfig
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import Needs, Snapshot, WeightSpecRow, World
+from rltrain.interfaces import Needs, ProbeRide, Snapshot, WeightSpecRow, World
 from rltrain.runtime.dtypes import resolve_dtype
 from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
@@ -370,15 +370,24 @@ class MegatronTrainer:
         L = batch.tokens.shape[1]
         return lp[mine, :L], ent[mine, :L]
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL step over the pooled samples of this rank's model replica."""
+    @property
+    def rides_probe(self) -> bool:
+        """A training forward scores the probe as `logprobs` would: at temperature 1 (dropout is
+        off in the model megatron builds), and not pipelined (the pipeline's micro-batches are
+        its own)."""
+        return self.temperature == 1.0 and self.pp == 1
+
+    def train_step(self, batch: TrainBatch, probe: ProbeRide | None = None) -> dict[str, float]:
+        """One RL step over the pooled samples of this rank's model replica; `probe` rides its
+        first micro-batch (`ProbeRide`)."""
         assert self.scheduler is not None
-        step = (
+        assert probe is None or self.rides_probe
+        step: rl_update.OptimizerStep = (
             self._pipeline_optimizer_step
             if self.pp > 1
-            else (lambda mini, loss_cfg: rl_update.optimizer_step(self, self.model, mini, loss_cfg))
+            else (lambda mini, loss_cfg, ride: rl_update.optimizer_step(self, self.model, mini, loss_cfg, ride))
         )
-        metrics = rl_update.train_step(self, self._pool(batch)[0], self.seed * 100003 + self.steps, step)
+        metrics = rl_update.train_step(self, self._pool(batch)[0], self.seed * 100003 + self.steps, step, probe)
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.steps += 1
@@ -398,7 +407,10 @@ class MegatronTrainer:
 
         return self._pipeline().logprobs(model, batch, score)
 
-    def _pipeline_optimizer_step(self, mini: TrainBatch, loss_cfg: PolicyLossConfig) -> dict[str, float]:
+    def _pipeline_optimizer_step(
+        self, mini: TrainBatch, loss_cfg: PolicyLossConfig, probe: ProbeRide | None = None
+    ) -> dict[str, float]:
+        assert probe is None, "a pipelined trainer does not ride the probe (rides_probe)"
         normalizer, total_tokens = rl_update.normalizers(self, mini)
         self.zero_grad()
         self.model.train()
