@@ -73,7 +73,8 @@ class ModelConfig:
     # tiny-addition: if `path` does not exist, build a random tiny Qwen2 and the word-level
     # tokenizer of the synthetic addition task there (the quickstart; no downloads).
     # tiny-addition-moe: the same with a tiny Qwen3-MoE (4 experts, top 2) instead.
-    build: Literal["none", "tiny-addition", "tiny-addition-moe"] = "none"
+    # tiny-lookup: the same for the tool quickstart's task (rollout/synthetic.py).
+    build: Literal["none", "tiny-addition", "tiny-addition-moe", "tiny-lookup"] = "none"
     build_hidden: int = 64  # size of the built model
     build_layers: int = 2
 
@@ -84,7 +85,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts: a jsonl/parquet file, or synthetic:addition (written into the run directory)."""
+    """Prompts: a jsonl/parquet file, or synthetic:addition or synthetic:lookup (written into the run directory)."""
 
     path: str = ""
     prompts_per_step: int = 32  # global batch of prompts per step, split across ranks
@@ -94,8 +95,8 @@ class DataConfig:
     def check(self) -> None:
         if not self.path:
             raise ConfigError("data.path is required: a .jsonl/.parquet file or synthetic:addition")
-        if self.path.startswith("synthetic:") and self.path != "synthetic:addition":
-            raise ConfigError(f"data.path={self.path!r}: the synthetic tasks are: synthetic:addition")
+        if self.path.startswith("synthetic:") and self.path not in ("synthetic:addition", "synthetic:lookup"):
+            raise ConfigError(f"data.path={self.path!r}: the synthetic tasks are: synthetic:addition, synthetic:lookup")
         if self.prompts_per_step < 1:
             raise ConfigError(f"data.prompts_per_step={self.prompts_per_step}: expected >= 1")
 
@@ -136,11 +137,6 @@ class RolloutConfig:
         return bool(self.env or self.tools)
 
     def check(self) -> None:
-        if self.env and self.tools:
-            raise ConfigError(
-                "rollout.env and rollout.tools are both set: tools are the built-in environment's; a custom "
-                "environment runs its own tools"
-            )
         if self.max_turns < 1 or self.max_trajectory_tokens < 0 or not self.tool_timeout_s > 0:
             raise ConfigError(
                 f"rollout.max_turns={self.max_turns} (>= 1), rollout.max_trajectory_tokens="

@@ -85,7 +85,8 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
     """`resume_from`: the checkpoint the run continues from (`where_the_run_begins`), or None."""
     hf_logging.disable_progress_bar()  # one "Writing model shards" bar per weight version is noise
     model_path = Path(cfg.model.path)
-    if cfg.model.build in ("tiny-addition", "tiny-addition-moe"):
+    if cfg.model.build != "none":
+        words, _, template = synthetic.TASKS["lookup" if cfg.model.build == "tiny-lookup" else "addition"]
         # Every rank joins this collective; only rank 0 looks at the disk. (Each rank checking
         # `exists()` itself raced with rank 0's build: a late rank skipped the collective.)
         _on_rank0(
@@ -95,23 +96,27 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
                 model_path.exists()
                 or synthetic.build_tiny_model(
                     model_path,
-                    synthetic.addition_words(),
+                    words(),
                     hidden=cfg.model.build_hidden,
                     layers=cfg.model.build_layers,
                     seed=cfg.run.seed,
                     experts=4 if cfg.model.build == "tiny-addition-moe" else 0,
+                    chat_template=template,
+                    qwen3=cfg.model.build == "tiny-lookup",
                 )
             ),
         )
     if not (model_path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={str(model_path)!r} is not an HF checkpoint directory (no config.json)")
     data_path = cfg.data.path
-    if data_path == "synthetic:addition":
-        data_path = str(cfg.run_dir / "data" / "addition.jsonl")
+    if data_path.startswith("synthetic:"):
+        task = data_path.removeprefix("synthetic:")
+        data_path = str(cfg.run_dir / "data" / f"{task}.jsonl")
+        records = synthetic.TASKS[task][1]
         _on_rank0(
             world,
             "writing the synthetic dataset",
-            lambda: synthetic.write_jsonl(Path(data_path), synthetic.addition_records()),
+            lambda: synthetic.write_jsonl(Path(data_path), records()),
         )
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -243,8 +243,14 @@ def test_an_observation_follows_the_model_turn_as_the_chat_template_writes_it():
 
 
 def test_multi_turn_config_is_checked():
-    with pytest.raises(ConfigError, match="both set"):
-        RolloutConfig(env="a:B", tools=["a:f"]).check()
+    # rollout.env with rollout.tools: the environment must be a ToolEnvironment (made with them).
+    with pytest.raises(ValueError, match="both set"):
+        MultiTurn.from_config(RolloutConfig(env=f"{__name__}:TwoTurns", tools=[f"{__name__}:add"]), _tokenizer())
+    tool_env = MultiTurn.from_config(
+        RolloutConfig(env="rltrain.rollout.synthetic:LookupTask", tools=["rltrain.rollout.synthetic:lookup"]),
+        _tokenizer(),
+    )
+    assert tool_env.tools is not None and isinstance(tool_env.make_env({"answer": "3"}), ToolEnvironment)
     with pytest.raises(ConfigError, match="max_turns=0"):
         RolloutConfig(tools=["a:f"], max_turns=0).check()
     with pytest.raises(ValueError, match="rollout.tools='nowhere:f'"):
@@ -370,3 +376,75 @@ def test_a_tool_that_takes_the_record_gets_the_trajectory_s_record_never_the_mod
         assert env.step(forged, []).observation == [{"role": "tool", "name": "secret", "content": "42"}]
     finally:
         tools.close()
+
+
+def test_the_lookup_task_pays_only_for_an_answer_grounded_in_a_lookup(tmp_path):
+    """The tool quickstart's task (rollout/synthetic.py): its words survive a save and a load by
+    AutoTokenizer (a "qwen2" checkpoint's would not: transformers 5 reads it as byte-level BPE and
+    "find" tokenises to nothing), its chat template renders the tool's answer between markers,
+    and only a right answer after a lookup that worked pays 1; a lookup then a wrong answer 0.1;
+    a guess, right or not, 0."""
+    from transformers import AutoTokenizer
+
+    from rltrain.rollout import synthetic
+
+    path = synthetic.build_tiny_model(
+        tmp_path / "m", synthetic.lookup_words(), chat_template=synthetic.LOOKUP_TEMPLATE, qwen3=True
+    )
+    tok = AutoTokenizer.from_pretrained(path)
+    words = synthetic.lookup_words()
+    assert tok.convert_ids_to_tokens(tok("find 7", add_special_tokens=False)["input_ids"]) == ["find", "7"]
+    call = tok.convert_tokens_to_ids(synthetic.LOOKUP_CALL)
+    assert tok.decode([call]) == synthetic.LOOKUP_CALL and call == words.index(synthetic.LOOKUP_CALL) + 4
+    tools = Tools(["rltrain.rollout.synthetic:lookup"], timeout_s=5)
+    conv = Conversation(tok, tools.schemas)
+    record = synthetic.lookup_records(5, seed=1)[2]
+    env = synthetic.LookupTask(record, tools)
+    assert tok.convert_ids_to_tokens(conv.prompt_ids(env.reset(), Prompt(0, [], record))) == ["find"]
+    looked = env.step(synthetic.LOOKUP_CALL, [call])
+    assert looked.reward == 0.0 and looked.observation is not None
+    obs = conv.observation_ids(looked.observation, call)
+    assert tok.convert_ids_to_tokens(obs) == ["<tool_response>", record["answer"], "</tool_response>"]
+    assert env.step(record["answer"], []).reward == 1.0 and env.step(record["answer"], []).observation is None
+    wrong = str((int(record["answer"]) + 1) % 10)
+    assert env.step(wrong, []).reward == 0.1
+    guess = synthetic.LookupTask(record, tools)
+    guess.reset()
+    assert guess.step(record["answer"], []).reward == 0.0  # right, but not looked up
+    assert tools.stats.calls == {"lookup": 1} and not tools.stats.errors
+
+
+def test_the_tool_quickstart_learns_to_call_the_tool_and_answer(tmp_path):
+    """configs/quickstart-tools.yaml on two ranks from random weights: at the first step the model
+    calls the tool in few trajectories and its reward is near 0; by the end nearly every
+    trajectory looks the answer up and answers it (the README's second quickstart)."""
+    import json
+
+    from multiproc import run_torchrun
+    from test_loop import REPO
+
+    r = run_torchrun(
+        tmp_path,
+        ["-m", "rltrain"],
+        [
+            "--config",
+            str(REPO / "configs" / "quickstart-tools.yaml"),
+            f"run.dir={tmp_path}",
+            f"model.path={tmp_path / 'base_model'}",
+            "loop.steps=160",
+            "checkpoint.interval=0",
+            "metrics.plot=false",
+        ],
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart-tools" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 161))
+
+    def calls(row: dict) -> float:
+        return row["multiturn"]["tool_calls"] / row["samples"]
+
+    assert calls(rows[0]) < 0.3 and rows[0]["reward_mean"] < 0.2, rows[0]
+    last = rows[-20:]
+    assert sum(row["reward_mean"] for row in last) / 20 >= 0.8, [row["reward_mean"] for row in last]
+    assert sum(calls(row) for row in last) / 20 >= 0.8
+    assert all(row["multiturn"]["tool_errors"] == 0 and row["generation_failed"] == 0 for row in rows)

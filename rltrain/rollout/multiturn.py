@@ -165,9 +165,18 @@ class MultiTurn:
         """`rollout.env`'s environment class, or the tool environment over `rollout.tools`."""
         from rltrain.rollout.env import ToolEnvironment, load_object  # noqa: PLC0415 - (the same package)
 
-        if cfg.env:
+        if cfg.env and not cfg.tools:
             cls = load_object(cfg.env, "rollout.env")
             return MultiTurn(cfg, tokenizer, cls)
+        if cfg.env:  # a tool environment of the user's: made as cls(record, tools), it may score
+            tool_env = load_object(cfg.env, "rollout.env")
+            if not (isinstance(tool_env, type) and issubclass(tool_env, ToolEnvironment)):
+                raise ValueError(
+                    f"rollout.env={cfg.env} and rollout.tools are both set: the environment must then be a "
+                    "rltrain.rollout.env.ToolEnvironment (made with the tools); another environment runs its own tools"
+                )
+            tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
+            return MultiTurn(cfg, tokenizer, lambda record: tool_env(record, tools), tools)
         tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
         return MultiTurn(cfg, tokenizer, lambda record: ToolEnvironment(record, tools), tools)
 
