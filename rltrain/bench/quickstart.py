@@ -2,6 +2,7 @@
 
     python -m rltrain.bench.quickstart                     # the README's quickstart: 800 steps, 2 ranks
     python -m rltrain.bench.quickstart --steps 200 trainer.lr=0.003   # overrides after the flags
+    python -m rltrain.bench.quickstart --config configs/quickstart-tools.yaml --steps 200   # the tools one
 
 Runs `torchrun --nproc-per-node=2 -m rltrain --config configs/quickstart.yaml` in a fresh run
 directory (the tiny model built there) and reads its metrics. Per step, medians over the steps
@@ -14,6 +15,9 @@ after the first five:
   fixed          the step minus its compute
 and once: start-up (launch to the first step's start), shutdown (the last step's end to exit,
 plots included), and the mean reward of the last 20 steps (the quickstart must still learn).
+For a multi-turn quickstart, also its learning curve: reward and tool calls per trajectory at
+a few steps, and the first step (and the wall time to it) where the reward's mean over 10 steps
+reaches 0.8.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ COMPUTE = ("rollout", "logprobs", "train")
 SWITCHES = tuple(p for p in e2e.SWITCHES if p != "sync_probe")  # the probe is reported on its own
 
 
-def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float, float]:
+def run(root: Path, steps: int, overrides: list[str], config: str = "") -> tuple[list[dict], float, float]:
     """The quickstart's metrics rows, and the launch and exit wall times."""
     repo = Path(__file__).resolve().parents[2]
+    config_path = Path(config).resolve() if config else repo / "configs" / "quickstart.yaml"
     cmd = [
         sys.executable,
         "-m",
@@ -49,7 +54,7 @@ def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float
         "-m",
         "rltrain",
         "--config",
-        str(repo / "configs" / "quickstart.yaml"),
+        str(config_path),
         f"run.dir={root}",
         f"model.path={root / 'base_model'}",
         f"loop.steps={steps}",
@@ -64,8 +69,26 @@ def run(root: Path, steps: int, overrides: list[str]) -> tuple[list[dict], float
     t1 = time.time()
     if r.returncode != 0:
         raise SystemExit(failed_run_report("the quickstart", r.returncode, log))
-    rows = [json.loads(line) for line in (root / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    (metrics,) = root.glob("*/metrics.jsonl")  # (the run's own name)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return rows, t0, t1
+
+
+def learning_curve(rows: list[dict], t0: float) -> None:
+    """A multi-turn run's reward and tool calls per trajectory at a few steps, and when the
+    reward's mean over 10 steps first reaches 0.8."""
+    print("# learning curve: step, reward, tool calls per trajectory, turns per trajectory")
+    for i in sorted({0, 9, 24, 49, 99, 149, 199, len(rows) - 1} & set(range(len(rows)))):
+        r = rows[i]
+        calls = r.get("multiturn", {}).get("tool_calls", 0.0) / max(r["samples"], 1.0)
+        print(f"{r['step']:>24d} {r['reward_mean']:9.3f} {calls:9.2f} {r.get('turns_per_trajectory', 1.0):9.2f}")
+    means = [statistics.mean(r["reward_mean"] for r in rows[max(0, i - 9) : i + 1]) for i in range(len(rows))]
+    reached = next((i for i, m in enumerate(means) if i >= 9 and m >= 0.8), None)
+    if reached is None:
+        print(f"{'reward >= 0.8 (10 steps)':>24s} not reached in {len(rows)} steps")
+    else:
+        when = rows[reached]["wall"] - t0
+        print(f"{'reward >= 0.8 (10 steps)':>24s} at step {rows[reached]['step']}, {when:.1f} s after launch")
 
 
 def summarize(rows: list[dict], t0: float, t1: float) -> dict[str, float]:
@@ -93,15 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--keep", default="", help="run in this directory and keep it")
+    ap.add_argument("--config", default="", help="another quickstart's config (default: configs/quickstart.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for the quickstart")
     a = ap.parse_args(argv)
     root = Path(a.keep or tempfile.mkdtemp(prefix="rltrain-bench-quickstart-"))
     root.mkdir(parents=True, exist_ok=True)
-    rows, t0, t1 = run(root, a.steps, a.overrides)
+    rows, t0, t1 = run(root, a.steps, a.overrides, a.config)
     s = summarize(rows, t0, t1)
     print(
         f"# rltrain.bench.quickstart  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
-        f"{os.cpu_count()} CPUs; {a.steps} steps, 2 ranks; medians over steps 6..{a.steps}"
+        f"{os.cpu_count()} CPUs; {a.config or 'configs/quickstart.yaml'}, {a.steps} steps, 2 ranks; medians over "
+        f"steps 6..{a.steps}"
     )
     print(f"# limit: the step's own compute (rollout + log-probs + train), {s['compute'] * 1e3:.1f} ms")
     for key in ("step", "compute", *COMPUTE, "switches", "sync", "probe", "rest", "fixed"):
@@ -110,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("start-up", "shutdown", "wall"):
         print(f"{key:>24s} {s[key]:9.1f} s")
     print(f"{'reward, last 20 steps':>24s} {s['reward, last 20 steps']:9.3f}")
-    print(f"run directory: {root / 'quickstart'}")
+    if "multiturn" in rows[0]:
+        learning_curve(rows, t0)
+    print(f"run directory: {next(root.glob('*/metrics.jsonl')).parent}")
     return 0
 
 
