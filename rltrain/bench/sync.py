@@ -214,22 +214,28 @@ def _engine_breakdown(log_path: Path) -> None:
     )
 
 
+def median_seconds(fn: Callable[[], object], device: torch.device, after: Callable[[], object] | None = None) -> float:
+    """The median of 5 timed calls of `fn`, the device synchronised around each; `after` runs
+    untimed after each."""
+    runs = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        runs.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return statistics.median(runs)
+
+
 def verification_alone(ws: WeightSync, trainer: FSDPTrainer, client: EngineClient, device: torch.device) -> None:
     """Each part of a verified push's checks timed alone (median of 5, the device synchronised
     around each), against the engine that holds the last version: where the time goes."""
-    import statistics
-
     from rltrain.weights.checksum import Entry, combine, entries, entry
 
     def timed(fn: Callable[[], object]) -> float:
-        runs = []
-        for _ in range(5):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            runs.append(time.perf_counter() - t0)
-        return statistics.median(runs)
+        return median_seconds(fn, device)
 
     probe = ws.probe or list(range(1, 34))
     weights = list(trainer.export_weights())
@@ -264,7 +270,6 @@ def ride_cost(
     """Seconds of a training micro-batch's forward and backward (`rows` x `length` random
     tokens), alone and with the probe as one more row (`rl_update.forward_with_probe`): what
     riding the next step costs the trainer. Median of 5, gradients dropped after each."""
-    import statistics
 
     from rltrain.batch import TrainBatch
     from rltrain.trainer import rl_update
@@ -283,18 +288,8 @@ def ride_cost(
         logp, _, _ = rl_update.forward_with_probe(trainer, model, mb, probe)
         logp.sum().backward()
 
-    out = []
-    for fn in (plain, ridden, plain, ridden):  # the first two warm up
-        runs = []
-        for _ in range(5):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            runs.append(time.perf_counter() - t0)
-            trainer.zero_grad()
-        out.append(statistics.median(runs))
-    return out[2], out[3]
+    out = [median_seconds(fn, device, after=trainer.zero_grad) for fn in (plain, ridden, plain, ridden)]
+    return out[2], out[3]  # (the first two warm up)
 
 
 def _probe_floor(
