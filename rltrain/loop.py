@@ -109,6 +109,10 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 reason = stop.agreed(world, "after the train step")
                 cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)
             version = str(step + 1)
+            if reason is not None:  # no sync this step: its row has no sync_* figures (the ridden probe: logged)
+                judged = {k: train_stats.pop(k) for k in ("sync_probe_diff", "sync_probe_worst") if k in train_stats}
+                if judged and world.rank == 0:
+                    log.info("step %d: the probe of the weights it trained from: %s", step + 1, judged)
             if reason is None:
                 sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
                 for k in ("sync_probe_diff", "sync_probe_worst"):  # the ridden probe's and the last push's

@@ -221,7 +221,11 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         initial = INITIAL_VERSION  # released without a backup: the engine's weights are gone
     if initial is not None:
         engine.resume_weights()
-        sync.push(initial)  # verified like every step's
+        # Verified like every step's; where a training step follows, its probe rides that step
+        # as every step's sync does (a resumed run's steps then run the forwards an uninterrupted
+        # run's would: the same rows in the same micro-batches, the same numerics).
+        first_step = restored.step if restored is not None else 0
+        sync.push(initial, ride=first_step < history.last_step(cfg))
     initial = engine.weight_version()
     log.info(
         "engine %s serves weight version %s; %d prompts, %d per step",

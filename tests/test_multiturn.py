@@ -448,3 +448,51 @@ def test_the_tool_quickstart_learns_to_call_the_tool_and_answer(tmp_path):
     assert sum(row["reward_mean"] for row in last) / 20 >= 0.8, [row["reward_mean"] for row in last]
     assert sum(calls(row) for row in last) / 20 >= 0.8
     assert all(row["multiturn"]["tool_errors"] == 0 and row["generation_failed"] == 0 for row in rows)
+
+
+def test_a_resumed_tool_run_repeats_the_uninterrupted_trajectories_exactly(tmp_path):
+    """The tool quickstart (embedded engine, deterministic) stopped after step 2 and resubmitted
+    repeats the uninterrupted run's steps 3-4 exactly: the same trajectories (turns, tool calls,
+    tokens, rewards) and the same training figures, the probe riding the same steps."""
+    import json
+
+    from multiproc import run_torchrun
+    from test_loop import REPO
+
+    def run(d, *extra: str) -> None:
+        r = run_torchrun(
+            d,
+            ["-m", "rltrain"],
+            [
+                "--config",
+                str(REPO / "configs" / "quickstart-tools.yaml"),
+                f"run.dir={d}",
+                f"model.path={d / 'base_model'}",
+                "loop.steps=4",
+                "checkpoint.interval=2",
+                "engine.deterministic=true",
+                "metrics.plot=false",
+                *extra,
+            ],
+        )
+        assert r.returncode == 0, r.stderr[-4000:]
+
+    def rows(d) -> list[dict]:
+        out = []
+        for line in (d / "quickstart-tools" / "metrics.jsonl").read_text().splitlines():
+            row = {k: v for k, v in json.loads(line).items() if k not in ("time", "rollout_time", "memory", "wall")}
+            row = {k: v for k, v in row.items() if not k.endswith("_per_s")}
+            row["multiturn"] = {k: v for k, v in row["multiturn"].items() if not k.endswith("_s")}  # (seconds)
+            out.append(row)
+        return out
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    straight.mkdir()
+    resumed.mkdir()
+    run(straight)
+    run(resumed, "loop.stop_after=2")
+    run(resumed)
+    got, want = rows(resumed), rows(straight)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert got == want
+    assert want[2]["multiturn"]["turns_turns"] > want[2]["samples"]  # (trajectories of more than one turn)
