@@ -157,18 +157,18 @@ class WeightSync:
             self.receivers, self.engine_name, self.leader, self.plan, caps, checks, tokens, bounds, alive
         )
         self.checks, self.probe = checks, tokens
-        # The trainer's side of the probe can ride the next training step (`push`): where the
-        # engines' checksums are compared with the trainer's in the sync itself (a miss or a
-        # half-written fused weight fails the sync there; against SGLang, whose digests are not
-        # the trainer's, only the probe sees a half-written fused weight: it stays in the sync).
         # The probe's statistics of the weights the engines serve, last judged (at start-up: the
         # difference the bounds were calibrated from, model.path on both sides).
         measured = bounds.measured
         self.served_probe = (
             {} if measured is None else {"sync_probe_diff": measured.mean, "sync_probe_worst": measured.worst}
         )
-        # Whether any rank resets its engines before each sync, and whether the probe rides (the
-        # leaders know their engines' checks): every rank agrees on both.
+        # Whether any rank resets its engines before each sync, and whether the trainer's side of
+        # the probe can ride the next training step (`push`): where the engines' checksums are
+        # compared with the trainer's in the sync itself (a miss or a half-written fused weight
+        # fails the sync there; against SGLang, whose digests are not the trainer's, only the
+        # probe sees a half-written fused weight: it stays in the sync), and the trainer can
+        # (`Trainer.rides_probe`). The leaders know their engines' checks: every rank agrees.
         can_ride = checks.probe is not ProbeMoment.OFF and trainer.rides_probe
         leaders = world.bridge.all_gather_object(
             (checks.weights_checker and self.leader, can_ride, checks.checksums if self.leader else None),
