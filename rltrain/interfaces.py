@@ -52,6 +52,9 @@ class ProbeRide:
     judge: Callable[[torch.Tensor | None], dict[str, float]]
 
 
+PROBE_STATS = ("sync_probe_diff", "sync_probe_worst")  # the probe's figures in a metrics row (mean, worst)
+
+
 class Group(Protocol):
     """A subgroup that survives the world's destroy/rebuild (`GroupHandle`)."""
 

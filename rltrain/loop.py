@@ -32,7 +32,7 @@ from pathlib import Path
 
 from rltrain.config import Config
 from rltrain.history import Finished, PreviousAttemptFailed, last_step, nothing_to_run
-from rltrain.interfaces import World
+from rltrain.interfaces import PROBE_STATS, World
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.prepare import LogpGapAlarm, prepare_batch
 from rltrain.rollout.step import StepRollout
@@ -110,12 +110,12 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)
             version = str(step + 1)
             if reason is not None:  # no sync this step: its row has no sync_* figures (the ridden probe: logged)
-                judged = {k: train_stats.pop(k) for k in ("sync_probe_diff", "sync_probe_worst") if k in train_stats}
+                judged = {k: train_stats.pop(k) for k in PROBE_STATS if k in train_stats}
                 if judged and world.rank == 0:
                     log.info("step %d: the probe of the weights it trained from: %s", step + 1, judged)
             if reason is None:
                 sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
-                for k in ("sync_probe_diff", "sync_probe_worst"):  # the ridden probe's and the last push's
+                for k in PROBE_STATS:  # the ridden probe's and the last push's
                     if k in train_stats and k in sent:
                         sent[k] = max(sent[k], train_stats[k])
                 train_stats.update(sent)

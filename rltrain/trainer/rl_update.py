@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
 from rltrain.batch import TrainBatch, idle_batch
 from rltrain.config import AlgoConfig, TrainerConfig
-from rltrain.interfaces import ProbeRide
+from rltrain.interfaces import PROBE_STATS, ProbeRide
 from rltrain.kernels import logprobs_entropy
 
 # The order of `micro_loss`'s statistics; engine_diff: |log-prob - engine's| summed over the loss
@@ -120,9 +120,6 @@ def train_step(
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["train_tokens_per_s"] = tokens_trained / max(time.perf_counter() - t0, 1e-9)
     return {**metrics, **probed}
-
-
-PROBE_STATS = ("sync_probe_diff", "sync_probe_worst")  # what a ridden probe's judge returns
 
 
 def optimizer_step(
