@@ -181,6 +181,41 @@ def test_engine_that_cannot_start_reports_why(tmp_path):
         NodeEngine._start_healthy(cfg, str(tmp_path / "does-not-exist"), tmp_path / "engine.log")
 
 
+def test_a_server_that_bound_the_engines_port_first_is_not_taken_for_the_engine(tmp_path, model_a, monkeypatch):
+    """The port `free_port` picked is bound by another server before the engine binds it (two
+    jobs, or two test workers, starting at once): that server answers /health, but it is not this
+    engine's. The launcher sees that the port's listener is not its process and starts the
+    engine again on another port, instead of sending its weights to someone else's server."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    from rltrain.engine import launcher
+    from rltrain.runtime.net import free_port
+
+    class Healthy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - (the http.server API)
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None: ...
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    Thread(target=other.serve_forever, daemon=True).start()
+    taken = other.server_address[1]
+    ports = iter([taken])
+    monkeypatch.setattr(launcher, "free_port", lambda: next(ports, None) or free_port())
+    try:
+        proc = NodeEngine._start_healthy(engine_config("embedded"), str(model_a), tmp_path / "engine.log")
+    finally:
+        other.shutdown()
+    try:
+        assert proc.url != f"http://127.0.0.1:{taken}" and proc.listens_on(int(proc.url.rsplit(":", 1)[1]))
+    finally:
+        proc.stop()
+
+
 def test_set_up_failing_while_the_engine_starts_stops_the_engine(tmp_path, model_a):
     """The rank's own set-up runs while its engine starts (the trainer, on the CPU); if it fails,
     the engine it started is stopped, not left running without its rank."""

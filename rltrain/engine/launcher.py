@@ -345,10 +345,14 @@ class NodeEngine:
             probe = EngineClient(url, retries=0, api_key=cfg.api_key)
             try:
                 waited = probe.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
+                # Another server may have bound the port first and answered for it (ours then
+                # fails to bind, or is still starting).
+                if proc.listens_on(port) is False:
+                    raise EngineError("/health", f"port {port} is served by another process: address already in use")
                 log.info("engine healthy at %s after %.1fs", url, waited)
             except EngineError as e:
                 probe.close()
-                tail = proc.log_tail()
+                tail = proc.log_tail() + f"\n{e}"
                 proc.stop()
                 # Another job may have taken the port between our probe and the server's bind.
                 if "address already in use" in tail.lower() and attempt + 1 < attempts:

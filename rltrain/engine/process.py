@@ -137,6 +137,22 @@ class EngineProcess:
         except psutil.Error:
             return None
 
+    def listens_on(self, port: int) -> bool | None:
+        """Whether this engine's process, or one of its children, listens on TCP `port`: that
+        the server answering there is this engine, not another that bound the port first
+        (`free_port` only says it was free a moment before). None where it cannot be told."""
+        try:
+            root = psutil.Process(self.proc.pid)
+            for proc in (root, *root.children(recursive=True)):
+                for conn in proc.net_connections(kind="tcp"):
+                    if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                        return True
+        except psutil.AccessDenied:
+            return None
+        except psutil.Error:  # (gone: it did not bind it)
+            return False
+        return False
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_bytes()[-65536:].decode(errors="replace")
