@@ -88,17 +88,26 @@ def start_server(
     retries: int = 1,
 ) -> SimpleNamespace:
     """Start the engine server `cfg` describes on a free port and wait until it is healthy; its
-    log's tail is the error when it does not come up."""
-    port = free_port()
-    proc = EngineProcess.start(server_command(cfg, str(model), port), f"http://127.0.0.1:{port}", log, env=env or {})
-    client = EngineClient(proc.url, request_timeout_s=request_timeout_s, retries=retries)
-    try:
-        client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
-    except Exception:
-        tail = proc.log_tail()
-        proc.stop()
-        raise RuntimeError(f"{cfg.backend} engine did not start:\n{tail}") from None
-    return SimpleNamespace(kind=cfg.backend, client=client, process=proc, model=model)
+    log's tail is the error when it does not come up. A port another test worker's server bound
+    first (it answers, or ours cannot bind) is given up for another, as the launcher does."""
+    for attempt in range(3):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = EngineProcess.start(server_command(cfg, str(model), port), url, log, env=env or {})
+        client = EngineClient(proc.url, request_timeout_s=request_timeout_s, retries=retries)
+        try:
+            client.wait_healthy(cfg.startup_timeout_s, alive=lambda: proc.alive)
+            if proc.listens_on(port) is False:
+                raise RuntimeError(f"port {port}: address already in use (another server answered)")
+        except Exception as e:
+            tail = f"{proc.log_tail()}\n{e}"
+            proc.stop()
+            client.close()
+            if "address already in use" in tail.lower() and attempt < 2:
+                continue
+            raise RuntimeError(f"{cfg.backend} engine did not start:\n{tail}") from None
+        return SimpleNamespace(kind=cfg.backend, client=client, process=proc, model=model)
+    raise AssertionError("unreachable")
 
 
 def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | None = None, **kw) -> SimpleNamespace:
