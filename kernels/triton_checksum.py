@@ -3,8 +3,8 @@
 `block_sums(words, block)`: for int32 `words`, one row per block of `block` words: the block's
 plain sum and its sum weighted by the position inside the block (1-based), both int64. One read
 of the words, no int64 copy of them (the torch path widens each block of rows before reducing
-it). A word's magnitude is at most 2**31 and a position at most `block` (4096 in checksum.py), so
-a block's weighted sum stays below 2**55: no wrap-around inside the kernel. checksum.py's `fold`
+it). A word's magnitude is at most 2**31 and a position at most `block` (8192 in checksum.py), so
+a block's weighted sum stays below 2**57: no wrap-around inside the kernel. checksum.py's `fold`
 adds the rows of every tensor up in a few torch ops, for all the tensors of a checksum together:
 one kernel launch per tensor and a fixed handful more.
 """
@@ -73,9 +73,23 @@ def multi_block_sums(tensors: list[torch.Tensor], block: int, num_warps: int = 4
     """`block_sums` of each tensor's bytes as int32 words, in one kernel launch for all of them:
     each tensor contiguous, on the same device, its address a multiple of 4 and its size a
     whole number of words. Returns each tensor's [ceil(words / block) or 1, 2] rows, views of
-    one output. A table of addresses, sizes and first rows tells each program its tensor."""
+    one output (`multi_block_rows`)."""
     if not tensors:
         return []
+    out, _, starts = _launch(tensors, block, num_warps)
+    return list(out.split([b - a for a, b in zip(starts, starts[1:])]))
+
+
+def multi_block_rows(tensors: list[torch.Tensor], block: int, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """`multi_block_sums` as one [rows, 2] int64 output and, on the same device, the first row
+    of each tensor (len(tensors) + 1 entries, the last the number of rows): nothing waits for the
+    device. A table of addresses, sizes and first rows tells each program its tensor."""
+    out, first, _ = _launch(tensors, block, num_warps)
+    return out, first
+
+
+def _launch(tensors: list[torch.Tensor], block: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(output rows, first rows on the device, first rows on the host) of one launch over `tensors`."""
     device = tensors[0].device
     sizes, addresses = [], []
     for t in tensors:
@@ -87,10 +101,9 @@ def multi_block_sums(tensors: list[torch.Tensor], block: int, num_warps: int = 4
             )
         sizes.append(nbytes // 4)
         addresses.append(t.data_ptr())
-    rows = [max(1, triton.cdiv(n, block)) for n in sizes]
     starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + r)
+    for n in sizes:
+        starts.append(starts[-1] + max(1, triton.cdiv(n, block)))
     table = torch.tensor([addresses, sizes, starts[:-1]], dtype=torch.int64)
     table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
     first = torch.tensor(starts, dtype=torch.int64)
@@ -100,4 +113,4 @@ def multi_block_sums(tensors: list[torch.Tensor], block: int, num_warps: int = 4
     _multi_block_sums_kernel[(starts[-1],)](
         table[0], table[1], first, len(tensors), out, BLOCK=block, STEPS=steps, num_warps=num_warps
     )
-    return list(out.split(rows))
+    return out, first, starts

@@ -267,3 +267,65 @@ def test_a_bad_flattened_bucket_changes_nothing_and_a_cast_one_loads(embedded, b
     assert embedded.client.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in expected.items()})
     embedded.client.update_weights_from_disk(str(big_model))  # the module's other tests expect the base weights
     assert embedded.client.weights_checksum()["checksum"] == base
+
+
+def test_a_sessions_report_uses_the_sums_taken_as_its_buckets_landed_and_any_other_write_drops_them(model_a):
+    """engine/embedded: inside a weight-update session each bucket's weights are summed as they
+    land (writer.py's `landed`), and the session's checksum report reads only the rest. The
+    report is always what the engine holds: a weight written twice in the session, written
+    after it outside a session (a bucket or named tensors), restored by a resume or refilled
+    from disk is summed as it is now, never from a stale landed sum."""
+    from rltrain.engine.embedded.engine import EmbeddedEngine
+    from rltrain.weights.checksum import combine, entry
+
+    engine = EmbeddedEngine(str(model_a), weights_backup=True)
+    receiver, writer = engine.receiver, engine.receiver.writer
+    state = {n: t.clone() for n, t in engine.model.state_dict().items() if n in receiver.owned}
+
+    def truth():
+        return combine({n: entry(t) for n, t in state.items()})
+
+    def bucket(named):
+        b = tensor_payload.flatten_bucket(named)
+        return b["flattened_tensor"], b["metadata"]
+
+    assert engine.weights_checksum()["checksum"] == truth()
+    a, b = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
+    receiver.session(True)
+    for name, value in [(a, 1.0), (b, 2.0), (a, 3.0)]:  # `a` twice: its last sums count
+        state[name] = torch.full_like(state[name], value)
+        receiver.load_bucket(*bucket([(name, state[name])]), "v1")
+    receiver.session(False)
+    assert set(writer.landed) == {a, b}  # the report reads these from their landing
+    assert engine.weights_checksum()["checksum"] == truth()
+
+    state[a] = torch.full_like(state[a], 4.0)  # a bucket outside a session
+    receiver.load_bucket(*bucket([(a, state[a])]), "v2")
+    assert a not in writer.landed and engine.weights_checksum()["checksum"] == truth()
+    state[b] = torch.full_like(state[b], 5.0)  # named tensors
+    receiver.load_named_tensors([(b, state[b])], "v3")
+    assert not writer.landed and engine.weights_checksum()["checksum"] == truth()
+
+    receiver.session(True)
+    receiver.load_bucket(*bucket([(b, torch.full_like(state[b], 6.0))]), "v4")
+    receiver.session(False)
+    state[b] = torch.full_like(state[b], 6.0)
+    engine.release(["weights"])  # backed up, freed: the landed sums go with the weights
+    assert not writer.landed
+    engine.resume(["weights"])
+    assert engine.weights_checksum()["checksum"] == truth()
+    receiver.session(True)
+    receiver.load_bucket(*bucket([(b, torch.full_like(state[b], 7.0))]), "v5")
+    receiver.load_from_disk(str(model_a), "base")  # every weight rewritten from the files
+    receiver.session(False)
+    assert not writer.landed
+    assert engine.weights_checksum()["checksum"] == combine({n: entry(t) for n, t in _files(model_a).items()})
+
+
+def _files(model):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(model.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out

@@ -105,7 +105,7 @@ def test_reading_weights_for_a_checksum_a_file_or_a_delta_leaves_their_storage_r
         t.untyped_storage().resize_(0)  # what FSDP2's reshard does
 
 
-@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 17])
+@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 3 * 8192 + 17])  # around checksum.BLOCK's edges
 def test_the_gpu_kernels_block_rows_fold_to_the_definitions_sums(n):
     """kernels/triton_checksum.block_sums (the CUDA path; here under Triton's interpreter): its
     rows of partial sums, folded with other tensors' rows in one `fold`, are the definition, at

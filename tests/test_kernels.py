@@ -232,14 +232,27 @@ def test_checksum_sums_of_many_tensors_in_one_launch_equal_the_definition():
     tensor's rows, folded, are the torch path's sums of its words (weights/checksum.py's
     definition), for sizes around a block's edge, an empty tensor and int32 extremes; a view at
     an odd address is refused (`checksum.entries` sums those one by one)."""
-    from rltrain.kernels.triton_checksum import multi_block_sums
+    from rltrain.kernels.triton_checksum import multi_block_rows, multi_block_sums
     from rltrain.weights import checksum as integrity
 
     g = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 8190, 8192, 8194, 4096 * 2 * 5 + 6)]
+    tensors = [
+        torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 2 * 8191, 2 * 8192, 2 * 8193, 8192 * 2 * 5 + 6)
+    ]
     tensors += [torch.empty(0), torch.tensor([-(2**31), 2**31 - 1, -1, 7], dtype=torch.int32)]
     got = integrity.fold(multi_block_sums(tensors, integrity.BLOCK)).tolist()
     want = [integrity._torch_sums(t.reshape(-1).view(torch.int32)).tolist() for t in tensors]
     assert got == want
+    # Folded where they were summed (`checksum.entries`' batches on a GPU), and fetched as `Row`s
+    # beside rows of partial sums and sums already ints: the same sums, each under its name.
+    batch = integrity.fold_rows(*multi_block_rows(tensors, integrity.BLOCK))
+    assert batch.tolist() == want
+    sums = {f"r{i}": ("int32", (1,), integrity.Row(batch, i)) for i in range(len(tensors))}
+    sums |= {"loose": ("int32", (1,), integrity._device_sums(tensors[3])), "ints": ("int32", (1,), (5, 7))}
+    assert integrity.fetched(sums) == {
+        **{f"r{i}": ("int32", (1,), tuple(w)) for i, w in enumerate(want)},
+        "loose": ("int32", (1,), tuple(want[3])),
+        "ints": ("int32", (1,), (5, 7)),
+    }
     with pytest.raises(ValueError, match="4-byte aligned"):
         multi_block_sums([torch.zeros(9, dtype=torch.bfloat16)[1:]], integrity.BLOCK)

@@ -20,12 +20,15 @@ tensor's sums are rows (plain, weighted) where row b covers the words from b * B
 weighted sum by position inside the row's block (one row of whole-tensor sums is the block at
 0). They stay on the device until `combine` needs them: `fold` adds every tensor's rows up in a
 few torch ops for all of them together, fetched in one transfer instead of waiting for the
-device once per tensor.
+device once per tensor. The tensors `entries` sums in one launch are folded on the device at
+once (a `Row` each of the batch's [n, 2] sums): fetching many batches is then one transfer of
+their whole-tensor sums, nothing per tensor (a sync's checksums are a batch per bucket).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,7 +40,7 @@ COLS = 4096  # int32 words per row of the reduction
 ROWS = 4096  # rows widened to int64 at a time: 128 MiB
 HOST_WORDS = 1 << 16  # a host tensor up to this many words is summed by numpy (`_host_sums`)
 HOST_BLOCK = HOST_WORDS
-BLOCK = 4096  # words per row of the GPU kernel's partial sums
+BLOCK = 8192  # words per row of the GPU kernel's partial sums (bench.checksum: the fastest, with 4 warps)
 _POSITIONS = np.arange(1, HOST_BLOCK + 1, dtype=np.int64)
 
 
@@ -65,15 +68,32 @@ def fold(parts: list[torch.Tensor]) -> torch.Tensor:
     (`_device_sums`, all on one device): weighted = sum_b (b * BLOCK * plain_b + weighted_b),
     with torch's int64 wrap-around."""
     device = parts[0].device
-    rows = torch.cat(parts)
     counts = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
-    owner = torch.repeat_interleave(torch.arange(len(parts)), counts).to(device)
-    first = (torch.cumsum(counts, 0) - counts).to(device)
-    block = torch.arange(rows.shape[0], dtype=torch.int64, device=device) - first[owner]
-    plain = torch.zeros(len(parts), dtype=torch.int64, device=device).index_add_(0, owner, rows[:, 0])
-    weighted = torch.zeros(len(parts), dtype=torch.int64, device=device)
-    weighted.index_add_(0, owner, block * BLOCK * rows[:, 0] + rows[:, 1])
-    return torch.stack([plain, weighted], dim=1)
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]).to(device)
+    return fold_rows(torch.cat(parts), first)
+
+
+def fold_rows(rows: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """`fold` of tensors whose partial sums are consecutive in `rows` ([R, 2]), tensor i's from
+    row first[i] to first[i + 1] (`first` on the rows' device, its last entry R): all on the
+    device, nothing waits for it."""
+    n = first.numel() - 1
+    index = torch.arange(rows.shape[0], dtype=torch.int64, device=rows.device)
+    owner = torch.searchsorted(first[1:], index, right=True)
+    block = index - first[owner]
+    out = torch.zeros(n, 2, dtype=torch.int64, device=rows.device)
+    out[:, 0].index_add_(0, owner, rows[:, 0])
+    out[:, 1].index_add_(0, owner, block * BLOCK * rows[:, 0] + rows[:, 1])
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One tensor's whole-tensor (plain, weighted) sums: row `index` of `batch`, the [n, 2] int64
+    sums of the tensors `entries` summed in one launch, on their device until fetched."""
+
+    batch: torch.Tensor
+    index: int
 
 
 def _torch_sums(words: torch.Tensor) -> torch.Tensor:
@@ -115,6 +135,9 @@ def _wrap(x: int) -> int:
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+Entry = tuple[str, tuple[int, ...], "torch.Tensor | Row | tuple[int, int]"]
+
+
 def tensor_sums(t: torch.Tensor) -> tuple[int, int]:
     s1, s2 = fold([_device_sums(t)])[0].tolist()
     return s1, s2
@@ -125,47 +148,63 @@ def entry(t: torch.Tensor) -> tuple[str, tuple[int, ...], torch.Tensor]:
     return str(t.dtype).removeprefix("torch."), tuple(t.shape), _device_sums(t)
 
 
-def entries(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[str, tuple[int, ...], torch.Tensor]]:
+def entries(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Entry]:
     """`entry` of every (name, tensor), the same sums: on a GPU, the tensors that are whole
     int32 words in place (contiguous, aligned: every weight of a model, in practice) in one
-    kernel launch for all of them (`multi_block_sums`), the rest one by one. What a sync's
-    checksums cost at either end is then the reading of the bytes, not a launch per tensor."""
+    kernel launch for all of them (`multi_block_sums`), folded there at once (a `Row` each), the
+    rest one by one. What a sync's checksums cost at either end is then the reading of the
+    bytes, not a launch per tensor."""
     named = list(named)
-    out: dict[str, tuple[str, tuple[int, ...], torch.Tensor]] = {}
+    out: dict[str, Entry] = {}
     batched: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named:
         t = t.detach()
         if t.device.type == "cuda" and t.is_contiguous() and t.data_ptr() % 4 == 0 and t.nbytes % 4 == 0:
             batched.setdefault(t.device, []).append((name, t))
     if batched:
-        from rltrain.kernels.triton_checksum import multi_block_sums  # noqa: PLC0415 - needs Triton: CUDA only
+        from rltrain.kernels.triton_checksum import multi_block_rows  # noqa: PLC0415 - needs Triton: CUDA only
 
         for group in batched.values():
-            for (name, t), rows in zip(group, multi_block_sums([t for _, t in group], BLOCK)):
-                out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), rows)
+            sums = fold_rows(*multi_block_rows([t for _, t in group], BLOCK))
+            for i, (name, t) in enumerate(group):
+                out[name] = (str(t.dtype).removeprefix("torch."), tuple(t.shape), Row(sums, i))
     for name, t in named:
         if name not in out:
             out[name] = entry(t)
     return {name: out[name] for name, _ in named}
 
 
-Entry = tuple[str, tuple[int, ...], "torch.Tensor | tuple[int, int]"]
-
-
 def fetched(sums: dict[str, Entry]) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
     """`sums` with every entry's sums brought to the host as ints, in one device-to-host transfer
-    per device (to combine several subsets, or to send the entries to another process)."""
-    pending: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, (_, _, on_device) in sums.items():
-        if isinstance(on_device, torch.Tensor):
-            pending.setdefault(on_device.device, []).append((name, on_device))
-    ints: dict[str, tuple[int, int]] = {}
-    for group in pending.values():
-        for (name, _), pair in zip(group, fold([t for _, t in group]).tolist()):
-            ints[name] = (pair[0], pair[1])
+    per device (to combine several subsets, or to send the entries to another process): the
+    batches of `Row`s as they are, the other tensors' rows folded together first."""
+    batches: dict[int, torch.Tensor] = {}  # id -> [n, 2] whole-tensor sums on a device
+    loose: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}  # rows of partial sums, one tensor's each
+    for name, (_, _, p) in sums.items():
+        if isinstance(p, Row):
+            batches.setdefault(id(p.batch), p.batch)
+        elif isinstance(p, torch.Tensor):
+            loose.setdefault(p.device, []).append((name, p))
+    folded = {device: fold([t for _, t in group]) for device, group in loose.items()}
+    for t in folded.values():
+        batches[id(t)] = t
+    on: dict[torch.device, list[torch.Tensor]] = {}
+    for t in batches.values():
+        on.setdefault(t.device, []).append(t)
+    ints: dict[int, list[list[int]]] = {}  # id of a batch -> its rows as ints
+    for tensors in on.values():
+        host = torch.cat(tensors).tolist()  # one transfer per device
+        start = 0
+        for t in tensors:
+            ints[id(t)] = host[start : start + t.shape[0]]
+            start += t.shape[0]
+    row_of: dict[str, list[int]] = {}
+    for device, group in loose.items():
+        row_of.update((name, r) for (name, _), r in zip(group, ints[id(folded[device])]))
     out = {}
     for n, (d, s, p) in sums.items():
-        out[n] = (d, tuple(s), ints[n] if isinstance(p, torch.Tensor) else (int(p[0]), int(p[1])))
+        pair = ints[id(p.batch)][p.index] if isinstance(p, Row) else row_of[n] if isinstance(p, torch.Tensor) else p
+        out[n] = (d, tuple(s), (int(pair[0]), int(pair[1])))
     return out
 
 

@@ -6,7 +6,9 @@
 `WeightReceiver` takes what arrived: named tensors, flattened buckets, a weight directory, or one
 payload per TP rank of an engine over several (per-rank checks below); it refuses updates while
 the weights are released, copies through writer.py (a bad update changes nothing), marks the
-weights loaded (state.py) and reports the checksum of what the engine holds (weights/checksum.py).
+weights loaded (state.py) and reports the checksum of what the engine holds (weights/checksum.py):
+inside a weight-update session each bucket's weights are summed as they land (writer.py's
+`landed`), so the report at the session's end reads only the weights no bucket of it wrote.
 
 `PayloadReceiver` is the server's half: it opens an /update_weights_from_tensor request's
 payloads (CUDA IPC or shared-memory handles, weights/bucket.py) and the tensors of
@@ -54,6 +56,17 @@ class WeightReceiver:
         self.aliases = aliases  # names sharing one storage (tied embeddings): a checkpoint may carry either
         self.dtype = dtype
         self.rank_bytes_loaded = [0] * self.layout.tp_size  # bytes each TP rank's payloads held (updates)
+        # The weights this engine owns, by checkpoint name (the layout is fixed); names that share
+        # a storage with another are summed afresh in every report (a write of one changes both).
+        self.owned = {n: v for n, v in writer.checkpoint_names.items() if self.layout.owns(n)}
+        self.shared = {n for group in aliases if len(group) > 1 for n in group}
+
+    def session(self, begin: bool) -> None:
+        """A weight-update session begins (the weights it writes are summed as they land) or ends
+        (their sums are kept for its report, until anything else writes them)."""
+        if begin:
+            self.writer.forget_landed()
+        self.writer.summing = begin
 
     def load_named_tensors(self, named: Any, weight_version: str | None) -> int:
         with self.state.lock:
@@ -151,14 +164,15 @@ class WeightReceiver:
         layout, state = self.layout, self.state
         with state.lock:
             state.check_weights_held("checking")
-            tensors = self.writer.tensors
-            owned = []
-            for name, (module_name, index, shape) in self.writer.checkpoint_names.items():
-                if not layout.owns(name):
+            tensors, landed = self.writer.tensors, self.writer.landed
+            fresh = []
+            for name, (module_name, index, shape) in self.owned.items():
+                if name in landed and name not in self.shared:
                     continue
                 t = tensors[module_name]
-                owned.append((name, t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape)))
-            on_device: dict[str, Entry] = dict(entries(owned))  # one launch for them all on a GPU
+                fresh.append((name, t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape)))
+            on_device = entries(fresh)  # one launch for them all on a GPU
+            on_device.update((n, landed[n]) for n in self.owned if n not in on_device)
             sums: dict[str, Entry] = dict(fetched(on_device))  # once: the ranks' checksums combine subsets
             rep: dict[str, Any] = {
                 "checksum": combine(sums),
@@ -206,8 +220,9 @@ class PayloadReceiver:
 
     def session(self, begin: bool) -> None:
         """Begin or end a weight-update session: either way the sender's buffers kept mapped
-        and the slots are let go."""
+        and the slots are let go; the weights' sums are taken as they land (`WeightReceiver.session`)."""
         self.in_update = begin
+        self.receiver.session(begin)
         with self.mapped_lock:
             self.mapped.clear()  # unmaps the sender's buffers
             self.slots.clear()

@@ -160,6 +160,7 @@ class Residency:
 
     def _backup_weights(self) -> None:
         t0 = time.perf_counter()
+        self.writer.forget_landed()  # (what comes back is written by a restore or a sync, or NaN)
         state = {n: p.detach() for n, p in self.model.named_parameters()}
         if not self.weights_backup:
             self._backup = None

@@ -17,6 +17,11 @@ State kept, each looked up or checked once: the parameter objects by name (they 
 and resume: only their .data changes), each name's target, and per bucket layout its views and
 the parameters they copy into. The layouts hold views of the weights: `forget_views` drops them
 when the weights are released.
+
+While `summing` (a weight-update session: receiver.py), each bucket's weights are checksummed
+as they land, queued behind their copy (`landed`: name -> checksum entry, on the device until the
+report fetches them): the session's checksum report then reads only what no bucket wrote. Any
+other write of a weight drops its entry; `forget_landed` drops them all (a release, a fill).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from rltrain.engine.embedded.experts import ExpertLayout
 from rltrain.runtime import internals
 from rltrain.runtime.pinned import PinnedUpload
 from rltrain.weights.bucket import BucketViews
+from rltrain.weights.checksum import Entry, entries
 from rltrain.weights.names import checkpoint_index, write
 
 KEPT_LAYOUTS = 4096  # bucket layouts (and keys) kept; a sync sends the same layouts every time
@@ -58,6 +64,8 @@ class WeightWriter:
         self._local = threading.local()  # per request thread: its last update's copies and times
         self._upload: PinnedUpload | None = None  # disk loads: host-to-device through page-locked buffers
         self.bytes_loaded = 0  # bytes of weights copied in (updates and restored backups), for sync accounting
+        self.summing = False  # checksum each bucket's weights as they land (module doc)
+        self.landed: dict[str, Entry] = {}
 
     def target(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """(parameter or buffer, index into it or None, checkpoint shape) for a weight name."""
@@ -95,6 +103,7 @@ class WeightWriter:
             target, index = self.checked_target(name, t.shape)
             plan.append((target, index, t, index is None and (t.dtype, t.device) == (target.dtype, target.device)))
             nbytes += t.numel() * t.element_size()
+            self.landed.pop(name, None)
         t1 = time.perf_counter()
         # staged: from pageable host memory (a disk load), through page-locked buffers
         direct: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -146,6 +155,11 @@ class WeightWriter:
         t0 = time.perf_counter()
         internals.foreach_copy_(dsts, views, non_blocking=True)
         self._queued(layout.tensor_bytes, t0, t0)
+        if self.summing:  # queued behind the copies; read by the session's checksum report
+            self.landed.update(entries((m.name, d.view(m.shape)) for m, d in zip(metadata, dsts)))
+        else:
+            for m in metadata:
+                self.landed.pop(m.name, None)
         return len(views)
 
     def _bucket_plan(self, metadata: list[Any]) -> tuple[Any, list[torch.Tensor] | None]:
@@ -165,6 +179,11 @@ class WeightWriter:
     def forget_views(self) -> None:
         """Drop the kept bucket layouts' views of the weights (the weights are being freed)."""
         self._bucket_plans.clear()
+        self.forget_landed()
+
+    def forget_landed(self) -> None:
+        """Drop the checksums taken as buckets landed (the weights change outside `copy`)."""
+        self.landed.clear()
 
     def _queued(self, nbytes: int, t0: float, t1: float) -> None:
         """Copies of `nbytes` are queued (checked from t0, copying from t1): count them, and mark
