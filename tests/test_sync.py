@@ -596,6 +596,70 @@ def test_the_trainers_probe_rides_the_next_training_step_and_is_judged_before_it
         assert r["unchanged"], "judged before the optimizer step"
 
 
+def _ride_unanswered_rank(rank: int, world_size: int, model: str, url: str, engine_pid: int) -> dict:
+    """A push with `ride`, then the engine stops answering (SIGSTOP) before it is asked the probe
+    once awake: asking does not wait (the answers come during the rollout), and the next training
+    step's judge gives up on the answer after its bound and fails on every rank, naming it."""
+    import os
+    import signal
+    import time
+
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync import weight_sync
+    from rltrain.sync.verify import WeightMismatchError
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from test_trainer import fixed_batch
+
+    weight_sync.PROBE_ANSWER_S = 3.0
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = FSDPTrainer(TrainerConfig(dtype="float32", micro_batch_size=2), AlgoConfig(), model, torch.device("cpu"))
+    t.create()
+    sync = weight_sync.WeightSync(cfg, world, t, [EngineClient(url, request_timeout_s=120)], model, awake=False)
+    out: dict = {}
+    try:
+        sync.push("1", ride=True)
+        if rank == 0:
+            os.kill(engine_pid, signal.SIGSTOP)
+        world.bridge.barrier("engine stopped")
+        t0 = time.perf_counter()
+        out["awake"] = sync.probe_engines()
+        out["asked_s"] = time.perf_counter() - t0
+        ride = sync.ride()
+        assert ride is not None
+        t0 = time.perf_counter()
+        try:
+            t.train_step(fixed_batch(B=4, L=40), ride)
+        except WeightMismatchError as e:
+            out["error"] = str(e)
+        out["judged_s"] = time.perf_counter() - t0
+        return out
+    finally:
+        if rank == 0:
+            os.kill(engine_pid, signal.SIGCONT)  # (its pending answer comes, and the pool can close)
+        sync.close()
+        world.close()
+
+
+def test_the_engines_answer_the_ridden_probe_during_the_rollout_and_a_silent_one_fails_the_step(
+    tmp_path, engines, big_a
+):
+    """Where the probe rides the next training step, the engines are asked once awake on a thread
+    (the loop's `sync_probe` waits for nothing: they answer while the rollout starts) and the step's
+    judge takes their answers. An engine that never answers fails that step on every rank within
+    the judge's bound (`PROBE_ANSWER_S`), naming it, instead of passing or hanging."""
+    eng = engines(big_a, tmp_path / "silent")
+    ranks = values(
+        run_ranks(_ride_unanswered_rank, 2, str(big_a), eng.process.url, eng.process.proc.pid, deadline_s=240)
+    )
+    for r in ranks:
+        assert r["awake"] == {} and r["asked_s"] < 1.0, r
+        assert "node0-engine0" in r["error"] and "no answer to the probe within 3 s" in r["error"], r
+        assert r["judged_s"] < 60, r
+
+
 def _one_rank_per_block_units(rank: int, world_size: int, model: str, url: str) -> dict:
     """A trainer of one rank whose blocks are FSDP units of their own (as on GPUs: `gathered()`
     changes nothing, its forward all-gathers per block): its probe forward runs on a thread

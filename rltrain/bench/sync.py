@@ -11,9 +11,10 @@ gathers each bucket from all ranks and sends it, as in the loop; the limit of `t
 raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport: one
 warm-up push, then timed pushes of new versions (steady state): unverified; verified with the
 trainer's side of the probe scored in the push; verified with it riding the next training step
-(the loop's way, `WeightSync.ride`), whose whole cost adds the engines' probe once awake, the
-probe's row in a training micro-batch (`--micro` x `--micro-tokens`, forward and backward, with
-and without it) and its judge. The limits, on the same bytes:
+(the loop's way, `WeightSync.ride`), whose cost on the step's critical path adds asking the
+engines' probe once awake (they answer on a thread during the rollout; their answers are timed
+alone too, for the whole cost), the probe's row in a training micro-batch (`--micro` x
+`--micro-tokens`, forward and backward, with and without it) and its judge. The limits, on the same bytes:
   tensor       device-to-device copy in one process (the receiver's copy is the floor)
   disk, delta  raw safetensors write (+fsync) and read of the same tensors
   distributed  raw broadcast of the same bytes between two processes (gloo on CPU; NCCL between
@@ -323,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             # probe forward in the push; verified with it riding the next training step
             results: dict[tuple[bool, bool], tuple[float, float]] = {}
             awake_s: list[float] = []  # the engines' probe after a ridden push (the loop's sync_probe)
+            answer_s: list[float] = []  # the engines' answers to it alone (in the loop, during the rollout)
             judge_s: list[float] = []  # the ridden probe's judge (a gather over the bridge)
             for verify, ride in ((False, False), (True, False), (True, True)):
                 cfg = load_config(
@@ -354,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t0)
                     if ride:  # the engines' side once awake, then the judge the next step would run
                         t0 = time.perf_counter()
-                        ws.probe_engines()
+                        ws.verifier.scores(version)  # what the engines' answers take (during the rollout, in the loop)
+                        answer_s.append(time.perf_counter() - t0)
+                        t0 = time.perf_counter()
+                        ws.probe_engines()  # (asks them on a thread: the judge takes the answers)
                         awake_s.append(time.perf_counter() - t0)
                         ridden = ws.ride()
                         assert ridden is not None
@@ -450,15 +455,17 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 in_sync = results[True, True][0] - best
                 awake, judged = statistics.median(awake_s[1:]), statistics.median(judge_s[1:])
+                answer = statistics.median(answer_s[1:])
                 row = row_s[1] - row_s[0]
                 whole = in_sync + awake + judged + row
                 print(
                     f"{'':>11s} verification, the trainer's probe riding the next step (the loop's way): in the "
-                    f"sync {in_sync:.3f} s = {in_sync / best:.0%} of the sync's own time (goal <= 50%); whole "
-                    f"{whole:.3f} s = {whole / best:.0%}: + the engines' probe once awake {awake:.3f} s + the "
-                    f"probe's row in a training micro-batch of {a.micro} x {a.micro_tokens} tokens, forward and "
-                    f"backward {row_s[1]:.3f} s against {row_s[0]:.3f} s without it ({row:+.3f} s) + its judge "
-                    f"{judged:.3f} s"
+                    f"sync {in_sync:.3f} s = {in_sync / best:.0%} of the sync's own time (goal <= 50%); on the "
+                    f"step's critical path {whole:.3f} s = {whole / best:.0%}: + the engines' probe asked once awake "
+                    f"{awake:.3f} s (answered during the rollout: {answer:.3f} s) + the probe's row in a training "
+                    f"micro-batch of {a.micro} x {a.micro_tokens} tokens, forward and backward {row_s[1]:.3f} s "
+                    f"against {row_s[0]:.3f} s without it ({row:+.3f} s) + its judge {judged:.3f} s; whole cost "
+                    f"{whole + answer:.3f} s = {(whole + answer) / best:.0%}"
                 )
             world.bridge.barrier(f"{transport} measured")
         finally:

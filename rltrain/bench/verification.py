@@ -78,7 +78,7 @@ def ride_cost(
 ) -> tuple[float, float]:
     """Seconds of a training micro-batch's forward and backward (`rows` x `length` random
     tokens), alone and with the probe as one more row (`rl_update.forward_with_probe`): what
-    riding the next step costs the trainer. Median of 5, gradients dropped after each."""
+    riding the next step costs the trainer. Medians of 9 runs each, alternated, gradients dropped after each."""
 
     from rltrain.batch import TrainBatch
     from rltrain.trainer import rl_update
@@ -97,8 +97,17 @@ def ride_cost(
         logp, _, _ = rl_update.forward_with_probe(trainer, model, mb, probe)
         logp.sum().backward()
 
-    out = [median_seconds(fn, device, after=trainer.zero_grad) for fn in (plain, ridden, plain, ridden)]
-    return out[2], out[3]  # (the first two warm up)
+    runs: dict[Callable[[], None], list[float]] = {plain: [], ridden: []}
+    for i in range(2 + 2 * 9):  # alternated, so that drift (clocks, heat) falls on both; two warm up
+        fn = (plain, ridden)[i % 2]
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        if i >= 2:
+            runs[fn].append(time.perf_counter() - t0)
+        trainer.zero_grad()
+    return statistics.median(runs[plain]), statistics.median(runs[ridden])
 
 
 def _probe_floor(

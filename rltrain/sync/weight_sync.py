@@ -50,6 +50,9 @@ from rltrain.sync.verify import ProbeMoment, Sums
 from rltrain.weights.checksum import entries, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 
+Scores = list[verify.ProbeScore] | Future[list[verify.ProbeScore]]
+PROBE_ANSWER_S = 300.0  # the longest a ridden judge waits for its engines still answering the probe
+
 log = logging.getLogger("rltrain.sync")
 
 
@@ -198,7 +201,8 @@ class WeightSync:
         # (version, the trainer's probe log-probs; None: they ride the next training step)
         self._probe_due: tuple[str, torch.Tensor | None] | None = None
         self._rides = False  # the last push's probe rides the next training step
-        self._ride: tuple[str, list[verify.ProbeScore]] | None = None  # (version, this rank's engines' scores)
+        # (version, this rank's engines' scores, or their answers still coming: `ride`)
+        self._ride: tuple[str, Scores] | None = None
         self._early: Future[torch.Tensor] | None = None  # the trainer's probe, scored during a push
         self._start_early = False
         self.verify_seconds = self.reset_seconds = 0.0  # of the last push
@@ -352,7 +356,7 @@ class WeightSync:
             if moment is ProbeMoment.AWAKE:
                 self._probe_due = (version, None)
             else:
-                self._ride = (version, engines.result() if isinstance(engines, Future) else engines or [])
+                self._ride = (version, engines or [])
             return
         here = self._scores_for_trainer()
         trainer_logp = early.result() if early is not None else self._trainer_probe() if here else None
@@ -368,15 +372,17 @@ class WeightSync:
         the trainer's log-probs taken then. Collective over the bridge; a mismatch anywhere raises
         WeightMismatchError on every rank, naming the engine. Returns the largest differences seen,
         mean and worst position ({} when no probe is due: none pushed, or probed in the push itself;
-        0 where no engine answered: they exited, left to the restart path)."""
+        0 where no engine answered: they exited, left to the restart path). Where the trainer's side
+        rides the next training step, the engines are asked on a thread and nothing waits: they
+        answer while the rollout starts, and the step's judge takes their answers (`ride`)."""
         due, self._probe_due = self._probe_due, None
         if due is None:
             return {}
         version, trainer_logp = due
-        scores = self.verifier.scores(version) if self.leader else []
         if trainer_logp is None:  # the trainer's side rides the next training step
-            self._ride = (version, scores)
+            self._ride = (version, self._pool.submit(self.verifier.scores, version) if self.leader else [])
             return {}
+        scores = self.verifier.scores(version) if self.leader else []
         return self._judge_probe(version, scores, trainer_logp)
 
     def ride(self) -> ProbeRide | None:
@@ -390,9 +396,13 @@ class WeightSync:
         self._ride = None
         return ProbeRide(list(self.probe), functools.partial(self._judge_ride, version, scores))
 
-    def _judge_ride(
-        self, version: str, scores: list[verify.ProbeScore], trainer_logp: torch.Tensor | None
-    ) -> dict[str, float]:
+    def _judge_ride(self, version: str, scores: Scores, trainer_logp: torch.Tensor | None) -> dict[str, float]:
+        if isinstance(scores, Future):  # the engines' answers, asked during the rollout
+            try:
+                scores = scores.result(timeout=PROBE_ANSWER_S)
+            except Exception as e:  # (every rank must reach the judge: this one's engines failed it)
+                why = f"no answer to the probe within {PROBE_ANSWER_S:.0f} s" if isinstance(e, TimeoutError) else e
+                scores = [verify.ProbeScore(name, refused=f"{why}") for name in self.verifier.names]
         # No micro-batch ran on this rank: a forward of its own (sharded, none ran on any rank).
         logp = trainer_logp if trainer_logp is not None else self._trainer_probe()
         return self._judge_probe(version, scores, logp.detach().cpu())
