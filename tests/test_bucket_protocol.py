@@ -108,8 +108,11 @@ def test_a_reused_buffer_is_mapped_once_per_session_and_read_afresh(embedded, bi
     name_a, name_b = "model.norm.weight", "model.layers.0.input_layernorm.weight"
     ring = [torch.empty(1 << 16, dtype=torch.uint8).share_memory_() for _ in range(2)]
     mapped = []
+    with pytest.raises(EngineError, match="weights_checksum must be true or false") as bad:
+        embedded.client._checked("/begin_weight_update", {"weights_checksum": 1})
+    assert bad.value.status == 400
     try:
-        embedded.client.begin_weight_update()
+        embedded.client.begin_weight_update(checksum=True)  # its buckets summed as they land
         for slot, (name, value) in enumerate([(name_a, 1.0), (name_b, 3.0), (name_a, 2.0)]):
             bucket = tensor_payload.flatten_bucket([(name, torch.full_like(state[name], value))], out=ring[slot % 2])
             rep = embedded.client.update_weights_from_tensor([tensor_payload.serialize(bucket)], weight_version="reuse")
@@ -291,7 +294,11 @@ def test_a_sessions_report_uses_the_sums_taken_as_its_buckets_landed_and_any_oth
 
     assert engine.weights_checksum()["checksum"] == truth()
     a, b = "model.norm.weight", "model.layers.0.mlp.down_proj.weight"
-    receiver.session(True)
+    receiver.session(True)  # a session whose end asks for no checksum: nothing summed as it lands
+    receiver.load_bucket(*bucket([(a, state[a])]), "v0")
+    receiver.session(False)
+    assert not writer.landed
+    receiver.session(True, summing=True)
     for name, value in [(a, 1.0), (b, 2.0), (a, 3.0)]:  # `a` twice: its last sums count
         state[name] = torch.full_like(state[name], value)
         receiver.load_bucket(*bucket([(name, state[name])]), "v1")
@@ -306,7 +313,7 @@ def test_a_sessions_report_uses_the_sums_taken_as_its_buckets_landed_and_any_oth
     receiver.load_named_tensors([(b, state[b])], "v3")
     assert not writer.landed and engine.weights_checksum()["checksum"] == truth()
 
-    receiver.session(True)
+    receiver.session(True, summing=True)
     receiver.load_bucket(*bucket([(b, torch.full_like(state[b], 6.0))]), "v4")
     receiver.session(False)
     state[b] = torch.full_like(state[b], 6.0)
@@ -314,7 +321,7 @@ def test_a_sessions_report_uses_the_sums_taken_as_its_buckets_landed_and_any_oth
     assert not writer.landed
     engine.resume(["weights"])
     assert engine.weights_checksum()["checksum"] == truth()
-    receiver.session(True)
+    receiver.session(True, summing=True)
     receiver.load_bucket(*bucket([(b, torch.full_like(state[b], 7.0))]), "v5")
     receiver.load_from_disk(str(model_a), "base")  # every weight rewritten from the files
     receiver.session(False)

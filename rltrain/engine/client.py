@@ -343,9 +343,11 @@ class EngineClient:
             {"model_path": model_path, "weight_version": weight_version, "flush_cache": flush_cache},
         )
 
-    def begin_weight_update(self) -> dict:
-        """Open a weight-update session (SGLang requires one around tensor updates)."""
-        return self._checked("/begin_weight_update", {})
+    def begin_weight_update(self, checksum: bool = False) -> dict:
+        """Open a weight-update session (SGLang requires one around tensor updates). The embedded
+        engine's extension: `checksum`, its buckets are checksummed as they land, for the report
+        the session's end is asked for (`end_weight_update(checksum=True)`)."""
+        return self._checked("/begin_weight_update", {"weights_checksum": True} if checksum else {})
 
     def end_weight_update(self, checksum: bool = False, probe: list[int] | None = None) -> dict:
         """Close the weight-update session. The embedded engine's extensions, taken as the
@@ -375,8 +377,9 @@ class EngineClient:
     ) -> dict:
         """One serialized payload per engine TP rank (see `rltrain.weights.bucket`). The embedded
         engine's extension ("weight_update_sessions": "inline"): `begin_session` opens the
-        weight-update session before this bucket; `end_session` closes it after, with the
-        reports `end_weight_update` gives for `checksum` and `probe` in the answer."""
+        weight-update session before this bucket (its buckets checksummed as they land where
+        `checksum`); `end_session` closes it after, with the reports `end_weight_update` gives for
+        `checksum` and `probe` in the answer."""
         body: dict[str, Any] = {
             "serialized_named_tensors": serialized_named_tensors,
             "load_format": load_format,
@@ -385,6 +388,8 @@ class EngineClient:
         }
         if begin_session:
             body["begin_weight_update"] = True
+            if checksum:
+                body["weights_checksum"] = True
         if end_session:
             body.update(session_end(checksum, probe), end_weight_update=True)
         return self._lean_post("/update_weights_from_tensor", body)

@@ -70,7 +70,8 @@ class Session:
 
     def begin(self, pool: ThreadPoolExecutor) -> None:
         if not self.inline:
-            self.begun = pool.submit(lambda: [client.begin_weight_update() for client in self.ctx.receivers])
+            checksum = self.ctx.checksums  # (the engines sum the buckets as they land)
+            self.begun = pool.submit(lambda: [c.begin_weight_update(checksum) for c in self.ctx.receivers])
 
     def opens(self, tags: Tags) -> set[int]:
         """The receivers whose session this bucket's request opens (inline: those not opened
@@ -95,7 +96,7 @@ class Session:
             flush_cache=tag is not None,
             begin_session=receiver in opens,
             end_session=closes,
-            **(SessionEnds.asked(self.ctx) if closes else {}),
+            **(SessionEnds.asked(self.ctx) if closes else {"checksum": self.ctx.checksums}),
         )
         if closes:
             self.ends.keep(receiver, answer, closed=True)
@@ -324,7 +325,7 @@ class TensorTransport:
         if ctx.sender:
             try:
                 for client in ctx.receivers:
-                    client.begin_weight_update()
+                    client.begin_weight_update(ctx.checksums)
             except Exception as e:  # noqa: BLE001 - told to every rank of the engine
                 error = f"{ctx.engine_name} did not begin its weight-update session: {failure_text(e)}"
         try:

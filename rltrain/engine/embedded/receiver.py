@@ -61,12 +61,13 @@ class WeightReceiver:
         self.owned = {n: v for n, v in writer.checkpoint_names.items() if self.layout.owns(n)}
         self.shared = {n for group in aliases if len(group) > 1 for n in group}
 
-    def session(self, begin: bool) -> None:
-        """A weight-update session begins (the weights it writes are summed as they land) or ends
-        (their sums are kept for its report, until anything else writes them)."""
+    def session(self, begin: bool, summing: bool = False) -> None:
+        """A weight-update session begins (where `summing`, the weights it writes are summed as
+        they land: its end is to report the checksum) or ends (their sums are kept for its
+        report, until anything else writes them)."""
         if begin:
             self.writer.forget_landed()
-        self.writer.summing = begin
+        self.writer.summing = begin and summing
 
     def load_named_tensors(self, named: Any, weight_version: str | None) -> int:
         with self.state.lock:
@@ -218,11 +219,12 @@ class PayloadReceiver:
         self.slots: dict[int, torch.Tensor] = {}  # the sender's buffers by slot number (`_slot`)
         self.decoded: dict[str, dict[str, Any]] = {}  # handle-less payloads, decoded (`update_from_tensor`)
 
-    def session(self, begin: bool) -> None:
+    def session(self, begin: bool, summing: bool = False) -> None:
         """Begin or end a weight-update session: either way the sender's buffers kept mapped
-        and the slots are let go; the weights' sums are taken as they land (`WeightReceiver.session`)."""
+        and the slots are let go; where `summing`, the weights' sums are taken as they land
+        (`WeightReceiver.session`)."""
         self.in_update = begin
-        self.receiver.session(begin)
+        self.receiver.session(begin, summing)
         with self.mapped_lock:
             self.mapped.clear()  # unmaps the sender's buffers
             self.slots.clear()

@@ -110,7 +110,7 @@ class EmbeddedServer:
                 "new_version": e.weight_version,
             }
         if path == "/begin_weight_update":
-            self.payloads.session(True)
+            self.payloads.session(True, summing=_flag(body, "weights_checksum"))
             return 200, {"success": True, "message": "no quantized weights to repack"}
         if path == "/end_weight_update":
             report, probe = self._end_fields(body)
@@ -202,8 +202,9 @@ class EmbeddedServer:
         if not isinstance(begin, bool) or not isinstance(end, bool):
             raise BadRequest(f"begin_weight_update and end_weight_update must be true or false, got {begin!r}, {end!r}")
         report, probe = self._end_fields(body) if end else (False, None)
+        summing = _flag(body, "weights_checksum")
         if begin:
-            self.payloads.session(True)
+            self.payloads.session(True, summing=summing)
         try:
             out = self.payloads.update_from_tensor(body)
         finally:
@@ -216,9 +217,7 @@ class EmbeddedServer:
         without requests of their own): `weights_checksum` (true: the /weights_checksum report)
         and `probe_input_ids` (a sequence to score, as /generate's input_token_logprobs,
         once the session's weights are in). Checked before anything is loaded or ended."""
-        report = body.get("weights_checksum", False)
-        if not isinstance(report, bool):
-            raise BadRequest(f"weights_checksum must be true or false, got {report!r}")
+        report = _flag(body, "weights_checksum")
         probe = body.get("probe_input_ids")
         if probe is not None:
             vocab = self.engine.config.vocab_size
@@ -246,6 +245,13 @@ class EmbeddedServer:
             except (EngineStateError, RuntimeError) as err:
                 out["probe_error"] = f"{type(err).__name__}: {err}"
         return out
+
+
+def _flag(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, got {value!r}")
+    return value
 
 
 def _tags(body: dict[str, Any]) -> list[str] | None:
