@@ -643,3 +643,25 @@ def test_cuda_probe_scores_replayed_from_a_graph_follow_the_weights():
     assert scorer.score(ids) == eager.score(ids) and scorer.captures == 2
     scorer.drop(for_good=True)  # a release without the memory saver: eager from then on
     assert scorer.score(ids) == scorer.score(ids) == eager.score(ids) and scorer.captures == 2
+
+
+def test_cuda_side_stream_checksums_equal_the_direct_ones_though_their_tensors_are_freed_and_reused():
+    """weights/checksum.py's SideSums (the sync's sender and the embedded engine's landed sums):
+    sums queued on a side stream after the copies that wrote their tensors equal those taken on
+    the current stream, though each bucket's tensors are freed at once and their memory written
+    over by the next (the side stream's reads keep it from reuse until they are done)."""
+    from rltrain.weights.checksum import SideSums, entries, fetched
+
+    side = SideSums(transient=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    want: dict = {}
+    got: dict = {}
+    for i in range(6):
+        named = [(f"b{i}.w{j}", torch.randn(1 << 22, device="cuda", generator=g).to(torch.bfloat16)) for j in range(4)]
+        want.update(fetched(entries(named)))
+        got.update(side.entries(named))
+        del named
+        for _ in range(4):  # the next bucket's allocations, written at once
+            torch.full((1 << 21,), 7, dtype=torch.float32, device="cuda").mul_(3)
+    side.join()
+    assert fetched(got) == want

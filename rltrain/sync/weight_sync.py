@@ -47,7 +47,7 @@ from rltrain.sync.probe import ProbeBounds, StartProbe
 from rltrain.sync.tensor import TensorTransport
 from rltrain.sync.transport import SyncContext, Transport, WeightStream
 from rltrain.sync.verify import ProbeMoment, Sums
-from rltrain.weights.checksum import entries, fetched
+from rltrain.weights.checksum import SideSums, fetched
 from rltrain.weights.names import checkpoint_names, num_experts
 
 Scores = list[verify.ProbeScore] | Future[list[verify.ProbeScore]]
@@ -118,6 +118,7 @@ class WeightSync:
     ):
         self.cfg, self.world, self.trainer, self.receivers = cfg, world, trainer, list(receivers)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="rltrain-probe")
+        self._side_sums = SideSums(transient=True)  # the sent tensors' checksums, beside their copies (GPU)
         env = world.env
         self.engine_name, self.leader = verify.engine_place(world, engine)
         self.tp_rank, tp_size = (engine.tp_rank, engine.gpus_per_engine) if engine is not None else (0, 1)
@@ -290,8 +291,8 @@ class WeightSync:
         check = self.checks.checksums and (self.leader or self.tp_group is not None)
         exported = self.trainer.export_weights(names, needs=self.needs)
         mine = [(n, t) for n, t in exported if self.plan.needed_by(self.tp_rank, n)]
-        if check:  # the bucket's checksums in one launch on a GPU, queued before its copy
-            sums.update(entries((n, t if dtype is None else t.to(dtype)) for n, t in mine))
+        if check:  # the bucket's checksums in one launch on a GPU, beside its copy (a side stream)
+            sums.update(self._side_sums.entries((n, t if dtype is None else t.to(dtype)) for n, t in mine))
         if self._start_early:  # (push)
             self._start_early = False
             self._early = self._pool.submit(self._trainer_probe)
@@ -317,6 +318,7 @@ class WeightSync:
         (its seconds go to `self.timings["verify"]`: metrics rows hold no timings outside their
         "time")."""
         t0 = time.perf_counter()
+        self._side_sums.join()
         per_rank = {self.tp_rank: sums}  # TP rank -> what its trainer rank sent and checksummed
         if self.checks.checksums and self.tp_group is not None:
             per_rank = dict(enumerate(self.tp_group.all_gather_object(fetched(sums), phase="sync checksums")))

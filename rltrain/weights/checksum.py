@@ -174,6 +174,38 @@ def entries(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Entry]:
     return {name: out[name] for name, _ in named}
 
 
+class SideSums:
+    """`entries` queued on a side stream of the tensors' GPU, after what the current stream has
+    queued (the copies that wrote them), so the reads run beside the copies that follow instead
+    of delaying them. `join` before the sums are fetched. `transient`: the tensors may be freed
+    once summed (a sender's exported weights), so their memory is kept from reuse until the side
+    stream has read it; the engine's weights live on and need not. Off a GPU: `entries`."""
+
+    def __init__(self, transient: bool):
+        self.transient = transient
+        self.stream: torch.cuda.Stream | None = None
+
+    def entries(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Entry]:
+        named = list(named)
+        device = next((t.device for _, t in named if t.device.type == "cuda"), None)
+        if device is None:
+            return entries(named)
+        if self.stream is None or self.stream.device != device:
+            self.stream = torch.cuda.Stream(device)
+        self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            if self.transient:
+                for _, t in named:
+                    if t.device == device:
+                        t.record_stream(self.stream)
+            return entries(named)
+
+    def join(self) -> None:
+        """The current stream waits for every sum queued so far (fetch after this)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+
 def fetched(sums: dict[str, Entry]) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
     """`sums` with every entry's sums brought to the host as ints, in one device-to-host transfer
     per device (to combine several subsets, or to send the entries to another process): the

@@ -172,6 +172,7 @@ class WeightReceiver:
                     continue
                 t = tensors[module_name]
                 fresh.append((name, t if index is None else t.reshape(-1)[index.to(t.device)].reshape(shape)))
+            self.writer.side.join()  # (the landed sums are read after their side stream's work)
             on_device = entries(fresh)  # one launch for them all on a GPU
             on_device.update((n, landed[n]) for n in self.owned if n not in on_device)
             sums: dict[str, Entry] = dict(fetched(on_device))  # once: the ranks' checksums combine subsets

@@ -18,10 +18,11 @@ and resume: only their .data changes), each name's target, and per bucket layout
 the parameters they copy into. The layouts hold views of the weights: `forget_views` drops them
 when the weights are released.
 
-While `summing` (a weight-update session: receiver.py), each bucket's weights are checksummed
-as they land, queued behind their copy (`landed`: name -> checksum entry, on the device until the
-report fetches them): the session's checksum report then reads only what no bucket wrote. Any
-other write of a weight drops its entry; `forget_landed` drops them all (a release, a fill).
+While `summing` (a weight-update session whose end reports the checksum: receiver.py), each
+bucket's weights are checksummed as they land, queued behind their copy on a side stream beside
+the next bucket's copies (`landed`: name -> checksum entry, on the device until the report
+fetches them): the report then reads only what no bucket wrote. Any other write of a weight
+drops its entry; `forget_landed` drops them all (a release, a fill).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from rltrain.engine.embedded.experts import ExpertLayout
 from rltrain.runtime import internals
 from rltrain.runtime.pinned import PinnedUpload
 from rltrain.weights.bucket import BucketViews
-from rltrain.weights.checksum import Entry, entries
+from rltrain.weights.checksum import Entry, SideSums
 from rltrain.weights.names import checkpoint_index, write
 
 KEPT_LAYOUTS = 4096  # bucket layouts (and keys) kept; a sync sends the same layouts every time
@@ -66,6 +67,7 @@ class WeightWriter:
         self.bytes_loaded = 0  # bytes of weights copied in (updates and restored backups), for sync accounting
         self.summing = False  # checksum each bucket's weights as they land (module doc)
         self.landed: dict[str, Entry] = {}
+        self.side = SideSums(transient=False)  # the landed sums' stream, beside the next copies (a GPU)
 
     def target(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]:
         """(parameter or buffer, index into it or None, checkpoint shape) for a weight name."""
@@ -156,7 +158,7 @@ class WeightWriter:
         internals.foreach_copy_(dsts, views, non_blocking=True)
         self._queued(layout.tensor_bytes, t0, t0)
         if self.summing:  # queued behind the copies; read by the session's checksum report
-            self.landed.update(entries((m.name, d.view(m.shape)) for m, d in zip(metadata, dsts)))
+            self.landed.update(self.side.entries((m.name, d.view(m.shape)) for m, d in zip(metadata, dsts)))
         else:
             for m in metadata:
                 self.landed.pop(m.name, None)
