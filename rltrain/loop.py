@@ -183,6 +183,7 @@ def _to_training(phase: Phase, parts: RunParts, world: World) -> None:
     """From rollout to training: the engine lets go of its memory, the world comes up, the
     trainer comes back onto the device."""
     with phase("engine_release"):
+        parts.sync.probe_answered()  # the engines' answers to a ridden probe are in before they let go
         parts.engine.release_memory()
     with phase("world_rebuild"):
         world.rebuild()

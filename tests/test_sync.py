@@ -643,6 +643,50 @@ def _ride_unanswered_rank(rank: int, world_size: int, model: str, url: str, engi
         world.close()
 
 
+def _ride_then_release_rank(rank: int, world_size: int, model: str, url: str) -> dict:
+    """The loop's order around a ridden probe where engines release their memory: asked once
+    awake (on a thread), answered before the release (`probe_answered`, at engine_release), the
+    engine released at once after it, then judged in the next training step: it passes."""
+    from rltrain.config import AlgoConfig, TrainerConfig, load_config
+    from rltrain.engine.client import EngineClient
+    from rltrain.runtime.world import World
+    from rltrain.sync.weight_sync import WeightSync
+    from rltrain.trainer.fsdp import FSDPTrainer
+    from test_trainer import fixed_batch
+
+    world = World(backend="gloo", timeout=60)
+    cfg = load_config(None, [f"model.path={model}", "data.path=synthetic:addition", "sync.transport=tensor"])
+    t = FSDPTrainer(TrainerConfig(dtype="float32", micro_batch_size=2), AlgoConfig(), model, torch.device("cpu"))
+    t.create()
+    client = EngineClient(url, request_timeout_s=120)
+    sync = WeightSync(cfg, world, t, [client], model, awake=False)
+    try:
+        sync.push("1", ride=True)
+        sync.probe_engines()
+        sync.probe_answered()
+        if rank == 0:
+            client.release(["kv_cache", "weights"])  # what engine_release does next
+        world.bridge.barrier("released")
+        ride = sync.ride()
+        assert ride is not None
+        stats = t.train_step(fixed_batch(B=4, L=40), ride)
+        if rank == 0:
+            client.resume(["weights", "kv_cache"])
+        return {"worst": stats["sync_probe_worst"]}
+    finally:
+        sync.close()
+        world.close()
+
+
+def test_the_ridden_probes_answers_are_in_before_the_engines_release_their_memory(tmp_path, engines, big_a):
+    """`probe_answered` (the loop calls it at engine_release) waits for the engines' answers to a
+    ridden probe: an engine released right after it has answered from its weights, and the next
+    step's judge passes (asked while the engine was released, it would have been refused)."""
+    eng = engines(big_a, tmp_path / "released")
+    for r in values(run_ranks(_ride_then_release_rank, 2, str(big_a), eng.process.url, deadline_s=240)):
+        assert r["worst"] < 1e-3, r
+
+
 def test_the_engines_answer_the_ridden_probe_during_the_rollout_and_a_silent_one_fails_the_step(
     tmp_path, engines, big_a
 ):

@@ -11,10 +11,11 @@ gathers each bucket from all ranks and sends it, as in the loop; the limit of `t
 raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport: one
 warm-up push, then timed pushes of new versions (steady state): unverified; verified with the
 trainer's side of the probe scored in the push; verified with it riding the next training step
-(the loop's way, `WeightSync.ride`), whose cost on the step's critical path adds asking the
-engines' probe once awake (they answer on a thread during the rollout; their answers are timed
-alone too, for the whole cost), the probe's row in a training micro-batch (`--micro` x
-`--micro-tokens`, forward and backward, with and without it) and its judge. The limits, on the same bytes:
+(the loop's way, `WeightSync.ride`), whose whole cost adds asking the engines' probe once awake
+and their answers (timed alone: in the loop they answer on a thread, their scoring taking its
+turn with the rollout's decoding under each engine's lock), the probe's row in a training
+micro-batch (`--micro` x `--micro-tokens`, forward and backward, with and without it) and its
+judge. The limits, on the same bytes:
   tensor       device-to-device copy in one process (the receiver's copy is the floor)
   disk, delta  raw safetensors write (+fsync) and read of the same tensors
   distributed  raw broadcast of the same bytes between two processes (gloo on CPU; NCCL between
@@ -457,15 +458,15 @@ def main(argv: list[str] | None = None) -> int:
                 awake, judged = statistics.median(awake_s[1:]), statistics.median(judge_s[1:])
                 answer = statistics.median(answer_s[1:])
                 row = row_s[1] - row_s[0]
-                whole = in_sync + awake + judged + row
+                whole = in_sync + awake + answer + judged + row
                 print(
                     f"{'':>11s} verification, the trainer's probe riding the next step (the loop's way): in the "
-                    f"sync {in_sync:.3f} s = {in_sync / best:.0%} of the sync's own time (goal <= 50%); on the "
-                    f"step's critical path {whole:.3f} s = {whole / best:.0%}: + the engines' probe asked once awake "
-                    f"{awake:.3f} s (answered during the rollout: {answer:.3f} s) + the probe's row in a training "
-                    f"micro-batch of {a.micro} x {a.micro_tokens} tokens, forward and backward {row_s[1]:.3f} s "
-                    f"against {row_s[0]:.3f} s without it ({row:+.3f} s) + its judge {judged:.3f} s; whole cost "
-                    f"{whole + answer:.3f} s = {(whole + answer) / best:.0%}"
+                    f"sync {in_sync:.3f} s = {in_sync / best:.0%} of the sync's own time (goal <= 50%); whole "
+                    f"{whole:.3f} s = {whole / best:.0%}: + the engines' probe asked once awake {awake:.3f} s + "
+                    f"their answers {answer:.3f} s (engine time: in the loop they take their turn with the "
+                    f"rollout's decoding) + the probe's row in a training micro-batch of {a.micro} x "
+                    f"{a.micro_tokens} tokens, forward and backward {row_s[1]:.3f} s against {row_s[0]:.3f} s "
+                    f"without it ({row:+.3f} s) + its judge {judged:.3f} s"
                 )
             world.bridge.barrier(f"{transport} measured")
         finally:

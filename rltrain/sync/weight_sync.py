@@ -387,6 +387,22 @@ class WeightSync:
         scores = self.verifier.scores(version) if self.leader else []
         return self._judge_probe(version, scores, trainer_logp)
 
+    def probe_answered(self) -> None:
+        """Wait until this rank's engines have answered the ridden probe (asked on a thread by
+        `probe_engines`): before they release their memory, which their answers need. Their
+        scoring runs under each engine's lock, so it takes its turn with the rollout's decoding;
+        what failed or did not come within PROBE_ANSWER_S is a refused answer (the judge fails
+        the step on every rank, naming the engine)."""
+        if self._ride is not None and isinstance(self._ride[1], Future):
+            self._ride = (self._ride[0], self._answers(self._ride[1]))
+
+    def _answers(self, asked: Future[list[verify.ProbeScore]]) -> list[verify.ProbeScore]:
+        try:
+            return asked.result(timeout=PROBE_ANSWER_S)
+        except Exception as e:  # (every rank must reach the judge: this one's engines failed it)
+            why = f"no answer to the probe within {PROBE_ANSWER_S:.0f} s" if isinstance(e, TimeoutError) else e
+            return [verify.ProbeScore(name, refused=f"{why}") for name in self.verifier.names]
+
     def ride(self) -> ProbeRide | None:
         """The probe of the last push for the next training step to score and judge (None: none
         is due). Its judge is a collective over the bridge before that step's first optimizer
@@ -400,11 +416,7 @@ class WeightSync:
 
     def _judge_ride(self, version: str, scores: Scores, trainer_logp: torch.Tensor | None) -> dict[str, float]:
         if isinstance(scores, Future):  # the engines' answers, asked during the rollout
-            try:
-                scores = scores.result(timeout=PROBE_ANSWER_S)
-            except Exception as e:  # (every rank must reach the judge: this one's engines failed it)
-                why = f"no answer to the probe within {PROBE_ANSWER_S:.0f} s" if isinstance(e, TimeoutError) else e
-                scores = [verify.ProbeScore(name, refused=f"{why}") for name in self.verifier.names]
+            scores = self._answers(scores)
         # No micro-batch ran on this rank: a forward of its own (sharded, none ran on any rank).
         logp = trainer_logp if trainer_logp is not None else self._trainer_probe()
         return self._judge_probe(version, scores, logp.detach().cpu())

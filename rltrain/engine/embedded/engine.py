@@ -194,8 +194,8 @@ class EmbeddedEngine:
         """Log-probs of `input_ids[1:]`, each given the tokens before it, at temperature 1
         (SGLang's input_token_logprobs): one forward over the sequence (on CUDA, replayed from
         the graph captured for that sequence: scoring.py)."""
-        self.state.check_can_generate()
-        with self.state.lock:
+        with self.state.lock:  # (checked under it: a release may take the lock first)
+            self.state.check_can_generate()
             return self.scorer.score(input_ids)
 
     def token_hash(self, vocab: int) -> torch.Tensor | None:
