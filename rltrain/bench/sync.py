@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
             # probe forward in the push; verified with it riding the next training step
             results: dict[tuple[bool, bool], tuple[float, float]] = {}
             awake_s: list[float] = []  # the engines' probe after a ridden push (the loop's sync_probe)
-            answer_s: list[float] = []  # the engines' answers to it alone (in the loop, during the rollout)
+            answer_s: list[float] = []  # the engines' answers to it alone (in the loop, beside the rollout)
             judge_s: list[float] = []  # the ridden probe's judge (a gather over the bridge)
             for verify, ride in ((False, False), (True, False), (True, True)):
                 cfg = load_config(
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t0)
                     if ride:  # the engines' side once awake, then the judge the next step would run
                         t0 = time.perf_counter()
-                        ws.verifier.scores(version)  # what the engines' answers take (during the rollout, in the loop)
+                        ws.verifier.scores(version)  # what the engines' answers take (beside the rollout, in the loop)
                         answer_s.append(time.perf_counter() - t0)
                         t0 = time.perf_counter()
                         ws.probe_engines()  # (asks them on a thread: the judge takes the answers)

@@ -375,8 +375,10 @@ class WeightSync:
         WeightMismatchError on every rank, naming the engine. Returns the largest differences seen,
         mean and worst position ({} when no probe is due: none pushed, or probed in the push itself;
         0 where no engine answered: they exited, left to the restart path). Where the trainer's side
-        rides the next training step, the engines are asked on a thread and nothing waits: they
-        answer while the rollout starts, and the step's judge takes their answers (`ride`)."""
+        rides the next training step, the engines are asked on a thread and nothing waits here:
+        they answer beside the rollout (an engine scores under its lock, in turn with its
+        decoding), `probe_answered` has their answers before they release, and the step's judge
+        takes them (`ride`)."""
         due, self._probe_due = self._probe_due, None
         if due is None:
             return {}
@@ -401,7 +403,7 @@ class WeightSync:
             return asked.result(timeout=PROBE_ANSWER_S)
         except Exception as e:  # (every rank must reach the judge: this one's engines failed it)
             why = f"no answer to the probe within {PROBE_ANSWER_S:.0f} s" if isinstance(e, TimeoutError) else e
-            return [verify.ProbeScore(name, refused=f"{why}") for name in self.verifier.names]
+            return [verify.ProbeScore(name, refused=str(why)) for name in self.verifier.names]
 
     def ride(self) -> ProbeRide | None:
         """The probe of the last push for the next training step to score and judge (None: none
@@ -415,7 +417,7 @@ class WeightSync:
         return ProbeRide(list(self.probe), functools.partial(self._judge_ride, version, scores))
 
     def _judge_ride(self, version: str, scores: Scores, trainer_logp: torch.Tensor | None) -> dict[str, float]:
-        if isinstance(scores, Future):  # the engines' answers, asked during the rollout
+        if isinstance(scores, Future):  # the engines' answers, asked beside the rollout
             scores = self._answers(scores)
         # No micro-batch ran on this rank: a forward of its own (sharded, none ran on any rank).
         logp = trainer_logp if trainer_logp is not None else self._trainer_probe()

@@ -22,7 +22,7 @@ While `summing` (a weight-update session whose end reports the checksum: receive
 bucket's weights are checksummed as they land, queued behind their copy on a side stream beside
 the next bucket's copies (`landed`: name -> checksum entry, on the device until the report
 fetches them): the report then reads only what no bucket wrote. Any other write of a weight
-drops its entry; `forget_landed` drops them all (a release, a fill).
+drops its entry; `forget_landed` drops them all (a new session, a release).
 """
 
 from __future__ import annotations
@@ -181,10 +181,9 @@ class WeightWriter:
     def forget_views(self) -> None:
         """Drop the kept bucket layouts' views of the weights (the weights are being freed)."""
         self._bucket_plans.clear()
-        self.forget_landed()
 
     def forget_landed(self) -> None:
-        """Drop the checksums taken as buckets landed (the weights change outside `copy`)."""
+        """Drop the checksums taken as buckets landed (a new session; the weights released)."""
         self.landed.clear()
 
     def _queued(self, nbytes: int, t0: float, t1: float) -> None:
