@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from conftest import start_engine
 from rltrain.config import ConfigError, RolloutConfig
+from rltrain.engine.client import EngineClient
 from rltrain.generation import Completion, SamplingParams
 from rltrain.rollout.collect import Sample, _generate, _summarize, build_batch
 from rltrain.rollout.data import Prompt
@@ -133,6 +135,35 @@ def test_a_trajectory_ends_at_max_turns_or_at_its_token_budget(server):
     (t,) = by_budget.run(server.client, [Prompt(0, [1], {})], [0], _params())
     assert t.ended_by == "budget" and t.completion.finish_reason == "length" and t.completion.ok
     assert len(t.completion.output_ids) <= 7
+
+
+@pytest.fixture(scope="module")
+def paged(model_a, tmp_path_factory):
+    """The embedded engine on its paged path (continuous batching; the CPU default is transformers'
+    cache, a batch at a time)."""
+    srv = start_engine("embedded", model_a, tmp_path_factory.mktemp("paged_logs"), extra_args=["--decode", "paged"])
+    yield srv
+    srv.client.close()
+    srv.process.stop()
+
+
+def test_every_trajectory_of_a_rank_is_in_flight_at_once_whatever_the_clients_fan_out(paged):
+    """A rank's trajectories each send their turns from their own thread, all at once: the engine
+    batches them, far more rows per decode step than `engine.max_inflight` (one call's fan-out),
+    which used to bound every trajectory's turns together (a pool of max_inflight threads)."""
+    client = EngineClient(paged.client.url, max_inflight=1, prompts_per_request=1)
+    try:
+        before = client.server_info()["decode_stats"]
+        cfg = RolloutConfig(max_new_tokens=8, max_turns=2, continue_after_length=True)
+        turns = MultiTurn(cfg, _tokenizer(), Always)
+        prompts = [Prompt(i, [1, 5 + i], {}) for i in range(24)]
+        out = turns.run(client, prompts, list(range(24)), _params(stops=False))
+        after = client.server_info()["decode_stats"]
+    finally:
+        client.close()
+    assert all(t.completion.ok and t.turns == 2 for t in out)
+    rows_per_step = (after["tokens"] - before["tokens"]) / (after["decode_steps"] - before["decode_steps"])
+    assert rows_per_step > 4, f"{rows_per_step:.1f} rows per decode step: the trajectories' turns were not batched"
 
 
 class Raises:
@@ -290,13 +321,14 @@ def test_the_loop_trains_on_two_turn_trajectories(tmp_path):
     assert (tmp_path / "quickstart" / "turns.png").stat().st_size > 10_000  # the multi-turn plot
 
 
-@pytest.mark.parametrize("kind", ["embedded", "sglang"])
+@pytest.mark.parametrize("kind", ["embedded", "embedded-paged", "sglang"])
 def test_a_prefix_cached_before_a_weight_update_is_never_served_after_it(kind, model_a, model_b, tmp_path):
     """Multi-turn trajectories resend their growing prefix every turn, which SGLang's radix cache
-    keeps (on by default). A prefix cached under the old weights must not be reused after the
-    sync: the weight update flushes it (rltrain sends flush_cache with every update). Greedy
-    continuations of the same long prompt after the update are transformers' own under the new
-    weights, not the old ones' (the embedded engine has no prefix cache: the same holds)."""
+    keeps (on by default) and the embedded engine's paged path keeps (its prefix cache): a repeat
+    is served from it (`cached_tokens`). A prefix cached under the old weights must not be reused
+    after the sync: the weight update flushes it (rltrain sends flush_cache with every update;
+    the embedded engine empties it at every weight write). Greedy continuations of the same long
+    prompt after the update are transformers' own under the new weights, not the old ones'."""
     from conftest import HAVE_SGLANG, SKIP_SGLANG, start_engine
     from models import engine_greedy, hf_greedy
 
@@ -304,14 +336,20 @@ def test_a_prefix_cached_before_a_weight_update_is_never_served_after_it(kind, m
         if SKIP_SGLANG:
             pytest.skip("SGLang not installed and RLTRAIN_SKIP_SGLANG=1")
         pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
-    prompt = [[1, *range(10, 60)]]  # 51 tokens: several radix-cache pages
+    prompt = [[1, *range(10, 90)]]  # 81 tokens: several radix-cache pages, more than one of the embedded engine's
     want_a, want_b = hf_greedy(model_a, prompt, 4), hf_greedy(model_b, prompt, 4)
     assert want_a != want_b
-    srv = start_engine(kind, model_a, tmp_path)
+    paged = kind == "embedded-paged"
+    srv = start_engine(kind.removesuffix("-paged"), model_a, tmp_path, extra_args=["--decode", "paged"] if paged else [])
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     try:
         assert engine_greedy(srv.client, prompt, 4) == want_a  # the prefix is now cached under A
+        if kind != "embedded":  # (transformers' cache: no prefix kept)
+            (again,) = srv.client.generate(prompt, greedy)
+            assert again.output_ids == want_a[0] and again.cached_tokens > 0
         srv.client.update_weights_from_disk(str(model_b), weight_version="b")
-        assert engine_greedy(srv.client, prompt, 4) == want_b
+        (after,) = srv.client.generate(prompt, greedy)
+        assert after.output_ids == want_b[0] and after.cached_tokens == 0
         assert engine_greedy(srv.client, [prompt[0] + want_b[0]], 2) == hf_greedy(model_b, [prompt[0] + want_b[0]], 2)
     finally:
         srv.client.close()

@@ -192,6 +192,7 @@ def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     assert not f_long.done(), "the short request waited for the long one"
     assert [x["output_ids"] for x in got_short] == [x["output_ids"] for x in alone_short]
     assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
+    paged.flush_cache()  # (the prefix cache keeps the finished rows' pages)
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
 
 
@@ -309,6 +310,7 @@ def test_abort_ends_paged_rows_and_the_engine_serves_after_resume(engines):
     assert 0 < out[0]["meta_info"]["completion_tokens"] < 1000
     paged.resume_generation()
     assert run(paged, [[1, 2]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
+    paged.flush_cache()  # (the prefix cache keeps the finished rows' pages)
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1
 
 
@@ -389,3 +391,66 @@ def test_fused_weights_keep_their_names_through_updates_release_and_resume(engin
     assert paged.weights_checksum()["checksum"] == hf.weights_checksum()["checksum"]
     assert paged.model.model.layers[0].self_attn.v_proj.weight.data_ptr() != 0
     assert ids(paged) == before
+
+
+def test_a_prompt_that_extends_a_finished_row_is_served_its_keys_and_samples_what_a_fresh_prefill_would(engines):
+    """A multi-turn trajectory's next turn (the last turn's prompt and output, then an
+    observation) finds the finished row's pages in the prefix cache: only the tokens after its
+    last sampled one are prefilled (SGLang's `cached_tokens` says how many were not), two
+    branches of one prefix in one request each get it (the row's last page taken over by one,
+    copied for the other), a prompt's n samples share it, and everything sampled is what a fresh
+    prefill samples, greedy what transformers' own forward continues."""
+    _, paged = engines
+    paged.flush_cache()
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    first = [(5 * i + 1) % 250 + 4 for i in range(70)]
+    (a,) = run(paged, [first], greedy)
+    turn = first + a["output_ids"] + [7, 8, 9, 10, 11]
+    branch = first + a["output_ids"] + [12, 13]
+    seeded = SamplingParams(max_new_tokens=20, temperature=1.0, sampling_seed=11, n=3, ignore_eos=True)
+    before = paged.decoder.stats["prefill_tokens"]
+    cached = run(paged, [turn, branch], seeded)
+    prefilled = paged.decoder.stats["prefill_tokens"] - before
+    paged.flush_cache()
+    assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back once flushed
+    fresh = run(paged, [turn, branch], seeded)
+    reused = len(first) + len(a["output_ids"]) - 1  # the keys of all but the last sampled token
+    assert [x["meta_info"]["cached_tokens"] for x in cached] == [reused] * 6
+    assert [x["meta_info"]["cached_tokens"] for x in fresh] == [0] * 6
+    assert prefilled == len(turn) + len(branch) - 2 * reused
+    assert [x["output_ids"] for x in cached] == [x["output_ids"] for x in fresh]
+    for c, f in zip(cached, fresh):
+        assert logprobs(c) == pytest.approx(logprobs(f), abs=1e-4)
+    paged.flush_cache()
+    run(paged, [first], greedy)
+    (g,) = run(paged, [turn], replace(greedy, max_new_tokens=12))
+    assert g["meta_info"]["cached_tokens"] == reused
+    assert g["output_ids"] == hf_greedy(paged.model_path, [turn], 12)[0]
+
+
+def test_the_prefix_cache_gives_its_pages_back_when_a_request_needs_them_and_is_emptied_by_a_weight_update(
+    engines, model
+):
+    """Finished rows' pages fill the pool; a request that needs more pages than are free is
+    admitted by evicting them (least recently used first), and samples what it samples from an
+    empty cache. A weight update empties the cache: nothing computed with the old weights is
+    served after it."""
+    _, paged = engines
+    paged.flush_cache()
+    params = SamplingParams(max_new_tokens=60, temperature=1.0, sampling_seed=5, ignore_eos=True)
+    for i in range(12):
+        run(paged, [[(i * 7 + j) % 250 + 4 for j in range(130)]], params)
+    pool = paged.decoder.pool
+    assert paged.decoder.prefixes.pages > 30 and pool.free < 30
+    big = SamplingParams(max_new_tokens=200, temperature=1.0, sampling_seed=6, n=8, ignore_eos=True)
+    prompt = [(3 * j) % 250 + 4 for j in range(200)]
+    got = run(paged, [prompt], big)
+    paged.flush_cache()
+    assert [x["output_ids"] for x in got] == [x["output_ids"] for x in run(paged, [prompt], big)]
+    # a weight update: the same prompt's prefix is computed afresh
+    again = prompt + got[0]["output_ids"] + [9]
+    assert run(paged, [again], params)[0]["meta_info"]["cached_tokens"] > 0
+    run(paged, [prompt], big)
+    state = {n: t.clone() for n, t in paged.model.state_dict().items()}
+    paged.load_named_tensors(list(state.items()), weight_version="same-values")
+    assert run(paged, [again], params)[0]["meta_info"]["cached_tokens"] == 0

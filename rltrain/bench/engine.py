@@ -117,7 +117,7 @@ def _start(
     a: argparse.Namespace,
 ) -> tuple[EngineProcess, EngineClient]:
     cfg = EngineConfig(
-        backend="sglang" if kind == "sglang" else "embedded",  # (embedded-hf: the embedded engine on HF's cache)
+        backend="sglang" if kind == "sglang" else "embedded",  # (embedded-hf / -paged: its HF cache / paged path)
         device=device,
         dtype=dtype,
         embedded=EmbeddedEngineConfig(max_batch_size=max_batch),
@@ -131,8 +131,8 @@ def _start(
     if kind == "sglang" and device != "cpu":
         cfg.mem_fraction_static = a.mem_fraction
         cfg.extra_args = shlex.split(a.sglang_args)
-    if kind == "embedded-hf":
-        cfg.extra_args = ["--decode", "hf"]
+    if kind in ("embedded-hf", "embedded-paged"):
+        cfg.extra_args = ["--decode", kind.removeprefix("embedded-")]
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
         cfg.extra_args = ["--max-total-tokens", "65536"]

@@ -66,7 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         "--shape", default=None, choices=sorted(QWEN3_SHAPES), help="default: 1.7b on CUDA, 0.6b cut to 2 layers on CPU"
     )
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--engine", default="embedded", choices=["embedded", "sglang"])
+    ap.add_argument(
+        "--engine",
+        default="embedded",
+        choices=["embedded", "embedded-paged", "sglang"],
+        help="embedded-paged: its paged path on the CPU too (the CPU default is transformers' cache)",
+    )
     ap.add_argument("--trajectories", type=int, default=None, help="default: 512 on CUDA, 16 on CPU")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64, help="sampled tokens per turn")

@@ -38,6 +38,10 @@ from rltrain.generation import (
 
 log = logging.getLogger("rltrain.engine")
 
+# Idle keep-alive connections kept for reuse: one per trajectory of a multi-turn rollout of up to
+# this many in flight per rank (a fresh connection per turn costs a connect and a server thread).
+IDLE_CONNECTIONS = 1024
+
 
 class EngineError(RuntimeError):
     """An engine endpoint failed; names the endpoint, the status and the server's message."""
@@ -108,7 +112,10 @@ class EngineClient:
         self.prompts_per_request = prompts_per_request
         self.retries = retries
         self.backoff_s = backoff_s
-        limits = httpx.Limits(max_connections=max_inflight + 4, max_keepalive_connections=max_inflight + 4)
+        # No bound on connections: one call's fan-out is bounded by `max_inflight` (its pool), but
+        # concurrent callers (a multi-turn rollout's trajectories, each on its thread) each hold one
+        # request in flight, and the engine must see all of them at once to batch them.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(max_inflight + 4, IDLE_CONNECTIONS))
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._limits = limits
         self._http = self._new_http(request_timeout_s, connect_timeout_s)
@@ -275,7 +282,9 @@ class EngineClient:
     ) -> list[Completion]:
         """Sample `params.n` continuations of every prompt; result in prompt-major order.
 
-        Prompts go out in requests of `prompts_per_request`, at most `max_inflight` requests at once.
+        Prompts go out in requests of `prompts_per_request`, at most `max_inflight` requests of this
+        call at once; a call of one request is sent from the caller's own thread, so that callers
+        on threads of their own (multi-turn trajectories) each have their turn in flight, all at once.
         A request that fails after retries yields failed completions (`ok` False, `error` set).
         `positions`: the prompts' places in an earlier call that is being retried in part; their
         completions carry those indices and, with a sampling seed, the seeds they had there.
@@ -304,7 +313,7 @@ class EngineClient:
             except (EngineError, ProtocolError) as e:
                 return [Completion(first + i, j, error=str(e)) for i in range(len(ids)) for j in range(params.n)]
 
-        results = list(self._executor().map(one, chunks))
+        results = [one(chunks[0])] if len(chunks) == 1 else list(self._executor().map(one, chunks))
         return [c for r in results for c in r]
 
     def _check_prompts(self, input_ids: list[list[int]]) -> None:

@@ -39,8 +39,12 @@ from rltrain.generation import Completion, SamplingParams, sample_seed
 from rltrain.interfaces import RolloutClient
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.env import Environment, EnvStep, Observation, Tools
+from rltrain.runtime.net import allow_open_files
 
 MARK = "\ue000"  # a private-use character: where the model's content goes in a rendered turn
+# Trajectories of a rank in flight at once, a thread and an engine connection each (all of a
+# rank's, up to this many).
+MAX_IN_FLIGHT = 4096
 TURN_STATS = ("turns_", "tool_")  # the prefixes of a rollout's multi-turn stats (`MultiTurn.summary`)
 
 
@@ -187,7 +191,9 @@ class MultiTurn:
         jobs = [(p, pos, j) for p, pos in zip(prompts, positions) for j in range(params.n)]
         if not jobs:
             return []
-        with ThreadPoolExecutor(min(len(jobs), 512), thread_name_prefix="rltrain-trajectory") as pool:
+        workers = min(len(jobs), MAX_IN_FLIGHT)
+        allow_open_files(workers + 1024)  # a connection to the engine each
+        with ThreadPoolExecutor(workers, thread_name_prefix="rltrain-trajectory") as pool:
             return list(pool.map(lambda job: self._one(client, params, *job), jobs))
 
     def _one(self, client: RolloutClient, params: SamplingParams, prompt: Prompt, pos: int, j: int) -> Trajectory:

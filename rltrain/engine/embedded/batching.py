@@ -30,12 +30,16 @@ from typing import Any
 import torch
 
 from rltrain.engine.embedded.paged import PagedDecoder
+from rltrain.engine.embedded.prefix_cache import Hit, PrefixCache
 from rltrain.engine.embedded.rows import GenRequest, Row
 from rltrain.engine.embedded.sampling import LogitShaper, SamplingPlan, device_tensor, sample
 
 log = logging.getLogger("rltrain.engine.embedded")
 
 PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (SGLang's chunked_prefill_size, larger)
+# Tokens of the prompts that extend cached keys, per prefill forward (their keys are gathered from
+# the pages for the attention).
+PREFILL_CONTEXT = 8 * PREFILL_TOKENS
 
 
 @dataclass
@@ -252,8 +256,18 @@ class ContinuousBatcher:
                 continue
             self.stats["tokens"] += 1
             if s.row.append(int(toks[b]), lps[b]):
-                pool.release(s.pages)
+                self._finished(s)
                 done(s.row)
+
+    def _finished(self, s: _Seq) -> None:
+        """A finished row's pages go to the prefix cache (the keys of its prompt and of every
+        sampled token but the last, which no step fed back), then back to the pool."""
+        assert self.decoder.pool is not None
+        cache = self.prefixes
+        if cache is not None:
+            tokens = s.row.prompt + s.row.out[:-1]
+            cache.insert(tokens, s.pages[: -(-len(tokens) // self.decoder.page_size)])
+        self.decoder.pool.release(s.pages)
 
     def _subset(self, state: dict[str, Any], seqs: list[_Seq], keep: list[int]) -> None:
         """The batch's device tensors for the rows `keep` (indices into the batch before), with
@@ -298,10 +312,14 @@ class ContinuousBatcher:
     ) -> tuple[list[_Seq], int]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
         rows that go on decoding, how many requests were admitted). Requests are admitted whole
-        and in order."""
+        and in order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and
+        is not prefilled again; pages only the cache holds count as free (evicted as needed),
+        less those the admitted prompts' hits use."""
         P = self.decoder.page_size
         batch: list[tuple[GenRequest, list[Row]]] = []
-        tokens = 0
+        hits: dict[tuple[int, ...], Hit] = {}
+        used: set[int] = set()  # pages of the hits that only the cache holds: not evictable now
+        tokens = context = 0
         free = -1
         while self.waiting:
             req = self.waiting[0]
@@ -311,51 +329,115 @@ class ContinuousBatcher:
             if free < 0:
                 self.decoder.allocate()
                 assert self.decoder.pool is not None
-                free = self.decoder.pool.free
+                cache = self.prefixes
+                free = self.decoder.pool.free + (cache.evictable() if cache is not None else 0)
+            pool = self.decoder.pool
+            assert pool is not None
             rows = req.rows(self.eos_ids)
-            pages = 0
-            for prompt in {tuple(r.prompt) for r in rows if r.finish is None}:
-                pages += len(prompt) // P
+            prompts = {tuple(r.prompt) for r in rows if r.finish is None}
+            found = {k: hits.get(k) or self._match(k) for k in prompts}
+            newly = {
+                p
+                for h in found.values()
+                for p in (*h.pages, *([h.partial] if h.partial is not None else []))
+                if p not in used and pool.refs(p) == 1
+            }
+            pages = sum(len(k) // P - len(found[k].pages) for k in prompts)
             pages += sum(-(-(len(r.prompt) + r.max_new) // P) - len(r.prompt) // P for r in rows if r.finish is None)
-            new_tokens = sum(len(p) for p in {tuple(r.prompt) for r in rows})
+            new_tokens = sum(len(k) - found[k].tokens(P) for k in prompts)
+            new_context = sum(len(k) for k in prompts if found[k].tokens(P))
             if running + len(rows) > self.decoder.max_rows and (running or batch):
                 break
-            if pages > free or (batch and tokens + new_tokens > PREFILL_TOKENS):
+            if pages > free - len(newly) or (
+                batch and (tokens + new_tokens > PREFILL_TOKENS or context + new_context > PREFILL_CONTEXT)
+            ):
                 break
             self.waiting.popleft()
             batch.append((req, rows))
-            free -= pages
+            hits.update(found)
+            used |= newly
+            free -= pages + len(newly)
             tokens += new_tokens
+            context += new_context
             running += len(rows)
             if self.deterministic:
                 break
         if not batch:
             return [], 0
-        return self._prefill(batch, remaining, done), len(batch)
+        return self._prefill(batch, hits, remaining, done), len(batch)
+
+    @property
+    def prefixes(self) -> PrefixCache | None:
+        """The pool's prefix cache (None: none, or the engine runs `deterministic`: a prompt's
+        logits must not depend on what was cached before it)."""
+        return None if self.deterministic else self.decoder.prefixes
+
+    def _match(self, prompt: tuple[int, ...]) -> Hit:
+        cache = self.prefixes
+        return cache.match(list(prompt)) if cache is not None else Hit([])
 
     def _prefill(
-        self, batch: list[tuple[GenRequest, list[Row]]], remaining: dict[int, list[Any]], done: Callable[[Row], None]
+        self,
+        batch: list[tuple[GenRequest, list[Row]]],
+        hits: dict[tuple[int, ...], Hit],
+        remaining: dict[int, list[Any]],
+        done: Callable[[Row], None],
     ) -> list[_Seq]:
+        """The admitted requests' rows get their pages and their prompts' keys: a prompt's cached
+        pages are shared (a page the match ends inside is taken over, or copied, before the rest
+        of the prompt is written into it), the rest prefilled, once per distinct prompt; the
+        first token of every row is sampled."""
         pool = self.decoder.pool
         assert pool is not None
+        cache = self.prefixes
         P = self.decoder.page_size
+        # The hits' pages are the rows' now (the cache keeps its own reference); a page the match
+        # ends inside is handed over where only the cache holds a tail, else held until copied.
+        taken: dict[tuple[int, ...], int | None] = {}
+        for key, hit in hits.items():
+            pool.share(hit.pages)
+            if hit.partial is not None:
+                taken[key] = cache.take(hit) if cache is not None else None
+                if taken[key] is None:
+                    pool.share([hit.partial])  # the copy's source, until copied
+        live_rows = [r for _, rows in batch for r in rows if r.finish is None]
+        need = sum(-(-(len(r.prompt) + r.max_new) // P) - len(r.prompt) // P for r in live_rows)
+        for key in {tuple(r.prompt) for r in live_rows}:
+            need += len(key) // P - len(hits[key].pages) - (1 if taken.get(key) is not None else 0)
+        if cache is not None and pool.free < need:
+            cache.evict(need)
         live: list[_Seq] = []
         prompts: dict[tuple[int, ...], list[_Seq]] = {}
+        copies: list[tuple[int, int]] = []  # (source, destination) pages
         for req, rows in batch:
             remaining[id(req)] = [rows, len(rows)]
             for r in rows:
                 if r.finish is not None:
                     continue
                 key = tuple(r.prompt)
+                hit = hits[key]
+                r.cached = hit.tokens(P)
                 group = prompts.setdefault(key, [])
                 full = len(r.prompt) // P
-                shared = group[0].pages[:full] if group else pool.alloc(full)
+                total = -(-(len(r.prompt) + r.max_new) // P)
                 if group:
+                    shared = group[0].pages[:full]
                     pool.share(shared)
-                own = pool.alloc(-(-(len(r.prompt) + r.max_new) // P) - full)
-                s = _Seq(r, shared + own)
+                    s = _Seq(r, shared + pool.alloc(total - full))
+                else:
+                    k = len(hit.pages)
+                    mine = pool.alloc(total - k - (1 if taken.get(key) is not None else 0))
+                    if hit.partial is not None:
+                        if taken.get(key) is not None:
+                            mine.insert(0, hit.partial)
+                        else:
+                            copies.append((hit.partial, mine[0]))
+                    s = _Seq(r, hit.pages + mine)
                 group.append(s)
                 live.append(s)
+        if copies:
+            pool.copy([a for a, _ in copies], [b for _, b in copies])
+            pool.release([a for a, _ in copies])
         for rows in [rows for _, rows in batch]:
             for r in rows:
                 if r.finish is not None:  # max_new_tokens 0
@@ -363,7 +445,9 @@ class ContinuousBatcher:
         if not prompts:
             return []
         groups = list(prompts.values())
-        logits = self.decoder.prefill_forward([list(k) for k in prompts], [g[0].pages for g in groups])
+        logits = self.decoder.prefill_forward(
+            [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
+        )
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:
@@ -372,10 +456,7 @@ class ContinuousBatcher:
                 for s in g[1:]:
                     src.append(g[0].pages[n // P])
                     dst.append(s.pages[n // P])
-        if src:
-            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            pool.k[:, di] = pool.k[:, si]
-            pool.v[:, di] = pool.v[:, si]
+        pool.copy(src, dst)
         of_seq = [u for u, g in enumerate(groups) for _ in g]
         seqs = [s for g in groups for s in g]
         rows = [s.row for s in seqs]

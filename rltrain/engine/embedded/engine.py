@@ -49,6 +49,8 @@ from rltrain.weights.hf_files import context_length_of
 
 __all__ = ["EmbeddedEngine", "EngineStateError"]
 
+FLUSH_WAIT_S = 2.0
+
 log = logging.getLogger("rltrain.engine.embedded")
 
 
@@ -201,6 +203,21 @@ class EmbeddedEngine:
     def token_hash(self, vocab: int) -> torch.Tensor | None:
         """Seeded sampling's token hash, kept for the model's vocabulary (None: another width)."""
         return self._token_hash if self._token_hash.numel() == vocab else None
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (SGLang's /flush_cache): refused while requests run (after
+        FLUSH_WAIT_S for the scheduler to let go of the engine: it answers a batch's requests
+        before it leaves it)."""
+        if not self.state.lock.acquire(timeout=FLUSH_WAIT_S):
+            raise EngineStateError(
+                "cache not flushed: requests are running (SGLang flushes only an idle engine); flush after the rollout"
+            )
+        try:
+            self.state.changed()
+            if self.decoder is not None:
+                self.decoder.forget_prefixes()
+        finally:
+            self.state.lock.release()
 
     def pause(self, mode: str) -> None:
         """abort: in-flight rows end now with finish reason abort; in_place/retract: hold them."""

@@ -6,7 +6,8 @@
 
 One tensor each for keys and values, [layers, pages, kv_heads, page_size, head_dim]. Page 0 is
 scratch, never handed out: the padding rows of a captured decode step write there. Pages are
-reference-counted: the n samples of one prompt share the prompt's full pages (batching.py).
+reference-counted: the n samples of one prompt share the prompt's full pages (batching.py), and
+the prefix cache holds the pages it keeps (prefix_cache.py).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ class KVPool:
     def share(self, pages: list[int]) -> None:
         for p in pages:
             self._refs[p] += 1
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's keys and values of pages `src` into pages `dst` (copy-on-write)."""
+        if src:
+            si = torch.tensor(src, device=self.k.device)
+            di = torch.tensor(dst, device=self.k.device)
+            self.k[:, di] = self.k[:, si]
+            self.v[:, di] = self.v[:, si]
 
     def release(self, pages: list[int]) -> None:
         for p in pages:

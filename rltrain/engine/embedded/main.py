@@ -30,9 +30,11 @@ from transformers.utils import logging as hf_logging
 from rltrain.engine.embedded.engine import EmbeddedEngine
 from rltrain.engine.embedded.http import MAX_BODY_BYTES, EngineHTTPServer, make_handler
 from rltrain.engine.embedded.server import EmbeddedServer
+from rltrain.runtime.net import allow_open_files
 
 log = logging.getLogger("rltrain.engine.embedded")
 
+OPEN_FILES = 65535  # (SGLang raises its limit to the same)
 API_KEY_VARIABLE = "RLTRAIN_ENGINE_API_KEY"  # the launcher's way: the key stays off the command line
 DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 SGLANG_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's other spellings
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("RLTRAIN_ENGINE_THREADS", torch.get_num_threads()))))
 
     hf_logging.disable_progress_bar()
+    allow_open_files(OPEN_FILES)  # a connection each: a multi-turn rollout's trajectories, every rank's
     t0 = time.perf_counter()
     engine = EmbeddedEngine(args.model_path, **engine_options(args))
     api_key = os.environ.pop(API_KEY_VARIABLE, "") or args.api_key  # every endpoint needs it when set

@@ -22,9 +22,10 @@ engine for this path). At start-up a probe checks the path against transformers'
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -32,6 +33,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from rltrain.engine.embedded.graphs import DecodeGraphs, StepGraph
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE, KVPool, head_dim_of, pool_pages
+from rltrain.engine.embedded.prefix_cache import PrefixCache
 from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.runtime import internals
@@ -58,11 +60,26 @@ def unsupported(config: Any) -> str | None:
 
 
 @dataclass
+class _Extends:
+    """Prompts whose first tokens' keys are already in their pages (the prefix cache), with
+    `pages` context pages each: their new tokens attend to every key of their pages up to their
+    own position. `index` [count, Lq]: each prompt's new tokens in the packed sequence (padded
+    with its last); `pages` [count, pages]; `mask` [count, 1, Lq, pages * page_size]; `valid`:
+    the rows of the flattened [count * Lq] output that are real tokens, in packed order."""
+
+    index: torch.Tensor
+    table: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
 class _Step:
     """What one forward's attention and cache read. Decode: each row's page table and length
     (the attention kernel writes the new key and value at the row's last slot). Prefill: the
-    slot each prompt token's key goes to (page, offset), and the groups of equal-length prompts
-    in the packed sequence (start, count, length), host ints."""
+    slot each prompt token's key goes to (page, offset), the groups of equal-length prompts
+    in the packed sequence (start, count, length), host ints, then the prompts that extend cached
+    keys (`extends`, after the groups in the packed sequence)."""
 
     pool: KVPool
     table: torch.Tensor | None = None
@@ -70,6 +87,7 @@ class _Step:
     page: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     groups: list[tuple[int, int, int]] | None = None
+    extends: list[_Extends] = field(default_factory=list)
 
 
 _current = threading.local()  # the running forward's _Step (each engine's scheduler is its own thread)
@@ -124,6 +142,19 @@ def _paged_attention(
         qs, ks, vs = (x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1) for x in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         outs.append(o.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[3]))
+    # prompts extending cached keys: their new tokens against their pages' keys (the new ones
+    # written there by the cache above), one SDPA per group of equal page counts
+    for ext in step.extends:
+        count, pages = ext.table.shape
+        qs = q[0][:, ext.index].transpose(0, 1)  # [count, H, Lq, D]
+        ks, vs = (
+            pool[layer][ext.table].transpose(1, 2).reshape(count, pool.shape[2], pages * pool.shape[3], pool.shape[4])
+            for pool in (step.pool.k, step.pool.v)
+        )
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=ext.mask, scale=scale, enable_gqa=True
+        )
+        outs.append(o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])[ext.valid])
     return torch.cat(outs)[None], None
 
 
@@ -178,7 +209,15 @@ class PagedDecoder:
         # through release and resume: the graphs are kept, not captured again.
         self.saver = saver
         self.pool: KVPool | None = None
-        self.stats = {"prefills": 0, "decode_steps": 0, "graph_captures": 0, "capture_s": 0.0, "tokens": 0}
+        self.prefixes: PrefixCache | None = None  # the pool's (prefix_cache.py)
+        self.stats = {
+            "prefills": 0,
+            "prefill_tokens": 0,
+            "decode_steps": 0,
+            "graph_captures": 0,
+            "capture_s": 0.0,
+            "tokens": 0,
+        }
         self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
 
     # ------------------------------------------------------------------ memory
@@ -193,6 +232,7 @@ class PagedDecoder:
         )
         with in_region(self.saver, "kv_cache"):
             self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
+        self.prefixes = PrefixCache(self.pool)
         log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
 
     def free_memory(self, kv_cache: bool) -> None:
@@ -201,6 +241,13 @@ class PagedDecoder:
         self.graphs.drop()
         if kv_cache:
             self.pool = None
+            self.prefixes = None
+
+    def forget_prefixes(self) -> None:
+        """Empty the prefix cache (the keys it holds were computed with other weights, or their
+        memory was released)."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     @property
     def compiled(self) -> bool:
@@ -233,19 +280,25 @@ class PagedDecoder:
             config._attn_implementation = before
             _current.step = None
 
-    def prefill_forward(self, prompts: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
+    def prefill_forward(
+        self, prompts: list[list[int]], tables: list[list[int]], starts: list[int] | None = None
+    ) -> torch.Tensor:
         """Packed prefill of `prompts` (written to `tables`' pages): the last position's logits of
-        each, [len(prompts), vocab] float32. Prompts of one length run as one SDPA batch."""
+        each, [len(prompts), vocab] float32. `starts[i]`: how many of prompt i's first tokens
+        already have their keys in its pages (the prefix cache; 0 by default): only the rest runs.
+        Whole prompts of one length run as one SDPA batch, extending ones by their page count."""
         assert self.pool is not None
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        starts = starts if starts is not None else [0] * len(prompts)
+        whole = sorted((i for i in range(len(prompts)) if not starts[i]), key=lambda i: len(prompts[i]))
+        P = self.page_size
+        extending = sorted((i for i in range(len(prompts)) if starts[i]), key=lambda i: -(-len(prompts[i]) // P))
         ids: list[int] = []
         pos: list[int] = []
         page: list[int] = []
         offset: list[int] = []
         groups: list[tuple[int, int, int]] = []
         last = [0] * len(prompts)
-        P = self.page_size
-        for i in order:
+        for i in whole:
             n = len(prompts[i])
             if groups and groups[-1][2] == n:
                 s, c, _ = groups[-1]
@@ -259,11 +312,33 @@ class PagedDecoder:
             last[i] = len(ids) - 1
         dev = self.device
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        step = _Step(self.pool, page=tensor(page), offset=tensor(offset), groups=groups)
+        extends = []
+        for _, members in itertools.groupby(extending, key=lambda i: -(-len(prompts[i]) // P)):
+            group = list(members)
+            width = max(len(prompts[i]) - starts[i] for i in group)
+            index, mask_rows, valid = [], [], []
+            pages = -(-len(prompts[group[0]]) // P)
+            for b, i in enumerate(group):
+                n, s0 = len(prompts[i]), starts[i]
+                first = len(ids)
+                ids += prompts[i][s0:]
+                pos += range(s0, n)
+                page += [tables[i][t // P] for t in range(s0, n)]
+                offset += [t % P for t in range(s0, n)]
+                last[i] = len(ids) - 1
+                index.append([first + min(r, n - s0 - 1) for r in range(width)])
+                mask_rows.append([s0 + min(r, n - s0 - 1) for r in range(width)])  # each query's position
+                valid += [b * width + r for r in range(n - s0)]
+            keys = torch.arange(pages * P, device=dev)
+            mask = keys[None, None, :] <= tensor(mask_rows)[:, :, None]  # [count, Lq, keys]
+            table = tensor([tables[i][:pages] for i in group])
+            extends.append(_Extends(tensor(index), table, mask[:, None], tensor(valid)))
+        step = _Step(self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends)
         logits = self._forward(
             step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
         )
         self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += len(ids)
         return logits[0].float()
 
     def _decode_eager(self, g: StepGraph, n: int) -> torch.Tensor:
@@ -288,12 +363,13 @@ class PagedDecoder:
 
     @torch.no_grad()
     def verify(self) -> float:
-        """Run a probe (a prompt across a page boundary, then greedy decode steps) through the
-        paged path and through transformers' plain forward; raise if they disagree or a layer
+        """Run a probe (a prompt across a page boundary, then greedy decode steps, then the whole
+        sequence again extending half a page of cached keys) through the paged path and through
+        transformers' plain forward; raise if they disagree or a layer
         bypassed the attention interface. Returns the largest logit difference."""
         vocab = self.config.vocab_size
         prompt = [(7 * i + 3) % vocab for i in range(self.page_size + 3)]
-        kept, self.pool = self.pool, KVPool(self.config, 4, self.page_size, self.dtype, self.device)
+        kept, self.pool = self.pool, KVPool(self.config, 7, self.page_size, self.dtype, self.device)
         pages = self.pool.alloc(3)
         try:
             layers = self.config.num_hidden_layers
@@ -315,7 +391,12 @@ class PagedDecoder:
                 pos = torch.full((rows,), len(seq) - 1, device=self.device)
                 logits = self.decode(torch.full((rows,), seq[-1], device=self.device), pos, table.expand(rows, -1))
                 got.append(logits[0].to(torch.float32, copy=True))
+            # The prefix cache's path: half a page prefilled, then the rest extending its keys.
+            half, extra = self.page_size // 2, self.pool.alloc(3)
+            self.prefill_forward([seq[:half]], [extra])
+            got.append(self.prefill_forward([seq], [extra], starts=[half])[0])
             ref = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, len(prompt) - 1 :].float()
+            ref = torch.cat([ref, ref[-1:]])
             diff = float((torch.stack(got) - ref).abs().max())
             scale = max(1.0, float(ref.abs().max()))
             tol = 1e-3 if self.dtype == torch.float32 else 5e-2

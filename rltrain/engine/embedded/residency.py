@@ -97,6 +97,7 @@ class Residency:
                 else:
                     trim_host_heap()
             self.state.released |= set(tags)
+            self.state.changed()
 
     def resume(self, tags: list[str] | None) -> None:
         tags = _tags(tags)
@@ -108,6 +109,7 @@ class Residency:
             elif "weights" in tags and "weights" in self.state.released:
                 self._restore_weights()
             self.state.released -= set(tags)
+            self.state.changed()
 
     def remove_backup_dir(self) -> None:
         """At shutdown: the temporary backup directory, if this engine made one."""

@@ -49,6 +49,7 @@ class Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
+    cached: int = 0  # prompt tokens whose keys the prefix cache served (SGLang's cached_tokens)
 
     def __post_init__(self) -> None:
         self.max_new = self.params.max_new_tokens or 0
@@ -68,7 +69,7 @@ class Row:
 
     def result(self, weight_version: str, now: float) -> dict[str, Any]:
         """SGLang's result dict, with all of its meta_info keys (the contract test compares the key
-        sets): this engine has no prefix cache, no retractions, no reasoning parser, one DP rank."""
+        sets): this engine has no retractions, no reasoning parser, one DP rank."""
         k = self.prompt_index * self.params.n + self.sample_index
         meta: dict[str, Any] = {
             "id": self.req.ids[k] if self.req.ids is not None else uuid.uuid4().hex,
@@ -87,7 +88,7 @@ class Row:
         meta.update(
             reasoning_tokens=0,
             completion_tokens=len(self.out),
-            cached_tokens=0,
+            cached_tokens=self.cached,
             weight_versions=[{"version": weight_version, "start": 0, "end": len(self.out)}],
             cached_tokens_details=None,
             dp_rank=None,

@@ -71,6 +71,7 @@ class Scheduler:
         self._running.set()
         self._abort_inflight = threading.Event()
         self._stop = threading.Event()
+        self._epoch = state.epoch  # the state's epoch the prefix cache was filled in
         self._thread = threading.Thread(target=self._loop, name=THREAD, daemon=True)
 
     def start(self) -> None:
@@ -187,6 +188,9 @@ class Scheduler:
         stats = self.paged.stats
         captures = stats["graph_captures"]
         with self.state.lock, torch.no_grad():
+            if self._epoch != self.state.epoch:  # weights or memory changed: no cached key is valid
+                self.paged.decoder.forget_prefixes()
+                self._epoch = self.state.epoch
             self.paged.serve(take, can_run, self._running, self._abort_inflight, lambda: self.state.weight_version)
         if stats["graph_captures"] != captures:
             # Compiling and capturing leave ~millions of long-lived objects: frozen, a full

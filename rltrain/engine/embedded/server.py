@@ -72,6 +72,7 @@ class EmbeddedServer:
         if path == "/weights_checksum":
             return 200, self.engine.weights_checksum()
         if path == "/flush_cache":
+            self.engine.flush_cache()
             return 200, "Cache flushed."
         return 404, {"error": {"message": f"unknown endpoint GET {path}"}}
 
@@ -101,7 +102,8 @@ class EmbeddedServer:
             e.resume_generation()
             return 200, {"message": "Generation continued successfully.", "status": "ok"}
         if path == "/flush_cache":
-            return 200, "Cache flushed."  # no prefix cache to flush
+            e.flush_cache()
+            return 200, "Cache flushed."
         if path == "/update_weight_version":
             e.weight_version = str(required(body, "new_version", str))
             return 200, {

@@ -25,7 +25,14 @@ class EngineState:
     weight_version: str = "default"
     released: set[str] = field(default_factory=set)  # memory regions released (saver.TAGS)
     weights_valid: bool = True  # False after resume without a backup, until weights are loaded
+    # Counts every change of what the KV cache's keys were computed with, or of its memory: a
+    # weight write, a release, a resume, a flush (the prefix cache is emptied when it moved).
+    epoch: int = 0
     lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def changed(self) -> None:
+        """The weights or the engine's memory changed: no key cached before may be served."""
+        self.epoch += 1
 
     def check_can_generate(self) -> None:
         if self.released:
@@ -43,6 +50,7 @@ class EngineState:
 
     def loaded(self, weight_version: str | None) -> None:
         """An update wrote the weights: they hold values, of `weight_version` when it is given."""
+        self.changed()
         self.weights_valid = True
         if weight_version is not None:
             self.weight_version = str(weight_version)
