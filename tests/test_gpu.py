@@ -436,6 +436,46 @@ def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
         paged.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_prefix_cache_serves_a_turns_prefix_and_samples_what_a_fresh_prefill_does(model_a, dtype):
+    """The paged path's prefix cache on the GPU (its extend prefill over cached keys, CUDA graphs
+    replayed for the decode): 64 trajectories' next turns extend their finished rows; only the
+    new tokens are prefilled, and greedy tokens equal a fresh prefill's (fp32; bf16: log-probs
+    to bf16's noise over the tokens both share). A release empties the cache."""
+    from rltrain.engine.embedded.engine import EmbeddedEngine
+
+    paged = EmbeddedEngine(str(model_a), device="cuda", dtype=dtype, decode="paged")
+    try:
+        greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+        firsts = [[(7 * i + 3 * j) % 250 + 4 for j in range(50 + i)] for i in range(64)]
+        outs = [x["output_ids"] for x in paged.submit(firsts, greedy, False).result(timeout=300)]
+        turns = [f + o + [5, 6, 7] for f, o in zip(firsts, outs)]
+        cached = paged.submit(turns, greedy, True).result(timeout=300)
+        assert [x["meta_info"]["cached_tokens"] for x in cached] == [len(f) + 39 for f in firsts]
+        paged.flush_cache()
+        fresh = paged.submit(turns, greedy, True).result(timeout=300)
+        assert all(x["meta_info"]["cached_tokens"] == 0 for x in fresh)
+        tol = 1e-4 if dtype == "float32" else 0.05
+        agree = 0
+        for x, y in zip(cached, fresh):
+            if dtype == "float32":
+                assert x["output_ids"] == y["output_ids"]
+            la = [t[0] for t in x["meta_info"]["output_token_logprobs"]]
+            lb = [t[0] for t in y["meta_info"]["output_token_logprobs"]]
+            same = next((i for i, (s, t) in enumerate(zip(x["output_ids"], y["output_ids"])) if s != t), len(la))
+            assert la[:same] == pytest.approx(lb[:same], abs=tol)
+            agree += same > 0
+        # (bf16: a random model's greedy picks are near ties, which the two prefills' rounding may
+        # split; most first tokens agree)
+        assert agree == len(turns) if dtype == "float32" else agree >= 0.9 * len(turns)
+        paged.release(["kv_cache", "cuda_graph"])
+        paged.resume(["kv_cache", "cuda_graph"])
+        again = paged.submit(turns[:4], greedy, False).result(timeout=300)
+        assert all(x["meta_info"]["cached_tokens"] == 0 for x in again)
+    finally:
+        paged.shutdown()
+
+
 def test_cuda_seeded_draw_kernel_picks_what_the_torch_ops_pick():
     """The fused seeded draw (kernels/triton_sampling.py) against sampling.py's torch ops on the
     same device: the same token for every row, -inf columns and all-(-inf) rows included."""

@@ -339,8 +339,8 @@ def test_a_prefix_cached_before_a_weight_update_is_never_served_after_it(kind, m
     prompt = [[1, *range(10, 90)]]  # 81 tokens: several radix-cache pages, more than one of the embedded engine's
     want_a, want_b = hf_greedy(model_a, prompt, 4), hf_greedy(model_b, prompt, 4)
     assert want_a != want_b
-    paged = kind == "embedded-paged"
-    srv = start_engine(kind.removesuffix("-paged"), model_a, tmp_path, extra_args=["--decode", "paged"] if paged else [])
+    extra = ["--decode", "paged"] if kind == "embedded-paged" else []
+    srv = start_engine(kind.removesuffix("-paged"), model_a, tmp_path, extra_args=extra)
     greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
     try:
         assert engine_greedy(srv.client, prompt, 4) == want_a  # the prefix is now cached under A

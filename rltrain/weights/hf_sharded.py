@@ -26,13 +26,19 @@ Host memory: a rank's reads touch only its rows' pages of the files, and a file 
 the pages read so far from the process (they stay in the page cache). A converted weight's reads
 share one row's index pattern per weight kind. A rank never holds more than its shards plus that
 much. No collectives.
+
+Time: a thread asks the kernel to read the rank's byte ranges up to `READ_AHEAD_BYTES` ahead of
+the reads (`_ReadAhead`), so the disk reads the next tensors while the last ones are copied to the
+device (page cache, not the process's memory).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import threading
 from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -49,6 +55,8 @@ from rltrain.weights.names import EXPERT, module_weights, to_checkpoint
 # Bytes read through one memory map of a file before it is re-opened (the pages read through a
 # map stay in the process's resident set until it is closed).
 REMAP_BYTES = 64 << 20
+# Checkpoint bytes the kernel is asked to read ahead of a rank's reads (`_ReadAhead`).
+READ_AHEAD_BYTES = 1 << 30
 # The largest index a converted weight that keeps no expert per row may need (8 bytes per element).
 GENERAL_INDEX_BYTES = 1 << 30
 # A layer's number inside a module name: weights of every layer share one index pattern.
@@ -66,11 +74,13 @@ class CheckpointMismatch(ValueError):
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor of a checkpoint: the file it is in, its shape and safetensors dtype code."""
+    """A tensor of a checkpoint: the file it is in, its shape and safetensors dtype code, and
+    where its bytes start in the file (-1: not known)."""
 
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    offset: int = -1
 
 
 @dataclass(frozen=True)
@@ -122,16 +132,89 @@ def stored_tensors(path: str | Path) -> dict[str, StoredTensor]:
         )
     out: dict[str, StoredTensor] = {}
     for f in files:
+        starts = _data_offsets(f)
         with safe_open(str(f), "pt") as h:
             for name in h.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if name in out:
                     raise CheckpointMismatch(f"{root}: {name} is in both {out[name].file.name} and {f.name}")
                 s = h.get_slice(name)
-                out[name] = StoredTensor(f, tuple(s.get_shape()), s.get_dtype())
+                out[name] = StoredTensor(f, tuple(s.get_shape()), s.get_dtype(), starts.get(name, -1))
     wrong = sorted(n for n, f in weight_map.items() if n not in out or out[n].file.name != Path(f).name)
     if wrong:
         raise CheckpointMismatch(f"{index}: {len(wrong)} names are not in the file it names, e.g. {wrong[:5]}")
     return out
+
+
+def _data_offsets(f: Path) -> dict[str, int]:
+    """Where each tensor's bytes start in safetensors file `f` (its header's data_offsets, after
+    the 8-byte length and the header); {} where the header does not say (safe_open, which read it
+    already, decides what is valid)."""
+    try:
+        with open(f, "rb") as h:
+            n = int.from_bytes(h.read(8), "little")
+            header = json.loads(h.read(n))
+        return {k: 8 + n + int(v["data_offsets"][0]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+class _ReadAhead:
+    """Asks the kernel to read the checkpoint bytes a rank's reads will touch, in their order,
+    up to `ahead` bytes before the reader (posix_fadvise WILLNEED, from a thread of its own): the
+    disk reads the next tensors while the reader copies the last ones to the device. Advice only:
+    any failure leaves the reads as they were."""
+
+    def __init__(self, reads: list[Read], ahead: int = READ_AHEAD_BYTES):
+        self.ranges = []  # (file, start, length), in the reader's order
+        for r in reads:
+            if r.stored.offset < 0:
+                continue
+            row = r.nbytes // max(1, (r.rows[1] - r.rows[0])) if r.rows is not None else 0
+            start = r.stored.offset + (r.rows[0] * row if r.rows is not None else 0)
+            self.ranges.append((r.stored.file, start, r.nbytes))
+        self.ahead = ahead
+        self.done = 0  # bytes the reader has read
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rltrain-read-ahead", daemon=True)
+
+    def __enter__(self) -> _ReadAhead:
+        if self.ranges and hasattr(os, "posix_fadvise"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def read(self, nbytes: int) -> None:
+        """The reader has read `nbytes` more."""
+        with self._cond:
+            self.done += nbytes
+            self._cond.notify()
+
+    def _run(self) -> None:
+        fds: dict[Path, int] = {}
+        advised = 0
+        try:
+            for f, start, length in self.ranges:
+                with self._cond:
+                    while not self._stop and advised - self.done > self.ahead:
+                        self._cond.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                if f not in fds:
+                    fds[f] = os.open(f, os.O_RDONLY)
+                os.posix_fadvise(fds[f], start, length, os.POSIX_FADV_WILLNEED)
+                advised += length
+        except OSError:
+            return  # advice only
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
 
 def checkpoint_name(module_name: str) -> str:
@@ -373,8 +456,9 @@ def read(reads: list[Read], src: SafetensorsSource) -> int:
         by_file[r.stored.file].append(r)
     total = 0
     on_device: dict[tuple[int, torch.device], torch.Tensor] = {}  # id(index pattern), device -> it there
-    for todo in by_file.values():
-        for r in todo:
+    ahead = _ReadAhead([r for todo in by_file.values() for r in todo])
+    with ahead:
+        for r in (r for todo in by_file.values() for r in todo):
             value = src.take(r.name, None if r.rows is None else slice(*r.rows))
             if r.index is None:
                 r.target.copy_(value)
@@ -388,6 +472,7 @@ def read(reads: list[Read], src: SafetensorsSource) -> int:
                 index = on_device[key] if not r.offset else on_device[key] + r.offset
                 r.target.view(-1)[index] = flat.to(r.target.device, r.target.dtype)
             total += r.nbytes
+            ahead.read(r.nbytes)
     return total
 
 
