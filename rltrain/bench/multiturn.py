@@ -114,17 +114,20 @@ def main(argv: list[str] | None = None) -> int:
             single = SamplingParams(
                 max_new_tokens=a.tokens * a.turns, temperature=1.0, ignore_eos=True, sampling_seed=1 << 21
             )
+            s0 = _engine_stats(client)
             t0 = time.perf_counter()
             once = client.generate([p.input_ids for p in prompts], single, positions=positions)
             single_s = time.perf_counter() - t0
+            s1 = _engine_stats(client)
             client.flush_cache()
             turns = MultiTurn(cfg, _Ids(), RandomObservations)
             counted = _Counting(client)
             t0 = time.perf_counter()
             trajectories = turns.run(counted, prompts, positions, turn)
             multi_s = time.perf_counter() - t0
-            rows.append((single_s, once, multi_s, trajectories, counted))
-        single_s, once, multi_s, trajectories, counted = rows[-1]
+            s2 = _engine_stats(client)
+            rows.append((single_s, once, multi_s, trajectories, counted, (s0, s1, s2)))
+        single_s, once, multi_s, trajectories, counted, marks = rows[-1]
         failed = sum(not t.completion.ok for t in trajectories) + sum(not c.ok for c in once)
         sampled = sum(sum(t.completion.loss_mask or []) for t in trajectories)
         single_tokens = sum(len(c.output_ids) for c in once)
@@ -145,11 +148,36 @@ def main(argv: list[str] | None = None) -> int:
             f"prefilled per later turn: {prefilled:.1f} tokens (sent {sent:.1f}, from the prefix cache {cached:.1f}); "
             f"ideal {ideal} (the observation + the last sampled token): {prefilled / ideal:.2f}x (goal <= 1.1x)"
         )
+        counts = [m for m in marks if m is not None]
+        if len(counts) == len(marks):  # the embedded engine's paged path counts its work (/server_info)
+            print("the engine's work (embedded, paged path):")
+            print(f"{'':>28s} {'single-turn':>12s} {'multi-turn':>12s}")
+            phases = [{k: b[k] - a[k] for k in b} for a, b in zip(counts, counts[1:])]
+            for key, label, fmt in (
+                ("prefills", "prefill forwards", "12.0f"),
+                ("prefill_tokens", "prefilled tokens", "12.0f"),
+                ("decode_steps", "decode steps", "12.0f"),
+                ("rows", "tokens per decode step", "12.1f"),
+                ("serve_s", "seconds generating", "12.2f"),
+                ("admit_s", "of it admitting (+prefill)", "12.2f"),
+                ("batch_state_s", "of it batch state rebuilt", "12.2f"),
+            ):
+                vals = [p["tokens"] / max(p["decode_steps"], 1) if key == "rows" else p[key] for p in phases]
+                print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))
         print(f"failed: {failed}")
         return 1 if failed else 0
     finally:
         client.close()
         proc.stop()
+
+
+def _engine_stats(client: EngineClient) -> dict | None:
+    """The embedded engine's paged-path counters (None: another engine or path)."""
+    try:
+        stats = client.server_info().get("decode_stats")
+    except Exception:  # noqa: BLE001 - SGLang has no such counters
+        return None
+    return stats if isinstance(stats, dict) and "serve_s" in stats else None
 
 
 class _Counting:

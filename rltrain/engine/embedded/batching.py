@@ -109,6 +109,7 @@ class ContinuousBatcher:
         If anything fails, every request in flight or waiting gets the exception."""
         remaining: dict[int, list[Any]] = {}  # id(request) -> [its rows, how many still run]
         self.decoder.graphs.last_rows = 0
+        t0 = time.perf_counter()
         try:
             self._serve(take, can_run, running, abort, weight_version, remaining)
         except BaseException as e:
@@ -121,6 +122,8 @@ class ContinuousBatcher:
             self.decoder.free_memory(kv_cache=True)  # its pages' owners are gone: a fresh pool next time
             if not isinstance(e, Exception):
                 raise
+        finally:
+            self.stats["serve_s"] += time.perf_counter() - t0
 
     def _serve(
         self,
@@ -188,10 +191,12 @@ class ContinuousBatcher:
             if self.waiting and freed and not (self.deterministic and seqs):
                 settle()
                 freed = False
+                t_admit = time.perf_counter()
                 joined, admitted = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
                     state.clear()
+                self.stats["admit_s"] += time.perf_counter() - t_admit
             if not seqs:
                 settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
@@ -224,7 +229,9 @@ class ContinuousBatcher:
                 settle()  # every row ends with the step in flight: none after it
                 continue
             if not state:
+                t_state = time.perf_counter()
                 state.update(self._batch_state(seqs))
+                self.stats["batch_state_s"] += time.perf_counter() - t_state
             launched = self._launch(seqs, state)
             settle()  # the step before it, read while this one runs
             pending = launched

@@ -217,6 +217,11 @@ class PagedDecoder:
             "graph_captures": 0,
             "capture_s": 0.0,
             "tokens": 0,
+            # host seconds admitting requests (their prefill and first tokens included: those
+            # wait for the device) and rebuilding the batch's device state after rows joined
+            "admit_s": 0.0,
+            "batch_state_s": 0.0,
+            "serve_s": 0.0,  # seconds generating (batching.py's serve)
         }
         self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
 
