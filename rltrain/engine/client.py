@@ -185,13 +185,18 @@ class EngineClient:
         for conn in idle:
             conn.close()
 
-    def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
-        """POST on a plain keep-alive `http.client` connection: for calls made once per weight bucket,
-        where httpx's own overhead is a large share of a bucket's time. Concurrent callers each get
-        a connection. A request on a reused connection that the server had closed (idle keep-alive
-        timeout: nothing was read) is sent once more on a fresh one, and the other idle connections,
-        no younger, are dropped; nothing else is retried."""
-        data = json.dumps(body).encode()
+    def _lean_call(self, endpoint: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST on a plain keep-alive `http.client` connection: (status, the answer parsed). For
+        calls where httpx's own overhead is a large share of the call's time: once per weight
+        bucket, once per turn of each of a rank's hundreds of multi-turn trajectories. Concurrent
+        callers each get a connection. A request on a reused connection that the server had
+        closed (idle keep-alive timeout: nothing was read) is sent once more on a fresh one, and
+        the other idle connections, no younger, are dropped; anything else that fails is an
+        EngineError (status None)."""
+        try:
+            data = orjson.dumps(body)
+        except TypeError:  # (integers past 64 bits)
+            data = json.dumps(body).encode()
         for attempt in range(2):
             conn = None
             if attempt == 0:
@@ -217,20 +222,43 @@ class EngineClient:
             except TimeoutError as e:
                 conn.close()
                 raise EngineError(endpoint, f"no answer in time: {e}") from e
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
             with self._lean_lock:
                 self._lean.append(conn)
             try:
-                payload = loads(raw) if raw else None
+                return status, (loads(raw) if raw else None)
             except ValueError:
-                payload = raw.decode(errors="replace")
+                return status, raw.decode(errors="replace")
+        raise AssertionError("unreachable")
+
+    def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
+        """`_lean_call` of a weight-update style endpoint ({"success": bool, "message": str})."""
+        status, payload = self._lean_call(endpoint, body)
+        if status >= 400:
+            raise EngineError(endpoint, _message(payload), status)
+        if isinstance(payload, dict) and payload.get("success") is False:
+            raise EngineError(endpoint, payload.get("message", "success=false"))
+        return payload if isinstance(payload, dict) else {"message": payload}
+
+    def _lean_generate(self, body: dict[str, Any]) -> Any:
+        """/generate through `_lean_call`, its transport failures retried as `_request` retries
+        them for generation (with backoff, `retries` times; not a timeout: the request may run)."""
+        delay = self.backoff_s
+        for attempt in range(self.retries + 1):
+            try:
+                status, payload = self._lean_call("/generate", body)
+            except EngineError as e:
+                if attempt < self.retries and not isinstance(e.__cause__, TimeoutError):
+                    log.warning("engine POST /generate: %s; retry %d/%d in %.1fs", e, attempt + 1, self.retries, delay)
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise
             if status >= 400:
-                raise EngineError(endpoint, _message(payload), status)
-            if isinstance(payload, dict) and payload.get("success") is False:
-                raise EngineError(endpoint, payload.get("message", "success=false"))
-            return payload if isinstance(payload, dict) else {"message": payload}
+                raise EngineError("/generate", _message(payload), status)
+            return payload
         raise AssertionError("unreachable")
 
     def _post(self, endpoint: str, body: Any = None, **kw: Any) -> Any:
@@ -301,19 +329,19 @@ class EngineClient:
                 chunks.append((positions[start], input_ids[start:i]))
                 start = i
 
+        single = len(chunks) == 1
+
         def one(chunk: tuple[int, list[list[int]]]) -> list[Completion]:
             first, ids = chunk
             try:
-                data = self._post(
-                    "/generate",
-                    generate_body(ids, params, return_logprob, first, self.logprob_values),
-                    retry_read_errors=True,
-                )
+                body = generate_body(ids, params, return_logprob, first, self.logprob_values)
+                # (a call of one request: on the caller's thread, through the lean connection)
+                data = self._lean_generate(body) if single else self._post("/generate", body, retry_read_errors=True)
                 return parse_generate_response(data, len(ids), params.n, first)
             except (EngineError, ProtocolError) as e:
                 return [Completion(first + i, j, error=str(e)) for i in range(len(ids)) for j in range(params.n)]
 
-        results = [one(chunks[0])] if len(chunks) == 1 else list(self._executor().map(one, chunks))
+        results = [one(chunks[0])] if single else list(self._executor().map(one, chunks))
         return [c for r in results for c in r]
 
     def _check_prompts(self, input_ids: list[list[int]]) -> None:
