@@ -71,7 +71,6 @@ class _Extends:
     table: torch.Tensor
     mask: torch.Tensor
     valid: torch.Tensor
-    folded: torch.Tensor | None = None  # the mask for the query heads folded by key head (made once)
 
 
 @dataclass
@@ -145,23 +144,17 @@ def _paged_attention(
         outs.append(o.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[3]))
     # prompts extending cached keys: their new tokens against their pages' keys (the new ones
     # written there by the cache above), one SDPA per group of equal page counts
-    # (the query heads that share a key head folded into the query length: one key head per SDPA
-    # head, so the masked SDPA runs a fused kernel on CUDA, never key heads copied per query head)
-    heads, kv_heads, dim = q.shape[1], step.pool.k.shape[2], q.shape[3]
-    group = heads // kv_heads
     for ext in step.extends:
         count, pages = ext.table.shape
-        lq = ext.index.shape[1]
-        qs = q[0][:, ext.index].transpose(0, 1).reshape(count, kv_heads, group * lq, dim)
+        qs = q[0][:, ext.index].transpose(0, 1)  # [count, H, Lq, D]
         ks, vs = (
-            pool[layer][ext.table].transpose(1, 2).reshape(count, kv_heads, pages * pool.shape[3], dim)
+            pool[layer][ext.table].transpose(1, 2).reshape(count, pool.shape[2], pages * pool.shape[3], pool.shape[4])
             for pool in (step.pool.k, step.pool.v)
         )
-        if ext.folded is None:
-            ext.folded = ext.mask.repeat(1, 1, group, 1)
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=ext.folded, scale=scale)
-        o = o.reshape(count, heads, lq, dim).transpose(1, 2).reshape(-1, heads, dim)
-        outs.append(o[ext.valid])
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=ext.mask, scale=scale, enable_gqa=True
+        )
+        outs.append(o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])[ext.valid])
     return torch.cat(outs)[None], None
 
 
