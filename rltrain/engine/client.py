@@ -1,8 +1,8 @@
 """`EngineClient`: SGLang's native HTTP API, used the same way against SGLang and the embedded engine.
 
 Failure policy. Transport errors (connection refused or reset, server gone mid-request) are
-retried with exponential backoff; HTTP errors are not (the server understood and said no).
-A generate request that still fails is returned as failed `Completion`s with the reason: the
+retried with exponential backoff; HTTP errors are not (the server understood and said no)
+(transport.py). A generate request that still fails is returned as failed `Completion`s with the reason: the
 caller can count and exclude them, and nothing downstream ever sees an empty or zero-reward
 sample in their place.
 
@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import http.client
-import json
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -25,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
-import orjson
 
+from rltrain.engine.transport import EngineError, EngineTransport, json_or_text
 from rltrain.generation import (
     Completion,
     ProtocolError,
@@ -35,21 +32,6 @@ from rltrain.generation import (
     logprob,
     parse_generate_response,
 )
-
-log = logging.getLogger("rltrain.engine")
-
-# Idle keep-alive connections kept for reuse: one per trajectory of a multi-turn rollout of up to
-# this many in flight per rank (a fresh connection per turn costs a connect and a server thread).
-IDLE_CONNECTIONS = 1024
-
-
-class EngineError(RuntimeError):
-    """An engine endpoint failed; names the endpoint, the status and the server's message."""
-
-    def __init__(self, endpoint: str, message: str, status: int | None = None):
-        self.endpoint, self.status = endpoint, status
-        where = f"HTTP {status}" if status is not None else "transport"
-        super().__init__(f"engine {endpoint} failed ({where}): {message}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +66,7 @@ class EngineCapabilities:
         )
 
 
-class EngineClient:
+class EngineClient(EngineTransport):
     """Client of one engine server (real SGLang or `rltrain.engine.embedded`)."""
 
     def __init__(
@@ -101,7 +83,7 @@ class EngineClient:
         api_key: str = "",
         logprob_values: bool = False,
     ):
-        self.url = url.rstrip("/")
+        super().__init__(url, request_timeout_s, connect_timeout_s, max_inflight, retries, backoff_s, api_key)
         # Ask for the log-probs as a list of values (the embedded engine's `logprob_format`; SGLang
         # answers [log-prob, token, null] per token, a rollout's answer several times slower to parse).
         self.logprob_values = logprob_values
@@ -110,167 +92,8 @@ class EngineClient:
         self.vocab_size = vocab_size
         self.max_inflight = max_inflight
         self.prompts_per_request = prompts_per_request
-        self.retries = retries
-        self.backoff_s = backoff_s
-        # No bound on connections: one call's fan-out is bounded by `max_inflight` (its pool), but
-        # concurrent callers (a multi-turn rollout's trajectories, each on its thread) each hold one
-        # request in flight, and the engine must see all of them at once to batch them.
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(max_inflight + 4, IDLE_CONNECTIONS))
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._limits = limits
-        self._http = self._new_http(request_timeout_s, connect_timeout_s)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._timeouts = (connect_timeout_s, request_timeout_s)
-        self._lean: list[http.client.HTTPConnection] = []  # idle keep-alive connections, per-bucket calls
-        self._lean_lock = threading.Lock()
-
-    def _new_http(self, request_timeout_s: float, connect_timeout_s: float) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.url,
-            timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s),
-            limits=self._limits,
-            headers=self._headers,
-        )
-
-    def repoint(self, url: str) -> None:
-        """Talk to a restarted server at `url` from now on (the same object: what holds this
-        client keeps it). Idle connections to the old server are closed."""
-        self._http.close()
-        self._close_idle()
-        self.url = url.rstrip("/")
-        self._http = self._new_http(self._timeouts[1], self._timeouts[0])
-
-    # ------------------------------------------------------------------ transport
-
-    def _request(
-        self, method: str, endpoint: str, body: Any = None, *, retry_read_errors: bool = False
-    ) -> httpx.Response:
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            try:
-                resp = self._http.request(method, endpoint, json=body)
-            except (
-                httpx.ConnectError,
-                httpx.ConnectTimeout,
-                httpx.RemoteProtocolError,
-                httpx.ReadError,
-                httpx.WriteError,
-                httpx.PoolTimeout,
-            ) as e:
-                # Connection-level failures never reached a handler (or the server died in it):
-                # retry. Read errors on non-idempotent calls are not retried: the call may have run.
-                retryable = retry_read_errors or isinstance(
-                    e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-                )
-                if attempt < self.retries and retryable:
-                    log.warning(
-                        "engine %s %s: %s; retry %d/%d in %.1fs", method, endpoint, e, attempt + 1, self.retries, delay
-                    )
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                raise EngineError(endpoint, f"{type(e).__name__}: {e} (after {attempt + 1} attempts)") from e
-            except httpx.TimeoutException as e:
-                raise EngineError(endpoint, f"no answer in time: {type(e).__name__}: {e}") from e
-            if resp.status_code >= 400:
-                raise EngineError(endpoint, _error_text(resp), resp.status_code)
-            return resp
-        raise AssertionError("unreachable")
-
-    def _close_idle(self) -> None:
-        """Close the idle keep-alive connections of `_lean_post`."""
-        with self._lean_lock:
-            idle, self._lean = self._lean, []
-        for conn in idle:
-            conn.close()
-
-    def _lean_call(self, endpoint: str, body: dict[str, Any]) -> tuple[int, Any]:
-        """POST on a plain keep-alive `http.client` connection: (status, the answer parsed). For
-        calls where httpx's own overhead is a large share of the call's time: once per weight
-        bucket, once per turn of each of a rank's hundreds of multi-turn trajectories. Concurrent
-        callers each get a connection. A request on a reused connection that the server had
-        closed (idle keep-alive timeout: nothing was read) is sent once more on a fresh one, and
-        the other idle connections, no younger, are dropped; anything else that fails is an
-        EngineError (status None)."""
-        try:
-            data = orjson.dumps(body)
-        except TypeError:  # (integers past 64 bits)
-            data = json.dumps(body).encode()
-        for attempt in range(2):
-            conn = None
-            if attempt == 0:
-                with self._lean_lock:
-                    conn = self._lean.pop() if self._lean else None
-            reused = conn is not None
-            if conn is None:
-                url = httpx.URL(self.url)
-                conn = http.client.HTTPConnection(url.host, url.port, timeout=self._timeouts[0])
-            try:
-                if conn.sock is None:
-                    conn.connect()
-                conn.sock.settimeout(self._timeouts[1])
-                conn.request("POST", endpoint, body=data, headers={"Content-Type": "application/json", **self._headers})
-                resp = conn.getresponse()
-                status, raw = resp.status, resp.read()
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
-                conn.close()
-                if reused and attempt == 0:
-                    self._close_idle()
-                    continue
-                raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
-            except TimeoutError as e:
-                conn.close()
-                raise EngineError(endpoint, f"no answer in time: {e}") from e
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                raise EngineError(endpoint, f"{type(e).__name__}: {e}") from e
-            with self._lean_lock:
-                self._lean.append(conn)
-            try:
-                return status, (loads(raw) if raw else None)
-            except ValueError:
-                return status, raw.decode(errors="replace")
-        raise AssertionError("unreachable")
-
-    def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
-        """`_lean_call` of a weight-update style endpoint ({"success": bool, "message": str})."""
-        status, payload = self._lean_call(endpoint, body)
-        if status >= 400:
-            raise EngineError(endpoint, _message(payload), status)
-        if isinstance(payload, dict) and payload.get("success") is False:
-            raise EngineError(endpoint, payload.get("message", "success=false"))
-        return payload if isinstance(payload, dict) else {"message": payload}
-
-    def _lean_generate(self, body: dict[str, Any]) -> Any:
-        """/generate through `_lean_call`, its transport failures retried as `_request` retries
-        them for generation (with backoff, `retries` times; not a timeout: the request may run)."""
-        delay = self.backoff_s
-        for attempt in range(self.retries + 1):
-            try:
-                status, payload = self._lean_call("/generate", body)
-            except EngineError as e:
-                if attempt < self.retries and not isinstance(e.__cause__, TimeoutError):
-                    log.warning("engine POST /generate: %s; retry %d/%d in %.1fs", e, attempt + 1, self.retries, delay)
-                    time.sleep(delay)
-                    delay *= 2
-                    continue
-                raise
-            if status >= 400:
-                raise EngineError("/generate", _message(payload), status)
-            return payload
-        raise AssertionError("unreachable")
-
-    def _post(self, endpoint: str, body: Any = None, **kw: Any) -> Any:
-        resp = self._request("POST", endpoint, body if body is not None else {}, **kw)
-        return _json_or_text(resp)
-
-    def _checked(self, endpoint: str, body: Any) -> dict[str, Any]:
-        """Weight-update style endpoints answer {"success": bool, "message": str}."""
-        data = self._post(endpoint, body)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(endpoint, data.get("message", "success=false"))
-        return data if isinstance(data, dict) else {"message": data}
 
     # ------------------------------------------------------------------ health
 
@@ -479,12 +302,12 @@ class EngineClient:
         return self._checked("/destroy_weights_update_group", {"group_name": group_name})
 
     def weight_version(self) -> str | None:
-        data = _json_or_text(self._request("GET", "/model_info"))
+        data = json_or_text(self._request("GET", "/model_info"))
         return data.get("weight_version") if isinstance(data, dict) else None
 
     def weights_checksum(self) -> dict:
         """The embedded engine's checksum of the weights it owns (GET /weights_checksum; SGLang has none)."""
-        return _json_or_text(self._request("GET", "/weights_checksum"))
+        return json_or_text(self._request("GET", "/weights_checksum"))
 
     def weights_checker(self) -> list[dict[str, Any]]:
         """SGLang's /weights_checker checksum: one entry per TP rank of the engine, each with its
@@ -553,21 +376,21 @@ class EngineClient:
 
     def memory_report(self) -> dict:
         """The embedded engine's memory figures (GET /memory; SGLang has no such endpoint)."""
-        return _json_or_text(self._request("GET", "/memory"))
+        return json_or_text(self._request("GET", "/memory"))
 
     def server_info(self) -> dict:
         """GET /server_info (SGLang's current name; it logs a deprecation warning for every
         /get_server_info), or /get_server_info where the engine has only the older name."""
         try:
-            data = _json_or_text(self._request("GET", "/server_info"))
+            data = json_or_text(self._request("GET", "/server_info"))
         except EngineError as e:
             if e.status != 404:
                 raise
-            data = _json_or_text(self._request("GET", "/get_server_info"))
+            data = json_or_text(self._request("GET", "/get_server_info"))
         return data if isinstance(data, dict) else {}
 
     def model_info(self) -> dict:
-        return _json_or_text(self._request("GET", "/model_info"))
+        return json_or_text(self._request("GET", "/model_info"))
 
     def capabilities(self) -> EngineCapabilities:
         """What this engine can do, asked of it without touching its weights (they may be
@@ -627,8 +450,7 @@ class EngineClient:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-        self._http.close()
-        self._close_idle()
+        super().close()
 
 
 # The action `has_weights_checker` sends: none an engine knows, so nothing is computed.
@@ -652,35 +474,3 @@ def session_end(checksum: bool = False, probe: list[int] | None = None) -> dict[
     if probe:
         body["probe_input_ids"] = list(probe)
     return body
-
-
-def loads(raw: bytes) -> Any:
-    """JSON of an answer: orjson (a rollout's answer is megabytes), json where orjson refuses what
-    json reads (NaN, integers past 64 bits); ValueError if neither can."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
-
-
-def _json_or_text(resp: httpx.Response) -> Any:
-    if not resp.content:
-        return None
-    try:
-        return loads(resp.content)
-    except ValueError:
-        return resp.text
-
-
-def _error_text(resp: httpx.Response) -> str:
-    return _message(_json_or_text(resp))
-
-
-def _message(data: Any) -> str:
-    """The server's reason from an error body (SGLang's and ours: message, error or detail)."""
-    if isinstance(data, dict):
-        for key in ("message", "error", "detail"):
-            if key in data:
-                v = data[key]
-                return v.get("message", str(v)) if isinstance(v, dict) else str(v)
-    return str(data)[:2000]
