@@ -328,6 +328,7 @@ class ContinuousBatcher:
         used: set[int] = set()  # pages of the hits that only the cache holds: not evictable now
         tokens = context = 0
         free = -1
+        counted = False  # whether `free` counts the pages only the prefix cache holds
         while self.waiting:
             req = self.waiting[0]
             if not can_run(req):
@@ -336,8 +337,7 @@ class ContinuousBatcher:
             if free < 0:
                 self.decoder.allocate()
                 assert self.decoder.pool is not None
-                cache = self.prefixes
-                free = self.decoder.pool.free + (cache.evictable() if cache is not None else 0)
+                free = self.decoder.pool.free
             pool = self.decoder.pool
             assert pool is not None
             rows = req.rows(self.eos_ids)
@@ -355,6 +355,9 @@ class ContinuousBatcher:
             new_context = sum(len(k) for k in prompts if found[k].tokens(P))
             if running + len(rows) > self.decoder.max_rows and (running or batch):
                 break
+            if pages > free - len(newly) and not counted and self.prefixes is not None:
+                free += self.prefixes.evictable()  # (a walk of the cache: only when the free pages fall short)
+                counted = True
             if pages > free - len(newly) or (
                 batch and (tokens + new_tokens > PREFILL_TOKENS or context + new_context > PREFILL_CONTEXT)
             ):
