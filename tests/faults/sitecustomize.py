@@ -72,16 +72,25 @@ if _BAD and os.environ.get("RANK") is not None and os.environ["RANK"] == _BAD.sp
     _calls = itertools.count()
     _calls_lock = threading.Lock()
     _post = _client.EngineClient._post
+    _lean_generate = _client.EngineClient._lean_generate
 
-    def _bad_post(self, endpoint, body=None, **kw):
-        if endpoint == "/generate" and isinstance(body, dict) and isinstance(body.get("sampling_params"), list):
+    def _spoiled(body):
+        """The body, spoiled if it is the k-th /generate request (a rollout's: a list of params)."""
+        if isinstance(body, dict) and isinstance(body.get("sampling_params"), list):
             with _calls_lock:
                 k = next(_calls)
             if k == _bad_call:
-                body = {**body, "sampling_params": [{**p, "max_new_tokens": -1} for p in body["sampling_params"]]}
-        return _post(self, endpoint, body, **kw)
+                return {**body, "sampling_params": [{**p, "max_new_tokens": -1} for p in body["sampling_params"]]}
+        return body
+
+    def _bad_post(self, endpoint, body=None, **kw):
+        return _post(self, endpoint, _spoiled(body) if endpoint == "/generate" else body, **kw)
+
+    def _bad_lean_generate(self, body):  # (a call of one request: the lean connection)
+        return _lean_generate(self, _spoiled(body))
 
     _client.EngineClient._post = _bad_post
+    _client.EngineClient._lean_generate = _bad_lean_generate
 
 # RLTRAIN_TEST_RECORD_PAYLOADS=<dir>: every rank writes its pid to <dir>/rank<r>.pid, and each
 # /update_weights_from_tensor request a rank sends is recorded in <dir>/requests<r>.jsonl with the
