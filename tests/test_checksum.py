@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rltrain.weights.checksum import COLS, combine, entry, tensor_sums
+from rltrain.weights.checksum import BLOCK, COLS, combine, entry, tensor_sums
 
 
 def _signed64(x: int) -> int:
@@ -105,7 +105,7 @@ def test_reading_weights_for_a_checksum_a_file_or_a_delta_leaves_their_storage_r
         t.untyped_storage().resize_(0)  # what FSDP2's reshard does
 
 
-@pytest.mark.parametrize("n", [0, 1, 8191, 8192, 8193, 3 * 8192 + 17])  # around checksum.BLOCK's edges
+@pytest.mark.parametrize("n", [0, 1, 1023, 1025, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17])  # CHUNK, BLOCK edges
 def test_the_gpu_kernels_block_rows_fold_to_the_definitions_sums(n):
     """kernels/triton_checksum.block_sums (the CUDA path; here under Triton's interpreter): its
     rows of partial sums, folded with other tensors' rows in one `fold`, are the definition, at
@@ -123,6 +123,35 @@ def test_the_gpu_kernels_block_rows_fold_to_the_definitions_sums(n):
     assert folded == [_reference(t), _reference(extreme), _reference(small)]
     with pytest.raises(ValueError, match="int32"):
         block_sums(t.to(torch.int64), integrity.BLOCK)
+
+
+@pytest.mark.parametrize(("block", "chunk"), [(1024, 256), (16384, 2048), (1 << 21, 4096)])
+def test_the_folded_sums_do_not_depend_on_the_kernels_block_or_chunk(block, chunk):
+    """Whatever block and chunk the GPU kernels read with (here under Triton's interpreter), the
+    folded sums are the definition's: a block of 2**21 extreme words wraps its weighted sum
+    inside the kernel (2**31 x 2**41 > 2**63), which is harmless because the sums and the fold
+    are both taken modulo 2**64."""
+    from rltrain.kernels.triton_checksum import block_sums, multi_block_rows
+
+    extreme = torch.full((block + 3,), -(2**31), dtype=torch.int32)  # a whole block and three words
+    g = torch.Generator().manual_seed(block)
+    other = torch.randint(-(2**31), 2**31 - 1, (5 * 1024 + 1,), dtype=torch.int32, generator=g)
+    want = [_reference(extreme), _reference(other)]
+
+    def folded(rows: list[torch.Tensor]) -> list[tuple[int, int]]:
+        counts = torch.tensor([r.shape[0] for r in rows])
+        first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+        out = torch.cat(rows)
+        index = torch.arange(out.shape[0])
+        owner = torch.searchsorted(first[1:], index, right=True)
+        plain = torch.zeros(len(rows), dtype=torch.int64).index_add_(0, owner, out[:, 0])
+        local = (index - first[owner]) * block * out[:, 0] + out[:, 1]
+        weighted = torch.zeros(len(rows), dtype=torch.int64).index_add_(0, owner, local)
+        return [(int(a), int(b)) for a, b in zip(plain, weighted)]
+
+    assert folded([block_sums(t, block, chunk) for t in (extreme, other)]) == want
+    rows, first = multi_block_rows([extreme, other], block, chunk=chunk)
+    assert folded(list(rows.tensor_split(first[1:-1].tolist()))) == want
 
 
 def test_a_view_that_starts_inside_a_word_is_summed_as_its_own_bytes():

@@ -237,7 +237,7 @@ def test_checksum_sums_of_many_tensors_in_one_launch_equal_the_definition():
 
     g = torch.Generator().manual_seed(0)
     tensors = [
-        torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 2 * 8191, 2 * 8192, 2 * 8193, 8192 * 2 * 5 + 6)
+        torch.randn(n, generator=g).to(torch.bfloat16) for n in (2, 2 * 65535, 2 * 65536, 2 * 65537, 65536 * 2 * 3 + 6)
     ]
     tensors += [torch.empty(0), torch.tensor([-(2**31), 2**31 - 1, -1, 7], dtype=torch.int32)]
     got = integrity.fold(multi_block_sums(tensors, integrity.BLOCK)).tolist()

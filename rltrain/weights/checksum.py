@@ -40,7 +40,7 @@ COLS = 4096  # int32 words per row of the reduction
 ROWS = 4096  # rows widened to int64 at a time: 128 MiB
 HOST_WORDS = 1 << 16  # a host tensor up to this many words is summed by numpy (`_host_sums`)
 HOST_BLOCK = HOST_WORDS
-BLOCK = 8192  # words per row of the GPU kernel's partial sums (bench.checksum: the fastest, with 4 warps)
+BLOCK = 65536  # words per row of the GPU kernel's partial sums (bench.checksum: block x chunk x warps)
 _POSITIONS = np.arange(1, HOST_BLOCK + 1, dtype=np.int64)
 
 
