@@ -423,6 +423,9 @@ def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
             assert [x["output_ids"] for x in greedy.result(timeout=300)] == hf_greedy(model_a, prompts, 8)
         assert paged.decoder.stats["graph_captures"] > 0
         plain = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+        # Prefilled whole before and after (a resume empties the prefix cache): in bf16 a
+        # prompt served from the cache may flip a near tie (the prefix-cache test's tolerance).
+        paged.flush_cache()
         before = [x["output_ids"] for x in paged.submit(prompts, plain, False).result(timeout=300)]
         m0 = paged.memory_report()
         paged.release(["kv_cache", "cuda_graph"])

@@ -133,6 +133,8 @@ def _start(
         cfg.extra_args = shlex.split(a.sglang_args)
     if kind in ("embedded-hf", "embedded-paged"):
         cfg.extra_args = ["--decode", kind.removeprefix("embedded-")]
+    if kind.startswith("embedded"):
+        cfg.extra_args = [*cfg.extra_args, *shlex.split(getattr(a, "engine_args", ""))]
     if kind == "sglang" and device == "cpu":
         cfg.mem_fraction_static = 0.1
         cfg.extra_args = ["--max-total-tokens", "65536"]

@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang-pythonpath", default="", help="tests/sglang_shim on a CPU-only machine")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
+    ap.add_argument("--engine-args", default="", help="extra flags of the embedded engine, one string")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# rltrain.bench.multiturn  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {a.device}  "
         f"{a.engine}  {shape} ({layers or 'all'} layers)  {n} trajectories x {a.turns} turns x {a.tokens} sampled "
         f"+ {a.obs} observation tokens, prompts of {a.prompt_len}"
+        + (f"  engine flags: {a.engine_args}" if a.engine_args else "")
     )
     proc, client = _start(a.engine, path, a.device, "bfloat16" if cuda else "float32", root, max(n, 1), a)
     try:
@@ -158,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                 ("prefill_tokens", "prefilled tokens", "12.0f"),
                 ("decode_steps", "decode steps", "12.0f"),
                 ("rows", "tokens per decode step", "12.1f"),
+                ("admits", "admission tries", "12.0f"),
                 ("serve_s", "seconds generating", "12.2f"),
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),
+                ("prefill_launch_s", "queuing prefill forwards", "12.2f"),
+                ("prefill_wait_s", "waiting for prefills", "12.2f"),
                 ("batch_state_s", "of it batch state rebuilt", "12.2f"),
+                ("launch_s", "of it queuing decode steps", "12.2f"),
+                ("wait_s", "of it waiting for the device", "12.2f"),
+                ("collect_s", "of it reading steps, answering", "12.2f"),
             ):
                 vals = [p["tokens"] / max(p["decode_steps"], 1) if key == "rows" else p[key] for p in phases]
                 print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))

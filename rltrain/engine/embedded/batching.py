@@ -192,6 +192,7 @@ class ContinuousBatcher:
                 settle()
                 freed = False
                 t_admit = time.perf_counter()
+                self.stats["admits"] += 1
                 joined, admitted = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
@@ -232,7 +233,9 @@ class ContinuousBatcher:
                 t_state = time.perf_counter()
                 state.update(self._batch_state(seqs))
                 self.stats["batch_state_s"] += time.perf_counter() - t_state
+            t_launch = time.perf_counter()
             launched = self._launch(seqs, state)
+            self.stats["launch_s"] += time.perf_counter() - t_launch
             settle()  # the step before it, read while this one runs
             pending = launched
             if self.deterministic or state["shaper"].hold:
@@ -250,13 +253,16 @@ class ContinuousBatcher:
         state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
         return _Launched(seqs, *_to_host(tokens, logps))
 
-    def _collect(self, launched: _Launched, done: Callable[[Row], None]) -> None:
+    def _collect(self, launched: _Launched, done: Callable[[Row], None], waited: str = "wait_s") -> None:
         """The launched step's tokens join their rows (rows that finished before it drop
         theirs); a row that finishes gives its pages back and is answered."""
         pool = self.decoder.pool
         assert pool is not None
+        t0 = time.perf_counter()
         if launched.ready is not None:
             launched.ready.synchronize()
+        t1 = time.perf_counter()
+        self.stats[waited] += t1 - t0
         toks, lps = launched.host.tolist()
         for b, s in enumerate(launched.seqs):
             if s.row.finish is not None:
@@ -265,6 +271,7 @@ class ContinuousBatcher:
             if s.row.append(int(toks[b]), lps[b]):
                 self._finished(s)
                 done(s.row)
+        self.stats["collect_s"] += time.perf_counter() - t1
 
     def _finished(self, s: _Seq) -> None:
         """A finished row's pages go to the prefix cache (the keys of its prompt and of every
@@ -455,9 +462,11 @@ class ContinuousBatcher:
         if not prompts:
             return []
         groups = list(prompts.values())
+        t0 = time.perf_counter()
         logits = self.decoder.prefill_forward(
             [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
         )
+        self.stats["prefill_launch_s"] += time.perf_counter() - t0
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:
@@ -473,5 +482,5 @@ class ContinuousBatcher:
         row_logits = logits[torch.tensor(of_seq, device=self.device)]
         shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
         tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
-        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done)
+        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done, "prefill_wait_s")
         return [s for s in seqs if s.row.finish is None]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
 from rltrain.engine.embedded.graphs import DecodeGraphs, StepGraph
@@ -92,6 +93,12 @@ class _Step:
 
 _current = threading.local()  # the running forward's _Step (each engine's scheduler is its own thread)
 
+# A prefill's attention shapes change with every batch of prompts. cuDNN's attention, which SDPA
+# prefers on a Hopper GPU for masked attention, builds an execution plan for every new shape: on
+# the H200 a multi-turn rollout's extend prefills spent ~0.1 s of host time each in it
+# (docs/benchmarks). Flash and memory-efficient attention take any shape as it comes.
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 class _PagedCache:
     """The cache object transformers' layers update: in prefill it writes the new keys and values
@@ -135,27 +142,40 @@ def _paged_attention(
             q[:, :, 0], pool.k[layer], pool.v[layer], step.table, step.lens, scale, k[:, :, 0], v[:, :, 0]
         )
         return out[:, None], None
-    # prefill: the packed prompts [1, H, T, D], causal within each, one SDPA per length group
+    with sdpa_kernel(PREFILL_BACKENDS):
+        return _prefill_attention(step, layer, q, k, v, scale), None
+
+
+def _prefill_attention(
+    step: _Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The packed prompts [1, H, T, D] -> [1, T, H, D]: causal within each, one SDPA per
+    length group; then the prompts that extend cached keys."""
+    H, D = q.shape[1], q.shape[3]
     outs = []
-    for start, count, length in step.groups:
+    for start, count, length in step.groups or []:
         end = start + count * length
         qs, ks, vs = (x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1) for x in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        outs.append(o.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[3]))
+        outs.append(o.transpose(1, 2).reshape(count * length, H, D))
     # prompts extending cached keys: their new tokens against their pages' keys (the new ones
-    # written there by the cache above), one SDPA per group of equal page counts
+    # written there by the cache above), one SDPA per group of equal page counts. The G query
+    # heads of a key head are folded into its rows of queries (no GQA: the memory-efficient
+    # kernel takes the mask), the mask repeated for each.
     for ext in step.extends:
         count, pages = ext.table.shape
-        qs = q[0][:, ext.index].transpose(0, 1)  # [count, H, Lq, D]
+        kvh, P = step.pool.k.shape[2], step.pool.k.shape[3]
+        G, Lq = H // kvh, ext.index.shape[1]
+        qs = q[0][:, ext.index].transpose(0, 1).reshape(count, kvh, G * Lq, D)
         ks, vs = (
-            pool[layer][ext.table].transpose(1, 2).reshape(count, pool.shape[2], pages * pool.shape[3], pool.shape[4])
+            pool[layer][ext.table].transpose(1, 2).reshape(count, kvh, pages * P, D)
             for pool in (step.pool.k, step.pool.v)
         )
         o = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=ext.mask, scale=scale, enable_gqa=True
+            qs, ks, vs, attn_mask=ext.mask.repeat(1, 1, G, 1), scale=scale
         )
-        outs.append(o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3])[ext.valid])
-    return torch.cat(outs)[None], None
+        outs.append(o.reshape(count, H, Lq, D).transpose(1, 2).reshape(-1, H, D)[ext.valid])
+    return torch.cat(outs)[None]
 
 
 AttentionInterface.register(ATTENTION, _paged_attention)
@@ -219,8 +239,18 @@ class PagedDecoder:
             "tokens": 0,
             # host seconds admitting requests (their prefill and first tokens included: those
             # wait for the device) and rebuilding the batch's device state after rows joined
+            "admits": 0,  # tries to admit queued requests (each reads the step in flight first)
             "admit_s": 0.0,
+            # of it: queuing the prefill forwards, and waiting for them (and their first tokens)
+            "prefill_launch_s": 0.0,
+            "prefill_wait_s": 0.0,
             "batch_state_s": 0.0,
+            # host seconds queuing decode steps, waiting for a decode step's tokens (the
+            # device's time the host could not hide), and the rest of reading a step's tokens
+            # (rows appended, finished rows cached and answered; prefills' first tokens too)
+            "launch_s": 0.0,
+            "wait_s": 0.0,
+            "collect_s": 0.0,
             "serve_s": 0.0,  # seconds generating (batching.py's serve)
         }
         self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
