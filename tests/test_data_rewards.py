@@ -11,7 +11,15 @@ from rltrain.generation import SamplingParams
 from rltrain.rollout import synthetic
 from rltrain.rollout.collect import build_batch, collect
 from rltrain.rollout.data import DataError, PromptSampler, read_records, tokenize_records
-from rltrain.rollout.rewards import RewardRunner, extract_boxed, load_reward, math_reward, normalize_answer
+from rltrain.rollout.rewards import (
+    RewardRunner,
+    extract_boxed,
+    load_reward,
+    math_reward,
+    normalised_math_reward,
+    normalize_answer,
+    verified_math_reward,
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +98,77 @@ def test_math_reward_extraction_and_normalisation():
     assert math_reward("no number here", {"answer": "7"}) == 0.0
     assert load_reward("exact_match")(" abc ", {"answer": "abc"}) == 1.0
     assert load_reward("format", r"\d+")("123", {}) == 1.0
+
+
+# (response, answer, the normaliser's verdict, math-verify's verdict): `math` is right on every
+# row (it takes either's match; every "wrong" row is wrong for both). The rows where only
+# math-verify matches are what a hand-written normaliser gets wrong.
+VERIFIER_TABLE = [
+    (r"So we get \boxed{12} apples.", "12", 1, 1),  # \boxed{} in prose
+    ("The total is 1,000 dollars", "1000", 1, 1),  # thousands separator
+    (r"\boxed{(1, 2]}", "(1,2]", 1, 1),  # interval, spacing
+    ("first 12 then 7", "7", 1, 1),  # the last number
+    (r"\boxed{3.50}", "3.5", 1, 1),  # trailing zero
+    (r"\boxed{\frac{1}{2}}", "1/2", 0, 1),  # LaTeX fraction
+    ("The answer is 0.5", "1/2", 0, 1),  # decimal against fraction
+    (r"$\frac{3}{4}$", "0.75", 0, 1),
+    (r"\boxed{x = 3}", "3", 0, 1),  # an equation's value
+    (r"\boxed{\left(1, 2\right]}", "(1,2]", 0, 1),  # \left( \right]
+    (r"\boxed{\{1,2,3\}}", r"\{3,2,1\}", 0, 1),  # sets, any order
+    (r"\boxed{5\text{ cm}}", "5", 0, 1),  # units
+    (r"\boxed{10\%}", "10", 0, 1),  # percent
+    (r"\boxed{\sqrt{2}/2}", r"\frac{\sqrt{2}}{2}", 0, 1),  # equal expressions
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", 0, 1),  # equal polynomials
+    (r"\boxed{3}", "4", 0, 0),  # wrong
+    (r"\boxed{[0, 1)}", "(0,1]", 0, 0),  # wrong interval ends
+    (r"\boxed{1/3}", "0.333", 0, 0),  # not equal, only close
+    ("no number here", "7", 0, 0),
+]
+
+
+@pytest.mark.parametrize(("response", "answer", "normalised", "verified"), VERIFIER_TABLE)
+def test_the_math_reward_gets_every_row_of_the_verifier_table_right(response, answer, normalised, verified):
+    """Each verifier's verdict on the table (math-verify's where it is installed: the dev set-up
+    installs it), and `math`'s: right on every row, in the caller's thread and in the runner's
+    pool threads (where math-verify must not use its signal timeouts)."""
+    record = {"answer": answer}
+    assert normalised_math_reward(response, record) == normalised
+    got = verified_math_reward(response, record)
+    if got is None:
+        pytest.skip("math-verify is not installed (the math extra)")
+    assert got == verified
+    assert math_reward(response, record) == float(normalised or verified)
+    runner = RewardRunner(load_reward("math"), timeout_s=30, workers=2)
+    try:
+        (scored,) = runner.score([(response, record)])
+    finally:
+        runner.close()
+    assert scored.error is None and scored.reward == float(normalised or verified)
+
+
+def _hangs_on_some(text, rec):
+    if rec.get("hang"):
+        time.sleep(30)
+    return 1.0
+
+
+def test_a_reward_that_never_returns_costs_its_own_samples_not_the_step():
+    """Three calls that hang, two pool threads, 40 items: the hung ones fail once their own
+    timeout passes, every other item is scored, and the step's scoring ends in a few timeouts'
+    time. (Before: the hung calls held both threads, every item queued behind them waited out a
+    timeout of its own, and all of them failed: 40 timeouts, none scored.)"""
+    items = [("x", {"hang": i in (0, 1, 17)}) for i in range(40)]
+    runner = RewardRunner(_hangs_on_some, timeout_s=0.5, workers=2)
+    t0 = time.monotonic()
+    try:
+        out = runner.score(items)
+    finally:
+        runner.close()
+    assert time.monotonic() - t0 < 5
+    assert [i for i, s in enumerate(out) if s.error] == [0, 1, 17]
+    assert all("timed out" in out[i].error for i in (0, 1, 17))
+    assert all(s.reward == 1.0 for i, s in enumerate(out) if i not in (0, 1, 17))
+    assert runner.abandoned == 3
 
 
 def test_custom_reward_loading_errors():

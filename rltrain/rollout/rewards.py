@@ -1,21 +1,32 @@
 """Reward functions: built-in verifiable rewards and user `module:function` rewards.
 
 A reward function takes (response_text, record) and returns a float. Built-ins:
-- `math`: the answer is the last `\\boxed{...}` in the response (else the last number); 1.0 if it
-  equals `record["answer"]` after normalisation (spaces, trailing zeros, commas, `$`), else 0.0.
+- `math`: 1.0 if the response's answer equals `record["answer"]`, else 0.0. With Hugging Face's
+  `math-verify` installed (the `math` extra; the dev set-up installs it) both are parsed and
+  compared symbolically: `0.5` = `1/2` = `\\frac{1}{2}`, `x = 3` = `3`, intervals, sets, units,
+  the last `\\boxed{}` in prose. Either way the normaliser's answer also counts: the last
+  `\\boxed{...}` in the response (else its last number) equal to the answer after normalisation
+  (spaces, trailing zeros, commas, `$`) — what `math` does without math-verify.
 - `exact_match`: 1.0 if the stripped response equals `record["answer"]` stripped.
 - `format`: 1.0 if the response matches `record["format"]` or the configured regex.
 A reward that raises or runs past `timeout_s` marks the sample failed: it is excluded from
-training and counted in the metrics, never scored 0.
+training and counted in the metrics, never scored 0. A reward that never returns holds a thread
+of the pool for good (a thread cannot be stopped): the runner leaves it and goes on with a fresh
+pool, so a hung grader costs its own samples and the timeout once, never the rest of the step.
+math-verify's own timeouts use signals, which work only in a process's main thread: off it,
+`math` calls math-verify without them and `timeout_s` bounds the call.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import logging
 import re
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +63,8 @@ def normalize_answer(ans: str) -> str:
     return s
 
 
-def math_reward(response: str, record: dict[str, Any]) -> float:
+def normalised_math_reward(response: str, record: dict[str, Any]) -> float:
+    """`math` without math-verify: the last boxed answer (else the last number), normalised."""
     got = extract_boxed(response)
     if got is None:
         numbers = _NUMBER.findall(response)
@@ -60,6 +72,46 @@ def math_reward(response: str, record: dict[str, Any]) -> float:
     if got is None:
         return 0.0
     return float(normalize_answer(got) == normalize_answer(str(record["answer"])))
+
+
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own per-parse and per-comparison limit (main thread only)
+
+
+def _math_verify() -> Any:
+    """The math_verify module, or None where it is not installed."""
+    try:
+        import math_verify  # noqa: PLC0415 - optional (the `math` extra)
+    except ImportError:
+        return None
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # (its note that off the main thread we time it)
+    return math_verify
+
+
+def verified_math_reward(response: str, record: dict[str, Any]) -> float | None:
+    """math-verify's judgement of the response against `record["answer"]` (None: not installed).
+    A bare answer is read as LaTeX math (`$...$`), as the datasets write it."""
+    mv = _math_verify()
+    if mv is None:
+        return None
+    t = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    expected = _parsed_answer(str(record["answer"]))
+    got = mv.parse(response, parsing_timeout=t)
+    return float(bool(expected) and bool(got) and mv.verify(expected, got, timeout_seconds=t))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_answer(gold: str) -> Any:
+    """math-verify's parse of a record's answer, the data's own (no timeout of its own: a call
+    in the runner is bounded by `reward.timeout_s`), once for a prompt's n samples (~4 ms each)."""
+    if "$" not in gold and "\\boxed" not in gold:
+        gold = f"${gold}$"
+    return _math_verify().parse(gold, parsing_timeout=None)
+
+
+def math_reward(response: str, record: dict[str, Any]) -> float:
+    if normalised_math_reward(response, record):
+        return 1.0
+    return verified_math_reward(response, record) or 0.0
 
 
 def exact_match_reward(response: str, record: dict[str, Any]) -> float:
@@ -101,27 +153,55 @@ class Scored:
 
 
 class RewardRunner:
-    """Scores responses in a thread pool with a per-call timeout; failures are failures."""
+    """Scores responses in a thread pool, each call bounded by `timeout_s` from its start;
+    failures are failures (module doc)."""
+
+    POLL_S = 0.05  # how often the deadlines of running calls are looked at
 
     def __init__(self, fn: RewardFn, timeout_s: float, workers: int = 4):
-        self.fn, self.timeout_s = fn, timeout_s
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rltrain-reward")
+        self.fn, self.timeout_s, self.workers = fn, timeout_s, workers
+        self._pool = self._fresh()
+        self.abandoned = 0  # calls that never returned: each holds a thread of an old pool
+
+    def _fresh(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(self.workers, thread_name_prefix="rltrain-reward")
+
+    def _call(self, started: dict[int, float], i: int, text: str, rec: dict[str, Any]) -> float:
+        started[i] = time.monotonic()
+        value = float(self.fn(text, rec))
+        if value != value:  # NaN
+            raise ValueError("reward is NaN")
+        return value
 
     def score(self, items: list[tuple[str, dict[str, Any]]]) -> list[Scored]:
-        futures = [self._pool.submit(self.fn, text, rec) for text, rec in items]
-        out = []
-        for fut in futures:
-            try:
-                value = fut.result(timeout=self.timeout_s)
-                value = float(value)
-                if value != value:  # NaN
-                    raise ValueError("reward is NaN")
-                out.append(Scored(value))
-            except FutureTimeout:
-                out.append(Scored(None, f"reward timed out after {self.timeout_s}s"))
-            except Exception as e:  # noqa: BLE001 - the user's function failed: recorded, not scored 0
-                out.append(Scored(None, f"reward raised {type(e).__name__}: {e}"))
-        return out
+        out: list[Scored | None] = [None] * len(items)
+        started: dict[int, float] = {}
+        running: dict[Future, int] = {
+            self._pool.submit(self._call, started, i, text, rec): i for i, (text, rec) in enumerate(items)
+        }
+        while running:
+            done, _ = wait(running, timeout=self.POLL_S, return_when=FIRST_COMPLETED)
+            for fut in done:
+                i = running.pop(fut)
+                try:
+                    out[i] = Scored(fut.result())
+                except Exception as e:  # noqa: BLE001 - the user's function failed: recorded, not scored 0
+                    out[i] = Scored(None, f"reward raised {type(e).__name__}: {e}")
+            now = time.monotonic()
+            late = [f for f, i in running.items() if i in started and now - started[i] > self.timeout_s]
+            if not late:
+                continue
+            for fut in late:
+                out[running.pop(fut)] = Scored(None, f"reward timed out after {self.timeout_s}s")
+            # The late calls keep their threads: the calls not yet started go to a fresh pool.
+            self.abandoned += len(late)
+            old, self._pool = self._pool, self._fresh()
+            for fut, i in list(running.items()):
+                if fut.cancel():
+                    del running[fut]
+                    running[self._pool.submit(self._call, started, i, *items[i])] = i
+            old.shutdown(wait=False)
+        return [s if s is not None else Scored(None, "reward not run") for s in out]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
