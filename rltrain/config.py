@@ -85,20 +85,31 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts: a jsonl/parquet file, or synthetic:addition or synthetic:lookup (written into the run directory)."""
+    """Prompts: a jsonl/parquet file, a `datasets.save_to_disk` directory, or synthetic:addition or
+    synthetic:lookup (written into the run directory)."""
 
     path: str = ""
     prompts_per_step: int = 32  # global batch of prompts per step, split across ranks
     max_prompt_tokens: int = 1024
     chat_template: bool = False
+    # rltrain's field name -> the dataset's column, e.g. {prompt: question, answer: solution}
+    fields: dict[str, str] = field(default_factory=dict)
 
     def check(self) -> None:
         if not self.path:
-            raise ConfigError("data.path is required: a .jsonl/.parquet file or synthetic:addition")
+            raise ConfigError(
+                "data.path is required: a .jsonl or .parquet file, a datasets save_to_disk directory, or synthetic:addition"
+            )
         if self.path.startswith("synthetic:") and self.path not in ("synthetic:addition", "synthetic:lookup"):
             raise ConfigError(f"data.path={self.path!r}: the synthetic tasks are: synthetic:addition, synthetic:lookup")
         if self.prompts_per_step < 1:
             raise ConfigError(f"data.prompts_per_step={self.prompts_per_step}: expected >= 1")
+        bad = {k: v for k, v in self.fields.items() if not isinstance(k, str) or not isinstance(v, str) or not v}
+        if bad:
+            raise ConfigError(
+                f"data.fields {bad}: expected rltrain's field names mapped to the dataset's column names, e.g. "
+                "{prompt: question, answer: solution}"
+            )
 
 
 @dataclass

@@ -133,7 +133,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
             f"rollout.stop_token_ids {outside[:5]} are outside the model's vocabulary of {model_cfg.vocab_size}"
         )
     prompts = tokenize_records(
-        read_records(data_path),
+        read_records(data_path, cfg.data.fields),
         tokenizer,
         cfg.data.chat_template,
         cfg.data.max_prompt_tokens,

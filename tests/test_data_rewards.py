@@ -42,6 +42,41 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
         read_records(tmp_path / "nope.jsonl")
 
 
+def test_datasets_as_users_have_them_read_with_their_own_field_names(tmp_path):
+    """A directory `datasets.save_to_disk` wrote, a parquet file (pyarrow, written by datasets)
+    and jsonl, their fields named `question` / `solution`: read with `data.fields` as rltrain's
+    `prompt` / `answer`, every record; a record without the mapped field, a DatasetDict's
+    directory and a directory of something else are refused naming the record or the split."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"{a} + 1 =", "solution": str(a + 1), "id": a} for a in range(25)]
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(tmp_path / "disk", max_shard_size=200)  # (several Arrow files)
+    assert len(list((tmp_path / "disk").glob("*.arrow"))) > 1
+    ds.to_parquet(tmp_path / "d.parquet", batch_size=7)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = {"prompt": "question", "answer": "solution"}
+    for path in (tmp_path / "disk", tmp_path / "d.parquet", tmp_path / "d.jsonl"):
+        got = read_records(path, fields)
+        want = [(r["question"], r["solution"], r["id"]) for r in rows]
+        assert [(r["prompt"], r["answer"], r["id"]) for r in got] == want
+        with pytest.raises(DataError, match=r"needs a 'prompt' \(text\) or 'messages'.*data.fields maps"):
+            read_records(path)
+    datasets.Dataset.from_list([*rows[:3], {"question": None, "solution": None, "id": 3}]).remove_columns(
+        "question"
+    ).save_to_disk(tmp_path / "bare")
+    with pytest.raises(DataError, match=r"bare record 0: has no field 'question' \(data.fields maps prompt to it\)"):
+        read_records(tmp_path / "bare", fields)
+    datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(tmp_path / "dict")
+    with pytest.raises(DataError, match=r"holds a DatasetDict \(splits test, train\): set data.path to one split"):
+        read_records(tmp_path / "dict", fields)
+    (tmp_path / "other").mkdir()
+    with pytest.raises(DataError, match="not one datasets' save_to_disk wrote"):
+        read_records(tmp_path / "other")
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="not a parquet file pyarrow can read"):
+        read_records(tmp_path / "bad.parquet")
+
+
 def test_prompt_longer_than_limit_is_rejected_up_front(tok):
     with pytest.raises(DataError, match=r"record 1: prompt has 7 tokens, more than data.max_prompt_tokens=5"):
         tokenize_records([{"prompt": "1 + 2 ="}, {"prompt": "1 + 2 + 3 ="}], tok, False, 5)

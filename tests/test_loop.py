@@ -152,6 +152,24 @@ def test_the_loop_syncs_by_every_transport(tmp_path, transport):
         assert rows[3]["sync_bytes"] < rows[2]["sync_bytes"]
 
 
+def test_a_save_to_disk_dataset_with_its_own_field_names_trains(tmp_path):
+    """The quickstart's task as a user's Hugging Face dataset: saved with `save_to_disk`, its
+    fields `question` / `solution`, mapped by `data.fields`; the job trains on it and scores
+    its answers (no reward fails, some samples pass)."""
+    datasets = pytest.importorskip("datasets")
+    from rltrain.rollout.synthetic import addition_records
+
+    rows = [{"question": r["prompt"], "solution": r["answer"]} for r in addition_records()]
+    datasets.Dataset.from_list(rows).save_to_disk(tmp_path / "addition")
+    fields = "data.fields={prompt: question, answer: solution}"
+    r = run_quickstart(tmp_path, f"data.path={tmp_path / 'addition'}", fields)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert all(row["samples"] == 8 * 8 and row["reward_failed"] == 0 for row in rows)
+    assert sum(row["pass_rate"] for row in rows) > 0
+
+
 def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n{"prompt": \n')

@@ -1,8 +1,17 @@
-"""Prompt datasets: jsonl (parquet when pyarrow is installed), chat templates, resumable sharding.
+"""Prompt datasets: jsonl, parquet, `datasets.save_to_disk` directories; chat templates;
+resumable sharding.
 
 Each record has the prompt as `prompt` (text) or `messages` (chat list), and any other fields
-(e.g. `answer`) that reward functions read. Prompts are tokenised once, up front, so a prompt
-longer than the context or a malformed line is reported before any expensive work starts.
+(e.g. `answer`) that reward functions read. Where a dataset names them otherwise,
+`data.fields` maps rltrain's names to its columns (`{prompt: question, answer: solution}`): each
+record gets the named column's value under rltrain's name. Prompts are tokenised once, up front,
+so a prompt longer than the context, a malformed line or a record without its prompt is
+reported (file and line, or file and record) before any expensive work starts.
+
+Formats, by `data.path`: a `.parquet` file (read by pyarrow a row group at a time), a directory
+that `datasets.Dataset.save_to_disk` wrote (its Arrow files, read by pyarrow: the `data` extra
+or `datasets` itself installs it; a `DatasetDict`'s directory names its splits: point at one),
+anything else one JSON object per line.
 
 Sharding. Each epoch is a seeded permutation of the records; step k takes the next
 `prompts_per_step` of it, and rank r takes every world_size-th of those, so the global batch does
@@ -13,6 +22,7 @@ checkpoints, it resumes exactly.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,17 +45,41 @@ class Prompt:
         return str(self.record.get("prompt", self.record.get("messages", "")))
 
 
-def read_records(path: str | Path) -> list[dict[str, Any]]:
+def read_records(path: str | Path, fields: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Every record of the dataset at `path` (module doc), `fields` mapped, each checked to have
+    its prompt; a `DataError` naming the file and line (or record) otherwise."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        rows: Any = enumerate(_arrow_rows(p))
+        where = lambda i: f"{p} record {i}"  # noqa: E731
+    elif not p.is_file():
         raise DataError(f"dataset {str(p)!r} does not exist")
-    if p.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq  # noqa: PLC0415 - pyarrow is optional (parquet data only)
-        except ImportError:
-            raise DataError(f"{p}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(p).to_pylist()
+    elif p.suffix == ".parquet":
+        rows = enumerate(_parquet_rows(p))
+        where = lambda i: f"{p} record {i}"  # noqa: E731
+    else:
+        rows = _jsonl_rows(p)
+        where = lambda i: f"{p}:{i}"  # noqa: E731
     records = []
+    for at, rec in rows:
+        for ours, theirs in (fields or {}).items():
+            if theirs not in rec:
+                raise DataError(
+                    f"{where(at)}: has no field {theirs!r} (data.fields maps {ours} to it); it has {sorted(rec)}"
+                )
+            rec[ours] = rec[theirs]
+        if "prompt" not in rec and "messages" not in rec:
+            raise DataError(
+                f"{where(at)}: needs a 'prompt' (text) or 'messages' (chat) field; has {sorted(rec)} "
+                "(data.fields maps a dataset's own names, e.g. {prompt: question, answer: solution})"
+            )
+        records.append(rec)
+    if not records:
+        raise DataError(f"dataset {p} has no records")
+    return records
+
+
+def _jsonl_rows(p: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -56,12 +90,56 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
                 raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{p}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            if "prompt" not in rec and "messages" not in rec:
-                raise DataError(f"{p}:{lineno}: needs a 'prompt' (text) or 'messages' (chat) field; has {sorted(rec)}")
-            records.append(rec)
-    if not records:
-        raise DataError(f"dataset {p} has no records")
-    return records
+            yield lineno, rec
+
+
+def _pyarrow(p: Path) -> Any:
+    try:
+        import pyarrow  # noqa: PLC0415 - optional (parquet and Arrow datasets only)
+    except ImportError:
+        raise DataError(f'{p}: reading it needs pyarrow (pip install "rltrain[data]")') from None
+    return pyarrow
+
+
+def _parquet_rows(p: Path) -> Iterator[dict[str, Any]]:
+    _pyarrow(p)
+    import pyarrow.parquet as pq  # noqa: PLC0415 - optional (above)
+
+    try:
+        f = pq.ParquetFile(p)
+    except Exception as e:  # noqa: BLE001 - pyarrow's many error types: a file it cannot read
+        raise DataError(f"{p}: not a parquet file pyarrow can read ({type(e).__name__}: {e})") from None
+    for batch in f.iter_batches():
+        yield from batch.to_pylist()
+
+
+def _arrow_rows(p: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a directory `datasets.Dataset.save_to_disk` wrote: its Arrow stream files in
+    the order its state.json lists them."""
+    if (p / "dataset_dict.json").is_file():
+        splits = sorted(d.name for d in p.iterdir() if (d / "state.json").is_file())
+        raise DataError(
+            f"{p} holds a DatasetDict (splits {', '.join(splits) or 'none'}): set data.path to one split's "
+            f"directory, e.g. {p / (splits[0] if splits else 'train')}"
+        )
+    state = p / "state.json"
+    if not state.is_file():
+        raise DataError(
+            f"{p} is a directory but not one datasets' save_to_disk wrote (no state.json): give a .jsonl or "
+            ".parquet file, or a save_to_disk directory"
+        )
+    try:
+        files = [p / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{state}: not a datasets state file ({type(e).__name__}: {e})") from None
+    pa = _pyarrow(p)
+    for path in files:
+        try:
+            with pa.memory_map(str(path)) as source:
+                for batch in pa.ipc.open_stream(source):
+                    yield from batch.to_pylist()
+        except (OSError, pa.ArrowInvalid) as e:
+            raise DataError(f"{path}: cannot read it as an Arrow stream ({type(e).__name__}: {e})") from None
 
 
 def tokenize_records(
