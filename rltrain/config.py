@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import os
 import types
 import typing
@@ -98,7 +99,8 @@ class DataConfig:
     def check(self) -> None:
         if not self.path:
             raise ConfigError(
-                "data.path is required: a .jsonl or .parquet file, a datasets save_to_disk directory, or synthetic:addition"
+                "data.path is required: a .jsonl or .parquet file, a datasets save_to_disk directory, "
+                "or synthetic:addition"
             )
         if self.path.startswith("synthetic:") and self.path not in ("synthetic:addition", "synthetic:lookup"):
             raise ConfigError(f"data.path={self.path!r}: the synthetic tasks are: synthetic:addition, synthetic:lookup")
@@ -387,10 +389,30 @@ class SyncConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (the `wandb` extra): off while `project` is empty. Offline runs write
+    under the run directory (`wandb sync` uploads them later); a resumed run logs to the same
+    W&B run (its id is kept in the run directory)."""
+
+    project: str = ""
+    name: str = ""  # the W&B run's name (default: run.name)
+    mode: Literal["offline", "online"] = "offline"
+    entity: str = ""
+
+    def check(self) -> None:
+        if self.project and importlib.util.find_spec("wandb") is None:
+            raise ConfigError(
+                f'metrics.wandb.project={self.project!r} but wandb is not installed: pip install "rltrain[wandb]" '
+                "(or leave metrics.wandb.project empty)"
+            )
+
+
+@dataclass
 class MetricsConfig:
     progress_bar: bool = True
     tensorboard: bool = False
     plot: bool = True  # write PNGs into the run directory at the end
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from rltrain.config import Config
+from rltrain.config import Config, config_to_dict
 from rltrain.interfaces import World
 from rltrain.runtime.failure import name_failure
 from rltrain.runtime.files import atomic_write_text
@@ -93,6 +94,7 @@ class MetricsWriter:
         self.path = cfg.run_dir / "metrics.jsonl"
         self.bar = None
         self.tb = None
+        self.wandb: Any = None
         if world.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._keep_steps_up_to(start_step)
@@ -105,6 +107,8 @@ class MetricsWriter:
                     self.tb = SummaryWriter(str(cfg.run_dir / "tensorboard"))
                 except ImportError:
                     print("metrics.tensorboard=true but tensorboard is not installed; skipping it")
+            if cfg.metrics.wandb.project:
+                self.wandb = start_wandb(cfg, resumed=start_step > 0)
 
     def _keep_steps_up_to(self, start_step: int) -> None:
         """A resumed run keeps the rows its checkpoint covers; the rows after it (their steps run
@@ -226,6 +230,8 @@ class MetricsWriter:
             for k, v in rec.items():
                 if isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, step + 1)
+        if self.wandb is not None:
+            self.wandb.log(flat_scalars(rec), step=step + 1)
         return rec
 
     def close(self) -> None:
@@ -233,3 +239,44 @@ class MetricsWriter:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+WANDB_ID = "wandb-run-id"  # in the run directory: a resumed run logs to the same W&B run
+
+
+def start_wandb(cfg: Config, resumed: bool) -> Any:
+    """The W&B run of this job (config.py's WandbConfig), the resolved config as its config.
+    Its id is made at the run's first start and kept in the run directory: a restart from a
+    checkpoint resumes that run (W&B drops the steps it already has, and the rows after the
+    checkpoint run again)."""
+    import wandb  # noqa: PLC0415 - optional (the wandb extra; config.py checks it is installed)
+
+    w = cfg.metrics.wandb
+    id_file = cfg.run_dir / WANDB_ID
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else secrets.token_hex(6)
+    atomic_write_text(id_file, run_id + "\n")
+    return wandb.init(
+        project=w.project,
+        entity=w.entity or None,
+        name=w.name or cfg.run.name,
+        id=run_id,
+        resume="allow",
+        mode=w.mode,
+        dir=str(cfg.run_dir),
+        config=json.loads(json.dumps(config_to_dict(cfg), default=str)),
+    )
+
+
+def flat_scalars(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A metrics row's numbers, nested sections as `section/key` (the phase times, memory); the
+    row's own step is the log's step, not a metric."""
+    out: dict[str, float] = {}
+    for k, v in rec.items():
+        if isinstance(v, dict):
+            out.update(flat_scalars(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and (prefix or k != "step"):
+            out[prefix + k] = float(v)
+    return out

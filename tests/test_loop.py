@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +170,85 @@ def test_a_save_to_disk_dataset_with_its_own_field_names_trains(tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3]
     assert all(row["samples"] == 8 * 8 and row["reward_failed"] == 0 for row in rows)
     assert sum(row["pass_rate"] for row in rows) > 0
+
+
+def _wandb_records(path: Path) -> list:
+    """The protobuf records of an offline W&B run file (run-<id>.wandb): a 7-byte header, then
+    blocks of 32 KiB holding records framed as LevelDB's log does (crc, length, type; a record
+    may span blocks: first, middle..., last)."""
+    from wandb.proto import wandb_internal_pb2 as pb2
+
+    data, pos, block, part, out = path.read_bytes(), 7, 32768, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        if n == 0 and kind == 0:  # the block's zero padding
+            pos += left - 7
+            continue
+        part, pos = part + data[pos : pos + n], pos + n
+        if kind in (1, 4):  # a whole record, or a record's last piece
+            record = pb2.Record()
+            record.ParseFromString(part)
+            out.append(record)
+            part = b""
+    return out
+
+
+def test_wandb_offline_holds_every_steps_metrics_and_the_config_and_a_resumed_run_continues_it(tmp_path):
+    """metrics.wandb with mode offline: the run's W&B file holds each step's metrics row (phase
+    times as time/<phase>) and the resolved config; a job stopped after step 2 and resubmitted
+    resumes from its checkpoint into the same W&B run id, logging step 3."""
+    pytest.importorskip("wandb")
+    args = ("metrics.wandb.project=rltrain-test", "checkpoint.interval=2")
+    r = run_quickstart(tmp_path, *args, "loop.stop_after=2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_quickstart(tmp_path, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr, r.stderr[-3000:]
+    run_dir = tmp_path / "quickstart"
+    run_id = (run_dir / "wandb-run-id").read_text().strip()
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    logged = {}
+    for f in files:
+        for rec in _wandb_records(f):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                assert rec.run.run_id == run_id and rec.run.project == "rltrain-test"
+                config = {u.key: json.loads(u.value_json) for u in rec.run.config.update}
+                assert config["run"]["name"] == "quickstart" and config["data"]["prompts_per_step"] == 8
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                logged[items["_step"]] = items
+    assert sorted(logged) == [1, 2, 3]
+    for step, items in logged.items():
+        assert "time/step" in items, sorted(items)
+        assert items["reward_mean"] == pytest.approx(rows[step]["reward_mean"])
+        assert items["time/step"] == pytest.approx(rows[step]["time"]["step"])
+
+
+def test_wandb_asked_for_but_missing_is_a_clear_error_at_start_up(tmp_path):
+    """Without the package, metrics.wandb.project is refused when the config is read, naming the
+    extra to install (a test that hides the installed package from the job)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "wandb.py").write_text("raise ImportError('hidden by the test')\n")
+    (hide / "sitecustomize.py").write_text(
+        "import importlib.util, sys\n"
+        "_find = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda name, *a: None if name == 'wandb' else _find(name, *a)\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(hide), os.environ.get("PYTHONPATH", "")])}
+    r = run_quickstart(tmp_path, "metrics.wandb.project=rltrain-test", env=env)
+    assert r.returncode != 0
+    assert 'wandb is not installed: pip install "rltrain[wandb]"' in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "quickstart" / "metrics.jsonl").exists()
 
 
 def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):
