@@ -115,6 +115,38 @@ class DataConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation during training on held-out prompts (rollout/evaluation.py): off while `path`
+    is empty. Sampled greedily by default; pass@k for k = 1, 2, 4, ... up to n."""
+
+    path: str = ""  # the formats of data.path (its data.fields too), or synthetic:addition
+    every: int = 0  # evaluate after every this many steps (0: never after a step)
+    before_train: bool = False  # and the weights the run starts from
+    n: int = 1  # samples per prompt
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 0  # 0: rollout.max_new_tokens
+    max_prompts: int = 0  # the first this many of the file's prompts (0: all)
+
+    def check(self) -> None:
+        if self.every < 0 or self.n < 1 or self.max_prompts < 0 or self.max_new_tokens < 0:
+            raise ConfigError(
+                f"eval: every={self.every}, n={self.n}, max_prompts={self.max_prompts}, max_new_tokens="
+                f"{self.max_new_tokens}: expected every, max_prompts, max_new_tokens >= 0 and n >= 1"
+            )
+        if self.path and not (self.every or self.before_train):
+            raise ConfigError(
+                f"eval.path={self.path!r} is set but never used: set eval.every (steps) or eval.before_train=true"
+            )
+        if not self.path and (self.every or self.before_train):
+            raise ConfigError("eval.every / eval.before_train need eval.path: the held-out prompts to evaluate on")
+        if self.path.startswith("synthetic:") and self.path != "synthetic:addition":
+            raise ConfigError(f"eval.path={self.path!r}: the synthetic evaluation set is synthetic:addition")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"eval: temperature={self.temperature}, top_p={self.top_p}: expected >= 0 and (0, 1]")
+
+
+@dataclass
 class RolloutConfig:
     """Sampling on the engine."""
 
@@ -513,6 +545,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

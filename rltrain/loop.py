@@ -1,5 +1,7 @@
 """The driver loop: every rank runs this, one step per iteration, phases in order.
 
+EVAL           every eval.every steps (and before step 1 with eval.before_train): held-out
+               prompts sampled and scored on the engines, nothing trained (rollout/evaluation.py)
 ROLLOUT        engines awake; each rank samples its prompts' groups and scores them, more prompts
                while DAPO's dynamic sampling wants them (rollout/step.py)
 ENGINE ->      pause the engines, release their memory (weights, KV cache, CUDA graphs) [colocate]
@@ -83,6 +85,9 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason := stop.agreed(world, "before the rollout"):
                 _stop_at_step_boundary(cfg, parts, world, step, reason)
                 break
+            if parts.evaluator is not None and parts.evaluator.due(step):  # the weights of `step` steps
+                with clock.phase("eval"):
+                    writer.evaluation(parts.evaluator.run(engine.client, step, version))
             with clock.phase("rollout"):
                 rollout = rollouts.collect(engine.client, step)
             if engine.recover():  # an engine died: restarted (or the job stops, with its log tail)
@@ -122,6 +127,8 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             last = writer.step(step, rollout, rewards, adv_stats, train_stats, clock)
             done = step + 1
             cycle.recorded(done)  # after the row: pruning keeps the newest recorded checkpoint
+            if parts.evaluator is not None and reason is None and done == last_step(cfg) and parts.evaluator.due(done):
+                writer.evaluation(parts.evaluator.run(engine.client, done, version))  # the run's last weights
             if step == parts.start_step:
                 # What the first step built (compiled code, the trainer's state, the libraries'
                 # caches) lives to the end: frozen, Python's full collections, triggered by each

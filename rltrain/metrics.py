@@ -234,6 +234,18 @@ class MetricsWriter:
             self.wandb.log(flat_scalars(rec), step=step + 1)
         return rec
 
+    def evaluation(self, row: dict[str, Any] | None) -> None:
+        """An evaluation's row (rank 0's; rollout/evaluation.py wrote it to eval.jsonl) to the
+        other sinks, at the step whose weights it judged."""
+        if row is None:
+            return
+        scalars = {k: float(v) for k, v in row.items() if k.startswith("eval/")}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, row["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=row["step"])
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

@@ -1,5 +1,6 @@
-"""`python -m rltrain.plot RUN_DIR`: reward curve, phase time breakdown, the memory ledger per phase and,
-for multi-turn runs, turns, tool calls and errors, tokens and seconds per trajectory, as PNGs.
+"""`python -m rltrain.plot RUN_DIR`: reward curve, evaluation (eval.jsonl), phase time breakdown, the
+memory ledger per phase and, for multi-turn runs, turns, tool calls and errors, tokens and seconds
+per trajectory, as PNGs.
 `--ledger [STEP]` prints a step's memory ledger as a table instead."""
 
 from __future__ import annotations
@@ -42,6 +43,22 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     ax.legend()
     ax.set_title(f"{run_dir.name}: reward")
     out.append(_save(fig, run_dir / "reward.png"))
+
+    evals = (
+        [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
+        if (run_dir / "eval.jsonl").is_file()
+        else []
+    )
+    if evals:  # evaluation on held-out prompts (rollout/evaluation.py), by the weights' step
+        fig, ax = plt.subplots(figsize=(7, 4))
+        at = [r["step"] for r in evals]
+        for key in [k for k in evals[-1] if k.startswith("eval/pass@")] + ["eval/reward_mean"]:
+            ax.plot(at, [r.get(key, float("nan")) for r in evals], marker="o", label=key.removeprefix("eval/"))
+        ax.set_xlabel("step (the weights evaluated)")
+        ax.set_ylim(0, 1.05)
+        ax.legend()
+        ax.set_title(f"{run_dir.name}: evaluation")
+        out.append(_save(fig, run_dir / "eval.png"))
 
     phases = list(dict.fromkeys(p for r in rows for p in r["time"] if p != "step"))
     fig, ax = plt.subplots(figsize=(8, 4))

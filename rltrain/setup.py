@@ -20,7 +20,8 @@ from rltrain.engine.process import EngineCrashed
 from rltrain.history import Finished, HistoryError
 from rltrain.interfaces import Trainer, World
 from rltrain.rollout import synthetic
-from rltrain.rollout.data import PromptSampler, read_records, tokenize_records
+from rltrain.rollout.data import Prompt, PromptSampler, read_records, tokenize_records
+from rltrain.rollout.evaluation import Evaluator
 from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.bridge import restart_attempt
 from rltrain.runtime.failure import clear_failures
@@ -44,6 +45,7 @@ class RunParts:
     sync: WeightSync
     start_step: int
     initial_version: str | None
+    evaluator: Evaluator | None = None  # eval.path's (rollout/evaluation.py)
 
     def closing(self) -> list[tuple[str, Callable[[], None]]]:
         """What ends the run's parts, in order, each named (the loop runs every one)."""
@@ -145,6 +147,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
             f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the {world.world_size} ranks"
         )
     sampler = PromptSampler(prompts, cfg.data.prompts_per_step, cfg.run.seed)
+    eval_prompts = _eval_prompts(cfg, world, tokenizer, context) if cfg.eval.path else None
     rewards = RewardRunner(
         load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s, cfg.reward.workers
     )
@@ -234,8 +237,31 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         len(prompts),
         cfg.data.prompts_per_step,
     )
-    return RunParts(
-        tokenizer, sampler, rewards, trainer, cycle, engine, sync, restored.step if restored else 0, initial
+    start_step = restored.step if restored else 0
+    evaluator = None
+    if eval_prompts is not None:
+        evaluator = Evaluator(cfg, world, eval_prompts, tokenizer, rewards, start_step)
+    return RunParts(tokenizer, sampler, rewards, trainer, cycle, engine, sync, start_step, initial, evaluator)
+
+
+def _eval_prompts(cfg: Config, world: World, tokenizer: PreTrainedTokenizerBase, context: int) -> list[Prompt]:
+    """eval.path's prompts, tokenised and checked as the training prompts are (before any
+    expensive work); synthetic:addition is written into the run directory first."""
+    path = cfg.eval.path
+    if path == "synthetic:addition":
+        path = str(cfg.run_dir / "data" / "eval-addition.jsonl")
+        _on_rank0(
+            world,
+            "writing the synthetic evaluation set",
+            lambda: synthetic.write_jsonl(Path(path), synthetic.addition_records()),
+        )
+    return tokenize_records(
+        read_records(path, cfg.data.fields),
+        tokenizer,
+        cfg.data.chat_template,
+        cfg.data.max_prompt_tokens,
+        source=path,
+        context=(context, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
     )
 
 

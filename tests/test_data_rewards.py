@@ -310,3 +310,55 @@ def test_max_new_tokens_beyond_the_models_context_is_a_config_error():
         check_context(cfg, 2048, "m")
     cfg.engine.extra_args = ["--context-length", "8192"]  # the engine's own limit, where set
     assert check_context(cfg, 2048, "m") == 8192
+
+
+def test_pass_at_k_is_the_unbiased_estimator_and_the_eval_row_counts_failures_apart():
+    """pass@k against its definition (the chance that k of the n samples, drawn without
+    replacement, hold a passing one: counted over every k-subset); the eval row's figures, a
+    prompt with a failed sample counted in the failures and left out of pass@k, never scored 0."""
+    from itertools import combinations
+
+    from rltrain.rollout.evaluation import ks_of, pass_at_k, summarize
+
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(combinations([1] * c + [0] * (n - c), k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    assert ks_of(1) == [1] and ks_of(4) == [1, 2, 4] and ks_of(6) == [1, 2, 4, 6]
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+    prompts = [
+        {
+            "samples": 4,
+            "scored": 4,
+            "passed": 1,
+            "reward_sum": 1.0,
+            "length_sum": 40,
+            "generation_failed": 0,
+            "reward_failed": 0,
+        },
+        {
+            "samples": 4,
+            "scored": 4,
+            "passed": 4,
+            "reward_sum": 4.0,
+            "length_sum": 20,
+            "generation_failed": 0,
+            "reward_failed": 0,
+        },
+        {
+            "samples": 4,
+            "scored": 3,
+            "passed": 0,
+            "reward_sum": 0.0,
+            "length_sum": 30,
+            "generation_failed": 1,
+            "reward_failed": 0,
+        },
+    ]
+    row = summarize(prompts, 4)
+    assert row["eval/prompts"] == 3 and row["eval/prompts_scored"] == 2 and row["eval/generation_failed"] == 1
+    assert row["eval/reward_mean"] == pytest.approx(5 / 11) and row["eval/response_length"] == pytest.approx(90 / 11)
+    assert row["eval/pass@1"] == pytest.approx((0.25 + 1.0) / 2)
+    assert row["eval/pass@4"] == pytest.approx(1.0) and row["eval/pass@2"] == pytest.approx((0.5 + 1.0) / 2)

@@ -251,6 +251,61 @@ def test_wandb_asked_for_but_missing_is_a_clear_error_at_start_up(tmp_path):
     assert not (tmp_path / "quickstart" / "metrics.jsonl").exists()
 
 
+EVAL = ("eval.path=synthetic:addition", "eval.every=2", "eval.before_train=true", "eval.n=4", "eval.temperature=1.0")
+
+
+def _eval_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_evaluation_runs_as_a_phase_of_its_own_and_a_resumed_run_repeats_it(tmp_path):
+    """eval every 2 steps and before training, 4 samples a prompt: eval.jsonl holds the weights
+    of steps 0, 2 and 4 judged on all 100 prompts (pass@1, 2, 4 and the reward), the eval phase
+    is timed in the rows of the steps it ran before, and eval.png is drawn. A job stopped after
+    step 2 and resubmitted evaluates step 2's weights again: the same results as the first
+    attempt's (seeded), that row moved aside first."""
+    r = run_quickstart(tmp_path, *EVAL, "loop.steps=4", "checkpoint.interval=2", "loop.stop_after=2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    run_dir = tmp_path / "quickstart"
+    first = _eval_rows(run_dir / "eval.jsonl")
+    assert [row["step"] for row in first] == [0, 2]
+    r = run_quickstart(tmp_path, *EVAL, "loop.steps=4", "checkpoint.interval=2", "metrics.plot=true")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr, r.stderr[-3000:]
+    rows = _eval_rows(run_dir / "eval.jsonl")
+    assert [row["step"] for row in rows] == [0, 2, 4]
+    for row in rows:
+        assert row["eval/prompts"] == 100 and row["eval/samples"] == 400 and row["eval/generation_failed"] == 0
+        assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= row["eval/pass@4"] <= 1
+        assert row["step"] == 0 or row["weight_version"] == str(row["step"])  # (step 0: the engine's first)
+    moved = _eval_rows(run_dir / "eval.dropped.jsonl")
+    assert [row["step"] for row in moved] == [2]
+    same = lambda row: {k: v for k, v in row.items() if k != "eval/seconds"}  # noqa: E731
+    assert same(moved[0]) == same(rows[1]) == same(first[1])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert ["eval" in row["time"] for row in metrics] == [True, False, True, False]
+    assert (run_dir / "eval.png").is_file()
+
+
+def test_the_quickstart_evaluated_every_100_steps_rises_from_chance(tmp_path):
+    """The README's quickstart (its first 100 steps) with greedy evaluation on the 100 addition
+    prompts before training and every 100 steps: pass@1 starts near chance (~1 in 20) and rises
+    (0.04 -> 0.42 on the development machine)."""
+    r = run_quickstart(
+        tmp_path,
+        "loop.steps=100",
+        "data.prompts_per_step=16",
+        "eval.path=synthetic:addition",
+        "eval.every=100",
+        "eval.before_train=true",
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _eval_rows(tmp_path / "quickstart" / "eval.jsonl")
+    assert [row["step"] for row in rows] == [0, 100]
+    passed = [row["eval/pass@1"] for row in rows]
+    assert passed[0] <= 0.15 and passed[1] >= passed[0] + 0.15, passed
+
+
 def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1 + 2 =", "answer": "3"}\n{"prompt": \n')
