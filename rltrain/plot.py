@@ -36,12 +36,15 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     out = []
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="reward mean")
-    ax.plot(steps, [r["pass_rate"] for r in rows], label="pass rate", alpha=0.7)
+    window = moving_window(len(rows))
+    for key, label, colour in (("reward_mean", "reward mean", "C0"), ("pass_rate", "pass rate", "C1")):
+        raw = [r[key] for r in rows]
+        ax.plot(steps, raw, color=colour, alpha=0.3, linewidth=0.8)
+        ax.plot(steps, moving_mean(raw, window), color=colour, label=f"{label} ({window}-step mean)")
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
     ax.legend()
-    ax.set_title(f"{run_dir.name}: reward")
+    ax.set_title(f"{run_dir.name}: reward (raw, faint; moving mean)")
     out.append(_save(fig, run_dir / "reward.png"))
 
     evals = (
@@ -62,12 +65,26 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
     phases = list(dict.fromkeys(p for r in rows for p in r["time"] if p != "step"))
     fig, ax = plt.subplots(figsize=(8, 4))
-    # One filled band per phase (a bar per step and phase is thousands of patches: seconds to draw).
-    ax.stackplot(steps, [[r["time"].get(p, 0.0) for r in rows] for p in phases], labels=phases, step="mid")
+    # One filled band per phase (a bar per step and phase is thousands of patches: seconds to
+    # draw), each its own colour (tab20: distinct up to 20 phases). The first step carries the
+    # start-up (compilation, first captures, caches): its time is given in the title and the
+    # y-axis is set by the steps after it.
+    colours = [plt.get_cmap("tab20")(i % 20) for i in range(len(phases))]
+    later = rows[1:] or rows
+    ax.stackplot(
+        [r["step"] for r in later],
+        [[r["time"].get(p, 0.0) for r in later] for p in phases],
+        labels=phases,
+        colors=colours,
+        step="mid",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("seconds (slowest rank)")
     ax.legend(fontsize=7, ncol=2)
-    ax.set_title("time per phase")
+    first = sum(rows[0]["time"].get(p, 0.0) for p in phases)
+    ax.set_title(
+        f"time per phase (step 1, with the start-up: {first:.2f} s, not drawn)" if len(rows) > 1 else "time per phase"
+    )
     out.append(_save(fig, run_dir / "phase_time.png"))
 
     multi = [r for r in rows if "multiturn" in r]
@@ -107,6 +124,22 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
 DEVICE_STACK = (*DEVICE_PARTS, "unexplained")
 HOST_STACK = ("trainer_host", "host_pinned", "rss", "engine_rss")
+
+
+def moving_window(n: int) -> int:
+    """Steps averaged by the reward plot's moving mean: a twentieth of the run, 1 to 50."""
+    return max(1, min(50, n // 20))
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def plot_ledger(row: dict, path: Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -362,3 +363,51 @@ def test_pass_at_k_is_the_unbiased_estimator_and_the_eval_row_counts_failures_ap
     assert row["eval/reward_mean"] == pytest.approx(5 / 11) and row["eval/response_length"] == pytest.approx(90 / 11)
     assert row["eval/pass@1"] == pytest.approx((0.25 + 1.0) / 2)
     assert row["eval/pass@4"] == pytest.approx(1.0) and row["eval/pass@2"] == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_the_plots_people_read(tmp_path):
+    """reward.png draws a moving mean beside the raw curve; phase_time.png gives every phase its
+    own colour and leaves the first step's start-up out of its scale (the title gives it);
+    eval.jsonl gets eval.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from rltrain.plot import moving_mean, moving_window, write_plots
+
+    assert moving_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_window(10) == 1 and moving_window(400) == 20 and moving_window(10_000) == 50
+    phases = [f"phase{i}" for i in range(12)]
+    rows = [
+        {
+            "step": s,
+            "reward_mean": s / 40,
+            "pass_rate": s / 50,
+            "time": {p: (30.0 if s == 1 else 0.1) for p in phases} | {"step": 1.0},
+            "memory": {"rank0": {"rollout": {"host_rss": 1.0}, "train": {"host_rss": 2.0}}},
+        }
+        for s in range(1, 41)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 0, "eval/pass@1": 0.1, "eval/reward_mean": 0.1}) + "\n")
+    drawn = []
+    saved = plt.Figure.savefig
+
+    def keep(fig, path, **kw):  # the figures as drawn, before they are closed
+        drawn.append((Path(path).name, fig))
+        return saved(fig, path, **kw)
+
+    plt.Figure.savefig = keep
+    try:
+        write_plots(tmp_path)
+    finally:
+        plt.Figure.savefig = saved
+    figs = dict(drawn)
+    assert {"reward.png", "phase_time.png", "eval.png"} <= set(figs)
+    (ax,) = figs["phase_time.png"].axes
+    colours = [tuple(c.get_facecolor()[0]) for c in ax.collections]
+    assert len(colours) == 12 and len(set(colours)) == 12
+    assert ax.get_ylim()[1] < 30 and "start-up: 360.00 s" in ax.get_title()
+    (ax,) = figs["reward.png"].axes
+    assert len(ax.lines) == 4 and any("mean" in line.get_label() for line in ax.lines)
