@@ -440,11 +440,30 @@ class WandbConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """MLflow (the `mlflow` extra, mlflow-skinny): off while `tracking_uri` is empty. A server
+    (`http://host:5000`, `databricks`) or a local `file:/path/mlruns` store; a resumed run logs
+    to the same MLflow run (its id is kept in the run directory)."""
+
+    tracking_uri: str = ""
+    experiment: str = "rltrain"
+    run_name: str = ""  # default: run.name
+
+    def check(self) -> None:
+        if self.tracking_uri and importlib.util.find_spec("mlflow") is None:
+            raise ConfigError(
+                f"metrics.mlflow.tracking_uri={self.tracking_uri!r} but mlflow is not installed: pip install "
+                '"rltrain[mlflow]" (or leave metrics.mlflow.tracking_uri empty)'
+            )
+
+
+@dataclass
 class MetricsConfig:
     progress_bar: bool = True
     tensorboard: bool = False
     plot: bool = True  # write PNGs into the run directory at the end
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

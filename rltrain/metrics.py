@@ -95,6 +95,7 @@ class MetricsWriter:
         self.bar = None
         self.tb = None
         self.wandb: Any = None
+        self.mlflow: Any = None  # the mlflow module, its run active
         if world.rank == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._keep_steps_up_to(start_step)
@@ -109,6 +110,8 @@ class MetricsWriter:
                     print("metrics.tensorboard=true but tensorboard is not installed; skipping it")
             if cfg.metrics.wandb.project:
                 self.wandb = start_wandb(cfg, resumed=start_step > 0)
+            if cfg.metrics.mlflow.tracking_uri:
+                self.mlflow = start_mlflow(cfg, resumed=start_step > 0)
 
     def _keep_steps_up_to(self, start_step: int) -> None:
         """A resumed run keeps the rows its checkpoint covers; the rows after it (their steps run
@@ -232,6 +235,8 @@ class MetricsWriter:
                     self.tb.add_scalar(k, v, step + 1)
         if self.wandb is not None:
             self.wandb.log(flat_scalars(rec), step=step + 1)
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(mlflow_names(flat_scalars(rec)), step=step + 1)
         return rec
 
     def evaluation(self, row: dict[str, Any] | None) -> None:
@@ -245,6 +250,8 @@ class MetricsWriter:
                 self.tb.add_scalar(k, v, row["step"])
         if self.wandb is not None:
             self.wandb.log(scalars, step=row["step"])
+        if self.mlflow is not None:
+            self.mlflow.log_metrics(mlflow_names(scalars), step=row["step"])
 
     def close(self) -> None:
         if self.bar is not None:
@@ -254,6 +261,9 @@ class MetricsWriter:
         if self.wandb is not None:
             self.wandb.finish()
             self.wandb = None
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+            self.mlflow = None
 
 
 WANDB_ID = "wandb-run-id"  # in the run directory: a resumed run logs to the same W&B run
@@ -280,6 +290,49 @@ def start_wandb(cfg: Config, resumed: bool) -> Any:
         dir=str(cfg.run_dir),
         config=json.loads(json.dumps(config_to_dict(cfg), default=str)),
     )
+
+
+MLFLOW_ID = "mlflow-run-id"  # in the run directory: a resumed run logs to the same MLflow run
+
+
+def start_mlflow(cfg: Config, resumed: bool) -> Any:
+    """The MLflow run of this job (config.py's MlflowConfig), the resolved config as its
+    parameters and as config.json; resumed where the run directory keeps its id."""
+    m = cfg.metrics.mlflow
+    if m.tracking_uri.startswith("file:"):
+        # MLflow 3 keeps its file store in maintenance mode behind this opt-in; a local store
+        # needs nothing else (a server or a database is the tracking_uri's business).
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    import mlflow  # noqa: PLC0415 - optional (the mlflow extra; config.py checks it is installed)
+
+    mlflow.set_tracking_uri(m.tracking_uri)
+    id_file = cfg.run_dir / MLFLOW_ID
+    config = json.loads(json.dumps(config_to_dict(cfg), default=str))
+    if resumed and id_file.is_file():
+        mlflow.start_run(run_id=id_file.read_text().strip())
+        return mlflow
+    mlflow.set_experiment(m.experiment)
+    run = mlflow.start_run(run_name=m.run_name or cfg.run.name)
+    atomic_write_text(id_file, run.info.run_id + "\n")
+    mlflow.log_params({k: str(v)[:500] for k, v in flat_values(config).items()})
+    mlflow.log_dict(config, "config.json")
+    return mlflow
+
+
+def flat_values(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys (the override syntax)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_values(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def mlflow_names(scalars: dict[str, float]) -> dict[str, float]:
+    """Metric names as MLflow takes them (letters, digits, _ - . / and spaces): pass@k -> pass_at_k."""
+    return {k.replace("@", "_at_"): v for k, v in scalars.items()}
 
 
 def flat_scalars(rec: dict[str, Any], prefix: str = "") -> dict[str, float]:

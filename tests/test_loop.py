@@ -233,6 +233,36 @@ def test_wandb_offline_holds_every_steps_metrics_and_the_config_and_a_resumed_ru
         assert items["time/step"] == pytest.approx(rows[step]["time"]["step"])
 
 
+def test_mlflow_holds_every_steps_metrics_and_the_config_and_a_resumed_run_continues_it(tmp_path):
+    """metrics.mlflow with a local file store: the run's metrics by step (eval's pass@k as
+    pass_at_k), the resolved config as parameters and config.json; a job stopped after step 2
+    and resubmitted logs step 3 into the same MLflow run."""
+    pytest.importorskip("mlflow")
+    store = f"file:{tmp_path / 'mlruns'}"
+    args = (f"metrics.mlflow.tracking_uri={store}", "checkpoint.interval=2", *EVAL[:2], "eval.before_train=true")
+    r = run_quickstart(tmp_path, *args, "loop.stop_after=2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_quickstart(tmp_path, *args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr, r.stderr[-3000:]
+    import mlflow
+
+    run_dir = tmp_path / "quickstart"
+    run_id = (run_dir / "mlflow-run-id").read_text().strip()
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.tracking.MlflowClient(tracking_uri=store)
+    run = client.get_run(run_id)
+    assert run.data.params["run.name"] == "quickstart" and run.data.params["data.prompts_per_step"] == "8"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "reward_mean")}
+    assert history == pytest.approx({row["step"]: row["reward_mean"] for row in rows})
+    assert sorted(m.step for m in client.get_metric_history(run_id, "time/step")) == [1, 2, 3]
+    evals = {m.step: m.value for m in client.get_metric_history(run_id, "eval/pass_at_1")}
+    assert evals == pytest.approx({row["step"]: row["eval/pass@1"] for row in _eval_rows(run_dir / "eval.jsonl")})
+    config = json.loads(Path(client.download_artifacts(run_id, "config.json", str(tmp_path))).read_text())
+    assert config["metrics"]["mlflow"]["tracking_uri"] == store
+
+
 def test_wandb_asked_for_but_missing_is_a_clear_error_at_start_up(tmp_path):
     """Without the package, metrics.wandb.project is refused when the config is read, naming the
     extra to install (a test that hides the installed package from the job)."""
