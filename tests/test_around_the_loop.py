@@ -59,70 +59,6 @@ def _wandb_records(path: Path) -> list:
     return out
 
 
-def test_wandb_offline_holds_every_steps_metrics_and_the_config_and_a_resumed_run_continues_it(tmp_path):
-    """metrics.wandb with mode offline: the run's W&B file holds each step's metrics row (phase
-    times as time/<phase>) and the resolved config; a job stopped after step 2 and resubmitted
-    resumes from its checkpoint into the same W&B run id, logging step 3."""
-    pytest.importorskip("wandb")
-    args = ("metrics.wandb.project=rltrain-test", "checkpoint.interval=2")
-    r = run_quickstart(tmp_path, *args, "loop.stop_after=2")
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = run_quickstart(tmp_path, *args)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "resumed from" in r.stderr, r.stderr[-3000:]
-    run_dir = tmp_path / "quickstart"
-    run_id = (run_dir / "wandb-run-id").read_text().strip()
-    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2
-    rows = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
-    logged = {}
-    for f in files:
-        for rec in _wandb_records(f):
-            kind = rec.WhichOneof("record_type")
-            if kind == "run":
-                assert rec.run.run_id == run_id and rec.run.project == "rltrain-test"
-                config = {u.key: json.loads(u.value_json) for u in rec.run.config.update}
-                assert config["run"]["name"] == "quickstart" and config["data"]["prompts_per_step"] == 8
-            if kind == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                logged[items["_step"]] = items
-    assert sorted(logged) == [1, 2, 3]
-    for step, items in logged.items():
-        assert "time/step" in items, sorted(items)
-        assert items["reward_mean"] == pytest.approx(rows[step]["reward_mean"])
-        assert items["time/step"] == pytest.approx(rows[step]["time"]["step"])
-
-
-def test_mlflow_holds_every_steps_metrics_and_the_config_and_a_resumed_run_continues_it(tmp_path):
-    """metrics.mlflow with a local file store: the run's metrics by step (eval's pass@k as
-    pass_at_k), the resolved config as parameters and config.json; a job stopped after step 2
-    and resubmitted logs step 3 into the same MLflow run."""
-    pytest.importorskip("mlflow")
-    store = f"file:{tmp_path / 'mlruns'}"
-    args = (f"metrics.mlflow.tracking_uri={store}", "checkpoint.interval=2", *EVAL[:2], "eval.before_train=true")
-    r = run_quickstart(tmp_path, *args, "loop.stop_after=2")
-    assert r.returncode == 0, r.stderr[-4000:]
-    r = run_quickstart(tmp_path, *args)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "resumed from" in r.stderr, r.stderr[-3000:]
-    import mlflow
-
-    run_dir = tmp_path / "quickstart"
-    run_id = (run_dir / "mlflow-run-id").read_text().strip()
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    client = mlflow.tracking.MlflowClient(tracking_uri=store)
-    run = client.get_run(run_id)
-    assert run.data.params["run.name"] == "quickstart" and run.data.params["data.prompts_per_step"] == "8"
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    history = {m.step: m.value for m in client.get_metric_history(run_id, "reward_mean")}
-    assert history == pytest.approx({row["step"]: row["reward_mean"] for row in rows})
-    assert sorted(m.step for m in client.get_metric_history(run_id, "time/step")) == [1, 2, 3]
-    evals = {m.step: m.value for m in client.get_metric_history(run_id, "eval/pass_at_1")}
-    assert evals == pytest.approx({row["step"]: row["eval/pass@1"] for row in _eval_rows(run_dir / "eval.jsonl")})
-    config = json.loads(Path(client.download_artifacts(run_id, "config.json", str(tmp_path))).read_text())
-    assert config["metrics"]["mlflow"]["tracking_uri"] == store
-
-
 def test_wandb_asked_for_but_missing_is_a_clear_error_at_start_up(tmp_path):
     """Without the package, metrics.wandb.project is refused when the config is read, naming the
     extra to install (a test that hides the installed package from the job)."""
@@ -148,33 +84,86 @@ def _eval_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_evaluation_runs_as_a_phase_of_its_own_and_a_resumed_run_repeats_it(tmp_path):
-    """eval every 2 steps and before training, 4 samples a prompt: eval.jsonl holds the weights
-    of steps 0, 2 and 4 judged on all 100 prompts (pass@1, 2, 4 and the reward), the eval phase
-    is timed in the rows of the steps it ran before, and eval.png is drawn. A job stopped after
-    step 2 and resubmitted evaluates step 2's weights again: the same results as the first
-    attempt's (seeded), that row moved aside first."""
-    r = run_quickstart(tmp_path, *EVAL, "loop.steps=4", "checkpoint.interval=2", "loop.stop_after=2")
+def test_evaluation_and_the_trackers_through_a_stop_and_a_resume(tmp_path):
+    """eval every 2 steps and before training, 4 samples a prompt at temperature 1, with W&B
+    (offline) and MLflow (a local store); the job stopped after step 2 and resubmitted.
+
+    - eval.jsonl holds the weights of steps 0, 2 and 4 judged on all 100 prompts (pass@1, 2, 4
+      and the reward); the resumed job evaluated step 2's weights again with the same results
+      as the first attempt (seeded), that row moved aside first; the eval phase is timed in the
+      rows of the steps it ran before; eval.png is drawn.
+    - W&B's offline run file holds each step's row (phase times as time/<phase>), the evals and
+      the resolved config; the resumed job logged into the same run id.
+    - MLflow holds the same by step (pass@k as pass_at_k), the config as parameters and
+      config.json, in the same run for both attempts."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    store = f"file:{tmp_path / 'mlruns'}"
+    args = (
+        *EVAL,
+        "loop.steps=4",
+        "checkpoint.interval=2",
+        "metrics.wandb.project=rltrain-test",
+        f"metrics.mlflow.tracking_uri={store}",
+    )
+    r = run_quickstart(tmp_path, *args, "loop.stop_after=2")
     assert r.returncode == 0, r.stderr[-4000:]
     run_dir = tmp_path / "quickstart"
     first = _eval_rows(run_dir / "eval.jsonl")
     assert [row["step"] for row in first] == [0, 2]
-    r = run_quickstart(tmp_path, *EVAL, "loop.steps=4", "checkpoint.interval=2", "metrics.plot=true")
+    r = run_quickstart(tmp_path, *args, "metrics.plot=true")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed from" in r.stderr, r.stderr[-3000:]
-    rows = _eval_rows(run_dir / "eval.jsonl")
-    assert [row["step"] for row in rows] == [0, 2, 4]
-    for row in rows:
+
+    evals = _eval_rows(run_dir / "eval.jsonl")
+    assert [row["step"] for row in evals] == [0, 2, 4]
+    for row in evals:
         assert row["eval/prompts"] == 100 and row["eval/samples"] == 400 and row["eval/generation_failed"] == 0
         assert 0 <= row["eval/pass@1"] <= row["eval/pass@2"] <= row["eval/pass@4"] <= 1
         assert row["step"] == 0 or row["weight_version"] == str(row["step"])  # (step 0: the engine's first)
     moved = _eval_rows(run_dir / "eval.dropped.jsonl")
     assert [row["step"] for row in moved] == [2]
     same = lambda row: {k: v for k, v in row.items() if k != "eval/seconds"}  # noqa: E731
-    assert same(moved[0]) == same(rows[1]) == same(first[1])
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert ["eval" in row["time"] for row in metrics] == [True, False, True, False]
+    assert same(moved[0]) == same(evals[1]) == same(first[1])
+    rows = {json.loads(line)["step"]: json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    assert ["eval" in rows[step]["time"] for step in (1, 2, 3, 4)] == [True, False, True, False]
     assert (run_dir / "eval.png").is_file()
+
+    run_id = (run_dir / "wandb-run-id").read_text().strip()
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert [f.name for f in files] == [f"run-{run_id}.wandb"] * 2
+    logged: dict[int, dict] = {}
+    for f in files:
+        for rec in _wandb_records(f):
+            kind = rec.WhichOneof("record_type")
+            if kind == "run":
+                assert rec.run.run_id == run_id and rec.run.project == "rltrain-test"
+                config = {u.key: json.loads(u.value_json) for u in rec.run.config.update}
+                assert config["run"]["name"] == "quickstart" and config["data"]["prompts_per_step"] == 8
+            if kind == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                logged.setdefault(items["_step"], {}).update(items)
+    assert sorted(logged) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert logged[step]["reward_mean"] == pytest.approx(rows[step]["reward_mean"])
+        assert logged[step]["time/step"] == pytest.approx(rows[step]["time"]["step"])
+    for row in evals:
+        assert logged[row["step"]]["eval/pass@1"] == pytest.approx(row["eval/pass@1"])
+
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.tracking.MlflowClient(tracking_uri=store)
+    run_id = (run_dir / "mlflow-run-id").read_text().strip()
+    params = client.get_run(run_id).data.params
+    assert params["run.name"] == "quickstart" and params["data.prompts_per_step"] == "8"
+    history = {m.step: m.value for m in client.get_metric_history(run_id, "reward_mean")}
+    assert history == pytest.approx({step: row["reward_mean"] for step, row in rows.items()})
+    assert sorted(m.step for m in client.get_metric_history(run_id, "time/step")) == [1, 2, 3, 4]
+    by_step = {m.step: m.value for m in client.get_metric_history(run_id, "eval/pass_at_1")}
+    assert by_step == pytest.approx({row["step"]: row["eval/pass@1"] for row in evals})
+    config = json.loads(Path(client.download_artifacts(run_id, "config.json", str(tmp_path))).read_text())
+    assert config["metrics"]["mlflow"]["tracking_uri"] == store
 
 
 def test_the_quickstart_evaluated_every_100_steps_rises_from_chance(tmp_path):

@@ -8,8 +8,10 @@ One process is the trainer (a one-rank world: FSDP2 over one rank), the embedded
 second process on the same device serving a model of the same architecture. Under torchrun
 with several ranks (tensor and distributed) the trainer is FSDP2-sharded over every GPU: rank 0
 gathers each bucket from all ranks and sends it, as in the loop; the limit of `tensor` is then a
-raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport: one
-warm-up push, then timed pushes of new versions (steady state): unverified; verified with the
+raw NCCL all-gather of the same bytes plus the CUDA IPC floor, both measured in the same run. Per transport,
+`--cycles` rounds of three modes, each a warm-up push, then timed pushes of new versions (steady
+state), each mode's fastest push over all rounds taken (the modes alternate, so that drift of
+the machine falls on all three): unverified; verified with the
 trainer's side of the probe scored in the push; verified with it riding the next training step
 (the loop's way, `WeightSync.ride`), whose whole cost adds asking the engines' probe once awake
 and their answers (timed alone: in the loop they answer on a thread, their scoring taking its
@@ -234,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--disk-shape", default=None, help="shape for disk/delta (default: --shape)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--cycles",
+        type=int,
+        default=3,
+        help="rounds of the three modes (unverified, verified, riding), each a warm-up and --repeats pushes: "
+        "each mode's fastest push over all rounds (drift falls on every mode alike)",
+    )
     ap.add_argument("--bucket-mb", type=int, default=512, help="sync.bucket_mb")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--micro", type=int, default=4, help="rows of the training micro-batch the probe rides")
@@ -327,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             awake_s: list[float] = []  # the engines' probe after a ridden push (the loop's sync_probe)
             answer_s: list[float] = []  # the engines' answers to it alone (in the loop, beside the rollout)
             judge_s: list[float] = []  # the ridden probe's judge (a gather over the bridge)
-            for verify, ride in ((False, False), (True, False), (True, True)):
+            pushes: dict[tuple[bool, bool], list[float]] = {}  # each mode's timed pushes, over every round
+            row_s: tuple[float, float] | None = None
+            modes = [(False, False), (True, False), (True, True)]
+            for n, (verify, ride) in enumerate(modes * max(a.cycles, 1)):
                 cfg = load_config(
                     None,
                     [
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                         assert isinstance(embedding, DTensor)  # (FSDP2 shards it, over one rank or more)
                         with torch.no_grad():
                             embedding.to_local().view(-1)[i::100] += 1
-                    version = str(len(results) * 100 + i + 1)
+                    version = str(n * 100 + i + 1)
                     synchronize(device)
                     t0 = time.perf_counter()
                     stats = ws.push(version, ride=ride)
@@ -375,19 +387,21 @@ def main(argv: list[str] | None = None) -> int:
                     import pstats
 
                     prof = cProfile.Profile()
-                    prof.runcall(ws.push, str(len(results) * 100 + 99))
+                    prof.runcall(ws.push, str(n * 100 + 99))
                     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 elif a.profile and not verify:
-                    ws.push(str(len(results) * 100 + 99))
+                    ws.push(str(n * 100 + 99))
                 if verify and not ride:  # of the last timed push: the reset and what follows the send
                     verify_s = ws.timings["verify"]
                     parts = {k.removeprefix("verify: "): v for k, v in ws.timings.items() if k.startswith("verify: ")}
                     if a.verify_parts and transport == "tensor" and ranks == 1:
                         verification_alone(ws, trainer, client, device)
-                if ride:
+                if ride and row_s is None:
                     row_s = ride_cost(trainer, ws.probe or list(range(1, 34)), device, a.micro, a.micro_tokens)
                 ws.close()
-                results[verify, ride] = (min(times[1:]), stats["sync_bytes"])
+                pushes.setdefault((verify, ride), []).extend(times[1:])
+                results[verify, ride] = (min(pushes[verify, ride]), stats["sync_bytes"])
+            assert row_s is not None
             nbytes = sum(w.nbytes for w in ws.plan.weights)
             best, sent = results[False, False]
             if a.profile:
