@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -205,6 +207,29 @@ def test_a_reward_that_never_returns_costs_its_own_samples_not_the_step():
     assert all("timed out" in out[i].error for i in (0, 1, 17))
     assert all(s.reward == 1.0 for i, s in enumerate(out) if i not in (0, 1, 17))
     assert runner.abandoned == 3
+
+
+def test_a_grader_that_never_returns_does_not_hold_the_process_at_exit(tmp_path):
+    """A job whose grader hung in a reward thread exits once its work is done, not when the
+    grader would have returned (ThreadPoolExecutor's threads are joined at exit: before, the
+    process waited out the grader's 60 s)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import time\n"
+        "from rltrain.rollout.rewards import RewardRunner\n"
+        "def grade(text, rec):\n"
+        "    if rec['hang']:\n"
+        "        time.sleep(60)\n"
+        "    return 1.0\n"
+        "runner = RewardRunner(grade, timeout_s=0.3, workers=2)\n"
+        "out = runner.score([('x', {'hang': i == 0}) for i in range(6)])\n"
+        "assert [s.error is None for s in out] == [False] + [True] * 5, out\n"
+        "runner.close()\n"
+    )
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
 
 
 def test_custom_reward_loading_errors():

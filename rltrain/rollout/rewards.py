@@ -12,7 +12,8 @@ A reward function takes (response_text, record) and returns a float. Built-ins:
 A reward that raises or runs past `timeout_s` marks the sample failed: it is excluded from
 training and counted in the metrics, never scored 0. A reward that never returns holds a thread
 of the pool for good (a thread cannot be stopped): the runner leaves it and goes on with a fresh
-pool, so a hung grader costs its own samples and the timeout once, never the rest of the step.
+pool, so a hung grader costs its own samples and the timeout once, never the rest of the step;
+its thread is a daemon, which does not keep the process from exiting.
 math-verify's own timeouts use signals, which work only in a process's main thread: off it,
 `math` calls math-verify without them and `timeout_s` bounds the call.
 """
@@ -22,11 +23,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import queue
 import re
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +154,38 @@ class Scored:
     error: str | None = None
 
 
+class Workers:
+    """`size` daemon threads running calls from a queue, each call's `Future` returned. Daemon
+    threads, unlike ThreadPoolExecutor's (joined when the interpreter exits), leave a call that
+    never returns behind at exit: a hung grader cannot hold the job's process open."""
+
+    def __init__(self, size: int, name: str):
+        self._tasks: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(size)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        self._tasks.put((fut, fn, args))
+        return fut
+
+    def _serve(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fut, fn, args = task
+            if not fut.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - the caller's to judge
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Each thread ends once it has run what it holds (a hung one never: it is a daemon)."""
+        for _ in self._threads:
+            self._tasks.put(None)
+
+
 class RewardRunner:
     """Scores responses in a thread pool, each call bounded by `timeout_s` from its start;
     failures are failures (module doc)."""
@@ -163,8 +197,8 @@ class RewardRunner:
         self._pool = self._fresh()
         self.abandoned = 0  # calls that never returned: each holds a thread of an old pool
 
-    def _fresh(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(self.workers, thread_name_prefix="rltrain-reward")
+    def _fresh(self) -> Workers:
+        return Workers(self.workers, "rltrain-reward")
 
     def _call(self, started: dict[int, float], i: int, text: str, rec: dict[str, Any]) -> float:
         started[i] = time.monotonic()
@@ -200,8 +234,8 @@ class RewardRunner:
                 if fut.cancel():
                     del running[fut]
                     running[self._pool.submit(self._call, started, i, *items[i])] = i
-            old.shutdown(wait=False)
+            old.shutdown()
         return [s if s is not None else Scored(None, "reward not run") for s in out]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
