@@ -432,11 +432,7 @@ class WandbConfig:
     entity: str = ""
 
     def check(self) -> None:
-        if self.project and importlib.util.find_spec("wandb") is None:
-            raise ConfigError(
-                f'metrics.wandb.project={self.project!r} but wandb is not installed: pip install "rltrain[wandb]" '
-                "(or leave metrics.wandb.project empty)"
-            )
+        _installed("wandb", "metrics.wandb.project", self.project)
 
 
 @dataclass
@@ -450,11 +446,15 @@ class MlflowConfig:
     run_name: str = ""  # default: run.name
 
     def check(self) -> None:
-        if self.tracking_uri and importlib.util.find_spec("mlflow") is None:
-            raise ConfigError(
-                f"metrics.mlflow.tracking_uri={self.tracking_uri!r} but mlflow is not installed: pip install "
-                '"rltrain[mlflow]" (or leave metrics.mlflow.tracking_uri empty)'
-            )
+        _installed("mlflow", "metrics.mlflow.tracking_uri", self.tracking_uri)
+
+
+def _installed(package: str, key: str, value: str) -> None:
+    """A tracker asked for (`key` set) needs its package, rltrain's extra of the same name."""
+    if value and importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f'{key}={value!r} but {package} is not installed: pip install "rltrain[{package}]" (or leave {key} empty)'
+        )
 
 
 @dataclass
