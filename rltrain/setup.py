@@ -20,7 +20,15 @@ from rltrain.engine.process import EngineCrashed
 from rltrain.history import Finished, HistoryError
 from rltrain.interfaces import Trainer, World
 from rltrain.rollout import synthetic
-from rltrain.rollout.data import Prompt, PromptSampler, read_records, tokenize_records
+from rltrain.rollout.data import (
+    DataError,
+    LazyPrompts,
+    Prompt,
+    PromptSampler,
+    parquet_to_arrow,
+    read_records,
+    tokenize_records,
+)
 from rltrain.rollout.evaluation import Evaluator
 from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.bridge import restart_attempt
@@ -134,14 +142,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         raise ConfigError(
             f"rollout.stop_token_ids {outside[:5]} are outside the model's vocabulary of {model_cfg.vocab_size}"
         )
-    prompts = tokenize_records(
-        read_records(data_path, cfg.data.fields),
-        tokenizer,
-        cfg.data.chat_template,
-        cfg.data.max_prompt_tokens,
-        source=data_path,
-        context=(context, cfg.rollout.max_new_tokens),
-    )
+    prompts = _prompts(cfg, world, data_path, tokenizer, context)
     if cfg.data.prompts_per_step % world.world_size:
         raise ValueError(
             f"data.prompts_per_step={cfg.data.prompts_per_step} must be divisible by the {world.world_size} ranks"
@@ -244,6 +245,33 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
     return RunParts(tokenizer, sampler, rewards, trainer, cycle, engine, sync, start_step, initial, evaluator)
 
 
+def _prompts(cfg: Config, world: World, path: str, tokenizer: PreTrainedTokenizerBase, context: int) -> LazyPrompts:
+    """The training prompts (rollout/data.py): a parquet file converted once by rank 0 into the
+    memory-mapped copy every rank reads; every prompt checked up front, each rank tokenising its
+    share, and a problem anywhere raised on every rank (the first record's)."""
+    cache = cfg.run_dir / "data" / "cache"
+    if path.endswith(".parquet") and Path(path).is_file():
+        _on_rank0(world, f"converting {path} to Arrow", lambda: parquet_to_arrow(Path(path), cache))
+    prompts = LazyPrompts(
+        read_records(path, cfg.data.fields, cache),
+        tokenizer,
+        cfg.data.chat_template,
+        cfg.data.max_prompt_tokens,
+        source=path,
+        context=(context, cfg.rollout.max_new_tokens),
+    )
+    found = [
+        p
+        for p in world.bridge.all_gather_object(
+            prompts.check(world.rank, world.world_size), phase="checking the prompts"
+        )
+        if p
+    ]
+    if found:
+        raise DataError(min(found)[1])
+    return prompts
+
+
 def _eval_prompts(cfg: Config, world: World, tokenizer: PreTrainedTokenizerBase, context: int) -> list[Prompt]:
     """eval.path's prompts, tokenised and checked as the training prompts are (before any
     expensive work); synthetic:addition is written into the run directory first."""
@@ -255,8 +283,9 @@ def _eval_prompts(cfg: Config, world: World, tokenizer: PreTrainedTokenizerBase,
             "writing the synthetic evaluation set",
             lambda: synthetic.write_jsonl(Path(path), synthetic.addition_records()),
         )
+    records = read_records(path, cfg.data.fields)
     return tokenize_records(
-        read_records(path, cfg.data.fields),
+        records[: cfg.eval.max_prompts] if cfg.eval.max_prompts else records,
         tokenizer,
         cfg.data.chat_template,
         cfg.data.max_prompt_tokens,

@@ -32,6 +32,31 @@ def test_a_save_to_disk_dataset_with_its_own_field_names_trains(tmp_path):
     assert sum(row["pass_rate"] for row in rows) > 0
 
 
+def test_a_parquet_dataset_with_a_prompt_too_long_on_one_ranks_share_stops_every_rank(tmp_path):
+    """A parquet dataset goes through its Arrow copy in the run directory; the prompts' check is
+    shared over the ranks, and a prompt too long in rank 1's share stops both ranks before any
+    engine starts, each naming the record."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from rltrain.rollout.synthetic import addition_records
+
+    rows = [{"question": r["prompt"], "answer": r["answer"]} for r in addition_records()]
+    rows[41]["question"] = " + ".join(["1"] * 12) + " ="
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "addition.parquet", row_group_size=16)
+    r = run_quickstart(
+        tmp_path,
+        f"data.path={tmp_path / 'addition.parquet'}",
+        "data.fields={prompt: question}",
+        "data.max_prompt_tokens=16",
+    )
+    assert r.returncode != 0
+    message = "addition.parquet record 41: prompt has 25 tokens, more than data.max_prompt_tokens=16"
+    assert r.stderr.count(message) >= 2, r.stderr[-4000:]
+    assert len(list((tmp_path / "quickstart" / "data" / "cache").glob("addition.*.arrow"))) == 1
+    assert not (tmp_path / "quickstart" / "metrics.jsonl").exists()
+
+
 def _wandb_records(path: Path) -> list:
     """The protobuf records of an offline W&B run file (run-<id>.wandb): a 7-byte header, then
     blocks of 32 KiB holding records framed as LevelDB's log does (crc, length, type; a record

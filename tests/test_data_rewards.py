@@ -13,7 +13,14 @@ import pytest
 from rltrain.generation import SamplingParams
 from rltrain.rollout import synthetic
 from rltrain.rollout.collect import build_batch, collect
-from rltrain.rollout.data import DataError, PromptSampler, read_records, tokenize_records
+from rltrain.rollout.data import (
+    DataError,
+    LazyPrompts,
+    PromptSampler,
+    parquet_to_arrow,
+    read_records,
+    tokenize_records,
+)
 from rltrain.rollout.rewards import (
     RewardRunner,
     extract_boxed,
@@ -67,7 +74,9 @@ def test_datasets_as_users_have_them_read_with_their_own_field_names(tmp_path):
     datasets.Dataset.from_list([*rows[:3], {"question": None, "solution": None, "id": 3}]).remove_columns(
         "question"
     ).save_to_disk(tmp_path / "bare")
-    with pytest.raises(DataError, match=r"bare record 0: has no field 'question' \(data.fields maps prompt to it\)"):
+    with pytest.raises(
+        DataError, match=r"bare: has no field 'question' \(data.fields maps prompt to it\); its columns"
+    ):
         read_records(tmp_path / "bare", fields)
     datasets.DatasetDict({"train": ds, "test": ds}).save_to_disk(tmp_path / "dict")
     with pytest.raises(DataError, match=r"holds a DatasetDict \(splits test, train\): set data.path to one split"):
@@ -78,6 +87,61 @@ def test_datasets_as_users_have_them_read_with_their_own_field_names(tmp_path):
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(DataError, match="not a parquet file pyarrow can read"):
         read_records(tmp_path / "bad.parquet")
+
+
+def test_a_large_parquet_file_is_read_through_one_memory_mapped_copy(tmp_path):
+    """Parquet goes once into an Arrow file in the cache directory (atomically: a damaged file
+    leaves nothing behind) and is read through its memory map: the same records, in order, as the
+    file read whole; the copy is reused while the file is unchanged and remade when it changes,
+    the old one removed; nulls in the prompt column are named by record."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"question": f"{a} + 1 =", "solution": str(a + 1)} for a in range(1000)]
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=64)
+    fields = {"prompt": "question", "answer": "solution"}
+    cache = tmp_path / "cache"
+    copy = parquet_to_arrow(path, cache)
+    got = read_records(path, fields, cache)
+    assert type(got).__name__ == "ArrowRecords" and len(got) == 1000
+    assert [r["answer"] for r in got[::97]] == [r["solution"] for r in rows[::97]]
+    assert got[-1]["prompt"] == "999 + 1 =" and got[5] == {**rows[5], "prompt": "5 + 1 =", "answer": "6"}
+    assert list(read_records(path, fields)) == list(got)  # (read whole, into memory)
+    assert parquet_to_arrow(path, cache) == copy and copy.stat().st_mtime_ns == copy.stat().st_mtime_ns
+    pq.write_table(pa.Table.from_pylist(rows[:10]), path)
+    again = parquet_to_arrow(path, cache)
+    assert again != copy and not copy.exists() and len(read_records(path, fields, cache)) == 10
+    # A damaged body: a DataError naming the file, and no copy (nor temporary) left in the cache.
+    data = path.read_bytes()
+    path.write_bytes(data[:4] + b"\0" * (len(data) - 200) + data[-196:])
+    with pytest.raises(DataError, match="big.parquet: (cannot read it as parquet|not a parquet file)"):
+        parquet_to_arrow(path, cache)
+    assert [p.name for p in cache.iterdir()] == [again.name] or list(cache.iterdir()) == []
+    pq.write_table(pa.Table.from_pylist([*rows[:3], {"question": None, "solution": "x"}]), tmp_path / "n.parquet")
+    with pytest.raises(DataError, match=r"n.parquet record 3: needs a 'prompt'"):
+        read_records(tmp_path / "n.parquet", fields, cache)
+
+
+def test_prompts_are_tokenised_when_drawn_and_checked_up_front_in_shares(tok):
+    """LazyPrompts gives the ids tokenize_records gives; `check` on each rank's share finds a
+    too-long prompt only on the rank that owns it, and the lowest record wins when ranks compare."""
+    records = synthetic.addition_records()
+    lazy = LazyPrompts(records, tok, False, 16)
+    eager = tokenize_records(records, tok, False, 16)
+    assert [p.input_ids for p in lazy] == [p.input_ids for p in eager] and lazy[7].record is records[7]
+    assert lazy.check(0, 2) is None and lazy.check(1, 2) is None
+    bad = [*records[:40], {"prompt": "1 + 2 + 3 + 4 + 5 + 6 + 7 + 8 + 9 ="}, *records[41:70]]
+    bad[60] = {"prompt": "1 + 1 + 1 + 1 + 1 + 1 + 1 + 1 + 1 ="}
+    lazy = LazyPrompts(bad, tok, False, 16, source="d.jsonl")
+    found = [lazy.check(r, 3, batch=8) for r in range(3)]
+    assert found[2] is None and found[1] is not None and found[1][0] == 40 and found[0][0] == 60
+    assert min(f for f in found if f)[1].startswith("d.jsonl record 40: prompt has 19 tokens")
+    with pytest.raises(DataError, match="d.jsonl record 60: prompt has 19 tokens"):
+        lazy[60]
+    chat = LazyPrompts([{"messages": [{"role": "user", "content": "1 + 2"}]}], tok, False, 16, source="c")
+    assert chat.check() == (0, "c record 0: chat prompts need a tokenizer with a chat template")
+    assert LazyPrompts([{"prompt": 3}], tok, False, 16, source="i").check()[1].startswith("i records 0..0: cannot")
 
 
 def test_prompt_longer_than_limit_is_rejected_up_front(tok):
