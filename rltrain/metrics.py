@@ -24,7 +24,7 @@ from tqdm import tqdm
 from rltrain.config import Config, config_to_dict
 from rltrain.interfaces import World
 from rltrain.runtime.failure import name_failure
-from rltrain.runtime.files import atomic_write_text
+from rltrain.runtime.files import append_line, atomic_write_text, set_rows_aside, step_rows
 from rltrain.runtime.ledger import MemoryLedger
 
 log = logging.getLogger("rltrain.loop")
@@ -71,15 +71,8 @@ class PhaseClock:
 
 
 def recorded(path: Path) -> list[tuple[int, str]]:
-    """(step, line) of every row in a metrics file; a torn last line (a job that died while
-    appending) is left out."""
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append((int(json.loads(line).get("step", 0)), line))
-        except (ValueError, TypeError, AttributeError):
-            continue
-    return rows
+    """(step, line) of every row in a metrics file (a torn last line left out)."""
+    return step_rows(path)
 
 
 def last_recorded_step(path: Path) -> int | None:
@@ -117,24 +110,15 @@ class MetricsWriter:
         """A resumed run keeps the rows its checkpoint covers; the rows after it (their steps run
         again) move to metrics.dropped.jsonl, so no step is counted twice and none is lost. (A run
         that starts at step 1 over existing rows was refused before: rltrain/history.py.)"""
-        if not self.path.exists():
-            return
-        rows = recorded(self.path)
-        dropped = [line for step, line in rows if step > start_step]
-        if not dropped:
-            return
         aside = self.path.with_name(DROPPED)
-        with open(aside, "a") as f:
-            f.write("".join(line + "\n" for line in dropped))
-            f.flush()
-            os.fsync(f.fileno())
-        atomic_write_text(self.path, "".join(line + "\n" for step, line in rows if step <= start_step))
-        log.warning(
-            "resuming after step %d: %d metrics row(s) of later steps, which run again, moved to %s",
-            start_step,
-            len(dropped),
-            aside,
-        )
+        moved = set_rows_aside(self.path, aside, lambda step: step <= start_step)
+        if moved:
+            log.warning(
+                "resuming after step %d: %d metrics row(s) of later steps, which run again, moved to %s",
+                start_step,
+                moved,
+                aside,
+            )
 
     def step(
         self, step: int, rollout: Any, rewards: torch.Tensor | None, adv_stats: dict, train: dict, clock: PhaseClock
@@ -206,11 +190,7 @@ class MetricsWriter:
         rec["rollout_time"] = {k: max(g.get(k, 0.0) for g in gathered) for k in ("generate_s", "score_s")}
         rec["wall"] = time.time()  # when the step ended (start-up and shutdown are measured from it)
         rec["memory"] = {f"rank{r}": g["memory"] for r, g in enumerate(gathered)}
-        line = json.dumps(rec)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, json.dumps(rec))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(

@@ -30,9 +30,7 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
-from pathlib import Path
 from typing import Any
 
 from rltrain.config import Config
@@ -42,7 +40,7 @@ from rltrain.rollout import collect
 from rltrain.rollout.data import Prompt
 from rltrain.rollout.multiturn import MultiTurn
 from rltrain.rollout.rewards import RewardRunner
-from rltrain.runtime.files import atomic_write_text
+from rltrain.runtime.files import append_line, set_rows_aside
 
 log = logging.getLogger("rltrain.eval")
 
@@ -96,7 +94,9 @@ class Evaluator:
         self.turns = MultiTurn.from_config(cfg.rollout, tokenizer) if cfg.rollout.multi_turn else None
         self.path = cfg.run_dir / "eval.jsonl"
         if world.rank == 0:
-            _keep_rows_before(self.path, start_step)
+            # A resumed run evaluates again from where it resumes: the rows of the steps from there
+            # on move to eval.dropped.jsonl (kept, not lost).
+            set_rows_aside(self.path, self.path.with_name(DROPPED), lambda step: step < start_step)
 
     def due(self, done: int) -> bool:
         """Whether the weights after `done` steps are evaluated."""
@@ -133,7 +133,7 @@ class Evaluator:
         figures = summarize([p for g in gathered for p in g["prompts"]], self.params.n)
         row: dict[str, Any] = {"step": done, "weight_version": version, **figures}
         row["eval/seconds"] = max(g["seconds"] for g in gathered)
-        _append(self.path, row)
+        append_line(self.path, json.dumps(row))
         log.info(
             "eval after step %d (weights %s): reward %.3f, pass@1 %.3f over %d prompts x %d, %.1f s",
             done,
@@ -163,24 +163,3 @@ def summarize(prompts: list[dict[str, Any]], n: int) -> dict[str, float]:
     for k in ks_of(n):
         row[f"eval/pass@{k}"] = sum(pass_at_k(n, p["passed"], k) for p in whole) / max(len(whole), 1)
     return row
-
-
-def _append(path: Path, row: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _keep_rows_before(path: Path, start_step: int) -> None:
-    """A resumed run evaluates again from where it resumes: the rows of the steps from there on
-    move to eval.dropped.jsonl (kept, not lost)."""
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    later = [line for line in lines if json.loads(line)["step"] >= start_step]
-    if not later:
-        return
-    with open(path.with_name(DROPPED), "a") as f:
-        f.write("".join(line + "\n" for line in later))
-    atomic_write_text(path, "".join(line + "\n" for line in lines if json.loads(line)["step"] < start_step))

@@ -1,7 +1,7 @@
 """Files that appear whole or not at all: atomic writes, directory publication, fsync, digests.
 
 Every durable artefact of a run — the resolved config, checkpoints, weight versions, the
-metrics file when a resumed run trims it — is written beside its final name, its bytes (for a
+metrics and evaluation rows a resumed run sets aside — is written beside its final name, its bytes (for a
 directory every file in it) are fsynced, it is renamed into place, and the rename is made
 durable by fsyncing the parent directory. A reader sees the old artefact or the new one,
 never half of one; a writer that fails leaves the old one untouched.
@@ -9,10 +9,12 @@ never half of one; a writer that fails leaves the old one untouched.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import xxhash
@@ -54,6 +56,40 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def step_rows(path: Path) -> list[tuple[int, str]]:
+    """(step, line) of every row of a jsonl file of steps (metrics.jsonl, eval.jsonl); a torn last
+    line (a job that died while appending) is left out."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append((int(json.loads(line).get("step", 0)), line))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return rows
+
+
+def append_line(path: Path, line: str) -> None:
+    """`line` appended to `path` and synced: a row written is a row kept."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def set_rows_aside(path: Path, aside: Path, keep: Callable[[int], bool]) -> int:
+    """The rows of the jsonl file `path` whose step `keep` refuses, appended to `aside` (synced)
+    before `path` is rewritten without them (atomically): each row is in one file or the other,
+    never lost, never in both once done. How many moved."""
+    if not path.is_file():
+        return 0
+    rows = step_rows(path)
+    moved = [line for step, line in rows if not keep(step)]
+    if moved:
+        append_line(aside, "\n".join(moved))
+        atomic_write_text(path, "".join(line + "\n" for step, line in rows if keep(step)))
+    return len(moved)
 
 
 def replace_dir(tmp: Path, target: Path) -> None:
