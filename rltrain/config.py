@@ -219,7 +219,19 @@ class AlgoConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     entropy_coef: float = 0.0
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    tis_cap: float | None = None  # truncated importance sampling cap against engine log-probs
+    tis_cap: float | None = None  # truncated importance sampling cap: rollout_is=token at this threshold
+    # Rollout correction against the engine's per-token log-probs (algo/losses.py's module doc;
+    # verl's rollout_correction names). rollout_is: importance weights per token or per sequence,
+    # truncated at rollout_is_threshold. rollout_rs: rejection (masked IS, IcePop) of a token, a
+    # sequence, or a sequence by its geometric-mean ratio, outside [rollout_rs_threshold_lower,
+    # rollout_rs_threshold] (null: rollout_is_threshold and its reciprocal). rollout_token_veto_threshold:
+    # a sequence with a token ratio below it is rejected. Metrics: is_weight, is_truncated, rs_rejected.
+    rollout_is: Literal["token", "sequence"] | None = None
+    rollout_is_threshold: float = 2.0
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    rollout_rs_threshold: float | None = None
+    rollout_rs_threshold_lower: float | None = None
+    rollout_token_veto_threshold: float | None = None
     # ppo: the clipped surrogate; cispo (MiniMax-M1): the clipped importance weight, without its
     # gradient, on a REINFORCE token loss (clip_eps_low/high bound the weight; >= 1 low: no floor).
     policy_loss: Literal["ppo", "cispo"] = "ppo"
@@ -240,6 +252,23 @@ class AlgoConfig:
     mini_batches: int = 1  # optimizer steps per epoch
 
     @property
+    def rollout_rs_bounds(self) -> tuple[float, float]:
+        """Rejection's (upper, lower) ratio bounds, defaults filled in."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return upper, lower
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the loss reads the engine's log-probs (importance weights, rejection or veto)."""
+        return (
+            self.tis_cap is not None
+            or self.rollout_is is not None
+            or self.rollout_rs is not None
+            or self.rollout_token_veto_threshold is not None
+        )
+
+    @property
     def old_logp_from_training(self) -> bool:
         """One optimizer step per batch and no reference KL: the old log-probs equal the training
         forward's own log-probs (same weights, same tokens), so they are taken from it, detached,
@@ -251,6 +280,23 @@ class AlgoConfig:
             raise ConfigError(f"algo.dual_clip={self.dual_clip}: expected > 1 (or null to disable)")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ConfigError(f"algo.tis_cap={self.tis_cap}: expected > 0 (or null to disable)")
+        if self.tis_cap is not None and self.rollout_is is not None:
+            raise ConfigError(
+                f"algo.tis_cap={self.tis_cap} is rollout_is=token at that threshold, and algo.rollout_is="
+                f"{self.rollout_is} is set too: keep one (rollout_is with rollout_is_threshold)"
+            )
+        if self.rollout_is_threshold <= 0:
+            raise ConfigError(f"algo.rollout_is_threshold={self.rollout_is_threshold}: expected > 0")
+        upper, lower = self.rollout_rs_bounds
+        if self.rollout_rs is not None and not 0 < lower <= 1 <= upper:
+            raise ConfigError(
+                f"algo.rollout_rs keeps ratios in [{lower}, {upper}] (rollout_rs_threshold_lower, "
+                "rollout_rs_threshold): expected 0 < lower <= 1 <= upper, so that a ratio of 1 (the engine "
+                "agreeing with the trainer) is kept"
+            )
+        veto = self.rollout_token_veto_threshold
+        if veto is not None and not 0 < veto < 1:
+            raise ConfigError(f"algo.rollout_token_veto_threshold={veto}: expected a ratio in (0, 1), e.g. 1e-4")
         if self.ppo_epochs < 1 or self.mini_batches < 1:
             raise ConfigError("algo.ppo_epochs and algo.mini_batches must be >= 1")
         if self.policy_loss == "cispo" and self.dual_clip is not None:

@@ -100,7 +100,89 @@ def test_truncated_importance_sampling_weights_tokens():
     cfg = PolicyLossConfig(tis_cap=1.5)
     loss, stats = policy_loss(old.clone(), old, adv, torch.ones(1, 2), cfg, rollout_logp=rollout)
     assert loss.item() == pytest.approx((-1.5 - 1.0) / 2)
-    assert stats["tis_weight"].item() == pytest.approx(1.25)
+    assert stats["is_weight"].item() == pytest.approx(1.25) and stats["is_truncated"].item() == 0.5
+
+
+def _two_sequences():
+    """Two sequences of 3 response tokens (the second's last is padding), the trainer's old
+    log-probs and the engine's: token ratios old/engine 2, 1, 0.5 and 1.25, 1.6, (pad)."""
+    old = torch.log(torch.tensor([[0.4, 0.3, 0.2], [0.5, 0.4, 0.9]]))
+    engine = torch.log(torch.tensor([[0.2, 0.3, 0.4], [0.4, 0.25, 0.1]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return old, engine, mask
+
+
+def test_rollout_correction_weights_and_rejects_as_each_level_defines():
+    """Importance weights per token (truncated) and per sequence (the product of the ratios,
+    truncated, at every token); rejection of tokens, of sequences by their product, or by their
+    geometric mean; the veto of a sequence with a token ratio below it. No weight or mask has a
+    gradient, padding is never weight nor rejected."""
+    from rltrain.algo.losses import rollout_correction
+
+    old, engine, mask = _two_sequences()
+
+    def run(**kw):
+        w, keep, stats = rollout_correction(old, engine, mask, PolicyLossConfig(**kw))
+        assert not w.requires_grad and not keep.requires_grad
+        return w * mask, keep * mask, {k: v.item() for k, v in stats.items()}
+
+    w, keep, stats = run(is_level="token", is_threshold=1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.0, 0.5], [1.25, 1.5, 0.0]]))
+    assert keep.tolist() == mask.tolist() and stats["is_truncated"] == pytest.approx(2 / 5)
+    assert stats["is_weight"] == pytest.approx((1.5 + 1 + 0.5 + 1.25 + 1.5) / 5) and stats["rs_rejected"] == 0
+    w, _, _ = run(is_level="sequence", is_threshold=1.5)  # products 1.0 and 2.0 (truncated to 1.5)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 1.0, 1.0], [1.5, 1.5, 0.0]]))
+    _, keep, stats = run(rs_level="token", rs_upper=1.5, rs_lower=0.6)
+    assert keep.tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]] and stats["rs_rejected"] == pytest.approx(3 / 5)
+    _, keep, _ = run(rs_level="sequence", rs_upper=1.5, rs_lower=0.6)  # products 1.0 (kept), 2.0 (out)
+    assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    # Geometric means: 1.0 and sqrt(2) = 1.414: a bound of 1.4 rejects the second, 1.5 keeps both.
+    assert run(rs_level="geometric", rs_upper=1.4, rs_lower=0.9)[1].tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert run(rs_level="geometric", rs_upper=1.5, rs_lower=0.9)[1].tolist() == mask.tolist()
+    _, keep, stats = run(veto=0.6)  # the first sequence has a token at 0.5
+    assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]] and stats["rs_rejected"] == pytest.approx(3 / 5)
+    with pytest.raises(ValueError, match="rollout rejection level 'seq'"):
+        run(rs_level="seq")
+
+
+def test_rejected_tokens_carry_no_gradient_and_micro_batches_still_sum_to_the_batch_loss():
+    """A token rejected by rollout correction adds nothing to the loss nor to its gradient; the
+    normaliser is the batch's (a rejected token counts as a zero), so two micro-batches with the
+    batch's normaliser sum to the whole batch's loss exactly."""
+    old, engine, mask = _two_sequences()
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    cfg = PolicyLossConfig(is_level="token", is_threshold=1.5, rs_level="token", rs_upper=1.5, rs_lower=0.6)
+    logp = old.clone().requires_grad_(True)
+    loss, _ = policy_loss(logp, old, adv, mask, cfg, rollout_logp=engine, normalizer=5.0)
+    loss.backward()
+    kept = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert (logp.grad[kept == 0] == 0).all() and (logp.grad[kept == 1] != 0).all()
+    # Kept: token (0, 1), weight 1, A = 1, ratio 1 -> -1; token (1, 0), weight 1.25, A = -1 -> +1.25.
+    assert loss.item() == pytest.approx((-1.0 + 1.25) / 5)
+    halves = [
+        policy_loss(old[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], cfg, engine[i : i + 1], 5.0)[0]
+        for i in range(2)
+    ]
+    assert (halves[0] + halves[1]).item() == pytest.approx(loss.item())
+    with pytest.raises(ValueError, match="needs the engine's rollout log-probs"):
+        policy_loss(old, old, adv, mask, cfg)
+
+
+def test_rollout_correction_settings_are_checked_when_the_config_is_read():
+    from rltrain.config import AlgoConfig, ConfigError
+
+    AlgoConfig(rollout_is="sequence", rollout_rs="geometric", rollout_rs_threshold=1.001).check()
+    assert AlgoConfig(rollout_rs="token").rollout_rs_bounds == (2.0, 0.5)  # rollout_is_threshold, its reciprocal
+    assert AlgoConfig(rollout_rs="token").corrects_rollout and not AlgoConfig().corrects_rollout
+    for bad, why in [
+        (dict(tis_cap=2.0, rollout_is="token"), "keep one"),
+        (dict(rollout_rs="token", rollout_rs_threshold=0.9), r"expected 0 < lower <= 1 <= upper"),
+        (dict(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=1.5), "lower <= 1"),
+        (dict(rollout_token_veto_threshold=2.0), r"expected a ratio in \(0, 1\)"),
+        (dict(rollout_is_threshold=0.0), "expected > 0"),
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            AlgoConfig(**bad).check()
 
 
 def test_aggregations():

@@ -189,12 +189,17 @@ def test_samples_from_stale_weights_are_refused():
             "algo.dynamic_sampling_max_batches=6",
             "trainer.max_tokens_per_micro_batch=256",  # padding-free, on two sharded ranks
         ],
-        # CISPO with MiniMax-M1's one-sided weight clip; REINFORCE++ normalised over both ranks.
+        # CISPO with MiniMax-M1's one-sided weight clip; REINFORCE++ normalised over both ranks;
+        # rollout correction: sequence importance weights, geometric rejection, the token veto.
         [
             "algo.policy_loss=cispo",
             "algo.clip_eps_low=1.0",
             "algo.clip_eps_high=2.0",
             "algo.advantage=reinforce_plus_plus",
+            "algo.rollout_is=sequence",
+            "algo.rollout_rs=geometric",
+            "algo.rollout_rs_threshold=1.001",
+            "algo.rollout_token_veto_threshold=1e-4",
         ],
     ],
     ids=["gspo-dapo", "cispo-reinforce++"],
@@ -207,6 +212,9 @@ def test_the_quickstart_runs_with_each_algorithm(tmp_path, algo):
     for row in rows:
         assert row["generation_failed"] == 0 and row["logp_diff_engine_trainer"] < 1e-3
         assert math.isfinite(row["loss"]) and row["grad_norm"] >= 0
+    if "algo.rollout_is=sequence" in algo:  # (the engine and the trainer agree on the CPU: little to correct)
+        for row in rows:
+            assert 0.99 < row["is_weight"] <= 2.0 and 0 <= row["is_truncated"] <= 1 and 0 <= row["rs_rejected"] < 0.5
     if "algo.dynamic_sampling=true" in algo:
         for row in rows:
             # No zero-advantage group in any train batch, and the over-sampling counted.

@@ -17,9 +17,20 @@ All per-token tensors are [B, T] with `mask` 1 on response tokens.
   -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A * log pi(y_t): the importance weight is clipped
   and carries no gradient, so no token's gradient is dropped (PPO's clip zeroes it). MiniMax-M1
   bounds the weight above only (eps_low >= 1 leaves it unbounded below).
-- Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
-  Off-Policy RL Training"): each token's loss is weighted by min(pi_old / pi_rollout, C), correcting
-  for the rollout engine's numerics differing from the trainer's.
+- Rollout correction, for samples whose engine log-probs differ from the trainer's old ones (the
+  engine's numerics, or weights a version or more behind: `loop.max_staleness`). With
+  log rho_t = old_logp - rollout_logp on each response token (bounded to [-20, 20]):
+  - importance weights (`is_level`): token, w_t = min(rho_t, C) (truncated IS: Yao et al. 2025,
+    "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training"); sequence,
+    w = min(prod_t rho_t, C) at every token of the sequence. The weight multiplies the token's
+    loss and carries no gradient.
+  - rejection (`rs_level`, masked IS: Liu, Li et al. 2025, "When Speed Kills Stability"; IcePop,
+    Ling team 2025): a token (token: rho_t), a whole sequence (sequence: prod_t rho_t; geometric:
+    exp(mean_t log rho_t)) outside [lower, upper] leaves the loss, its gradient dropped.
+  - veto (`veto`): a sequence with any rho_t below it leaves the loss.
+  A rejected token still counts in the normaliser (the loss is the batch's token- or sequence-mean
+  with that token's term 0, as IcePop's objective writes it): the micro-batches and the
+  data-parallel ranks then still sum to the full batch's loss exactly.
 - Aggregation: token-mean = sum(loss) / tokens; seq-mean-token-mean = mean over sequences of each
   sequence's token mean; seq-mean-token-sum = mean over sequences of each sequence's token sum
   (Dr. GRPO's unbiased form). Normalisers may be passed in so micro-batches and data-parallel
@@ -28,6 +39,7 @@ All per-token tensors are [B, T] with `mask` 1 on response tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +47,8 @@ import torch
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 LOSSES = ("ppo", "cispo")
 IMPORTANCE_LEVELS = ("token", "sequence")
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_LEVELS = ("token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -73,7 +87,13 @@ class PolicyLossConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float | None = None  # c > 1 enables dual clip
-    tis_cap: float | None = None  # C enables truncated importance sampling against engine log-probs
+    tis_cap: float | None = None  # C: is_level="token", is_threshold=C (the older spelling)
+    is_level: str | None = None  # rollout correction's importance weights: token or sequence (module doc)
+    is_threshold: float = 2.0
+    rs_level: str | None = None  # its rejection: token, sequence or geometric
+    rs_upper: float = 2.0
+    rs_lower: float = 0.5
+    veto: float | None = None
     aggregation: str = "token-mean"
     kind: str = "ppo"  # ppo (clipped surrogate) or cispo (clipped stop-gradient weight)
     importance_level: str = "token"  # token (PPO) or sequence (GSPO)
@@ -116,17 +136,59 @@ def policy_loss(
                 raise ValueError(f"dual_clip={cfg.dual_clip}: must be > 1")
             capped = torch.minimum(loss, -advantages * cfg.dual_clip)
             loss = torch.where(advantages < 0, capped, loss)
-    tis = None
-    if cfg.tis_cap is not None:
-        if rollout_logp is None:
-            raise ValueError("truncated importance sampling needs the engine's rollout log-probs")
-        tis = torch.exp((old_logp - rollout_logp).clamp(-20.0, 20.0)).clamp(max=cfg.tis_cap).detach()
-        loss = loss * tis
     n = maskf.sum().clamp(min=1.0)
     stats = {
         "clip_frac": (clipped_mask.to(loss.dtype) * maskf).sum() / n,
         "approx_kl_old": (0.5 * token_log_ratio.pow(2) * maskf).sum() / n,
     }
-    if tis is not None:
-        stats["tis_weight"] = (tis * maskf).sum() / n
+    if cfg.tis_cap is not None or cfg.is_level is not None or cfg.rs_level is not None or cfg.veto is not None:
+        if rollout_logp is None:
+            raise ValueError(
+                "rollout correction (importance weights or rejection) needs the engine's rollout log-probs"
+            )
+        weight, keep, more = rollout_correction(old_logp, rollout_logp, maskf, cfg)
+        loss = loss * weight * keep
+        stats.update(more)
     return aggregate(loss, mask, cfg.aggregation, normalizer), stats
+
+
+def rollout_correction(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, maskf: torch.Tensor, cfg: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The importance weight and the kept-token mask [B, T] of rollout correction (module doc),
+    neither with a gradient, and their statistics over the response tokens: the mean weight, the
+    share of tokens whose weight was truncated, the share rejected (rejection and veto)."""
+    level, threshold = cfg.is_level, cfg.is_threshold
+    if cfg.tis_cap is not None:
+        level, threshold = "token", cfg.tis_cap
+    if level not in (None, *ROLLOUT_IS_LEVELS):
+        raise ValueError(f"rollout IS level {level!r}; expected one of {', '.join(ROLLOUT_IS_LEVELS)}")
+    if cfg.rs_level not in (None, *ROLLOUT_RS_LEVELS):
+        raise ValueError(f"rollout rejection level {cfg.rs_level!r}; expected one of {', '.join(ROLLOUT_RS_LEVELS)}")
+    with torch.no_grad():
+        log_rho = ((old_logp - rollout_logp) * maskf).clamp(-20.0, 20.0)
+        tokens = maskf.sum(dim=1, keepdim=True)
+        seq_log_rho = log_rho.sum(dim=1, keepdim=True).clamp(-20.0, 20.0)
+        n = maskf.sum().clamp(min=1.0)
+        weight = torch.ones_like(maskf)
+        stats: dict[str, torch.Tensor] = {}
+        if level is not None:
+            raw = torch.exp(log_rho) if level == "token" else torch.exp(seq_log_rho).expand_as(maskf)
+            weight = raw.clamp(max=threshold)
+            stats["is_truncated"] = ((raw > threshold).to(maskf.dtype) * maskf).sum() / n
+        keep = torch.ones_like(maskf)
+        if cfg.rs_level is not None:
+            log_lo, log_hi = math.log(cfg.rs_lower), math.log(cfg.rs_upper)
+            if cfg.rs_level == "token":
+                judged = log_rho
+            elif cfg.rs_level == "sequence":
+                judged = seq_log_rho.expand_as(maskf)
+            else:  # geometric: the per-token mean of the sequence's log-ratios
+                judged = (log_rho.sum(dim=1, keepdim=True) / tokens.clamp(min=1.0)).expand_as(maskf)
+            keep = ((judged >= log_lo) & (judged <= log_hi)).to(maskf.dtype)
+        if cfg.veto is not None:
+            vetoed = ((log_rho < math.log(cfg.veto)) & (maskf > 0)).any(dim=1, keepdim=True)
+            keep = keep * (~vetoed).to(maskf.dtype)
+        stats["is_weight"] = (weight * maskf).sum() / n
+        stats["rs_rejected"] = ((1.0 - keep) * maskf).sum() / n
+    return weight, keep, stats

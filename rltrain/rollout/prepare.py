@@ -78,7 +78,7 @@ def prepare_batch(
     mask = batch.loss_mask.bool()
     assert batch.rollout_logp is not None and batch.old_logp is not None
     diff = float((batch.old_logp - batch.rollout_logp)[mask].abs().mean())
-    if cfg.algo.tis_cap is None:
+    if not cfg.algo.corrects_rollout:
         batch.rollout_logp = None
     return batch, rewards, {"logp_diff_engine_trainer": diff, **stats}
 

@@ -35,7 +35,20 @@ from rltrain.kernels import logprobs_entropy
 
 # The order of `micro_loss`'s statistics; engine_diff: |log-prob - engine's| summed over the loss
 # tokens, where the training forward is the old log-probs' (`AlgoConfig.old_logp_from_training`).
-STATS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "approx_kl_old", "engine_diff", "engine_tokens")
+# is_weight, is_truncated, rs_rejected: rollout correction's (token-weighted), where the config asks for it.
+STATS = (
+    "loss",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clip_frac",
+    "approx_kl_old",
+    "engine_diff",
+    "engine_tokens",
+    "is_weight",
+    "is_truncated",
+    "rs_rejected",
+)
 
 LogProbs = tuple[torch.Tensor, torch.Tensor | None]  # [B, L] log-probs, and entropies when asked
 
@@ -68,6 +81,12 @@ def loss_config(algo: AlgoConfig) -> PolicyLossConfig:
         eps_high=algo.clip_eps_high,
         dual_clip=algo.dual_clip,
         tis_cap=algo.tis_cap,
+        is_level=algo.rollout_is,
+        is_threshold=algo.rollout_is_threshold,
+        rs_level=algo.rollout_rs,
+        rs_upper=algo.rollout_rs_bounds[0],
+        rs_lower=algo.rollout_rs_bounds[1],
+        veto=algo.rollout_token_veto_threshold,
         aggregation=algo.loss_agg,
         kind=algo.policy_loss,
         importance_level=algo.importance_level,
@@ -282,7 +301,7 @@ def micro_loss(
             loss = loss + algo.kl_coef * aggregate(kl, mb.loss_mask, algo.loss_agg, normalizer)
         kl_sum = (kl.detach() * mb.loss_mask).sum()
     w = mb.loss_mask.sum()
-    engine_diff = engine_tokens = torch.zeros((), device=logp.device)
+    engine_diff = engine_tokens = zero = torch.zeros((), device=logp.device)
     if mb.old_logp is None and mb.rollout_logp is not None:
         engine_diff = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum()
         engine_tokens = w
@@ -296,6 +315,7 @@ def micro_loss(
             stats["approx_kl_old"].detach() * w,
             engine_diff,
             engine_tokens,
+            *(stats[k].detach() * w if k in stats else zero for k in ("is_weight", "is_truncated", "rs_rejected")),
         ]
     ).double()
     return loss, acc
@@ -306,7 +326,7 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
     acc = acc.to(device=backend.device, dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(acc, group=backend.data_group())
-    loss_sum, pg_sum, kl, ent, clip, akl, engine_diff, engine_tokens = acc.tolist()
+    loss_sum, pg_sum, kl, ent, clip, akl, engine_diff, engine_tokens, is_weight, is_truncated, rejected = acc.tolist()
     out = {
         "loss": loss_sum,
         "pg_loss": pg_sum,
@@ -318,6 +338,12 @@ def step_stats(backend: Backend, acc: torch.Tensor, total_tokens: float, grad_no
     }
     if engine_tokens:
         out["logp_diff_engine_trainer"] = engine_diff / engine_tokens
+    if backend.algo.corrects_rollout:
+        out.update(
+            is_weight=is_weight / total_tokens,
+            is_truncated=is_truncated / total_tokens,
+            rs_rejected=rejected / total_tokens,
+        )
     return out
 
 
