@@ -13,10 +13,11 @@ processes (torch.multiprocessing, a gloo group), each as a training rank is:
   rank memory-maps it, checks its share of the prompts up front (`LazyPrompts.check`, the ranks
   exchange the results) and tokenises only the prompts each step draws.
 
-Per rank: the seconds until the first step could start, the growth of its resident memory over
-the baseline of the imports (peak, from `getrusage`), its private memory when ready (USS: what is
-not shared with other processes, e.g. the page cache of a memory-mapped file), and the time to draw
-a step's share of prompts. The yardstick printed beside them: the records decoded as an Arrow
+Per rank, from a baseline taken after the imports and the tokenizer: the seconds until the first
+step could start, the growth of its private memory (USS: pages no other process shares) and of
+its resident memory (RSS, which also counts the pages of a memory-mapped file it has read: the
+page cache, one copy for all the ranks), after 20 steps; and the time to draw a step's share of
+prompts. The yardstick printed beside them: the records decoded as an Arrow
 table (their bytes in memory, once), and the machine's memory.
 """
 
@@ -27,7 +28,6 @@ import datetime
 import json
 import os
 import random
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -107,6 +107,11 @@ def _rss_mib() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
+def _uss_mib() -> float:
+    """Memory only this process holds (not shared pages such as a memory-mapped file's)."""
+    return psutil.Process().memory_full_info().uss / 2**20
+
+
 def _rank(rank: int, a: argparse.Namespace, mode: str, work: Path, port: int) -> None:
     import pyarrow.compute  # noqa: PLC0415, F401 - imported before the baseline: its libraries are not data
     import pyarrow.parquet  # noqa: PLC0415, F401
@@ -118,8 +123,7 @@ def _rank(rank: int, a: argparse.Namespace, mode: str, work: Path, port: int) ->
     tokenizer = AutoTokenizer.from_pretrained(work / "tokenizer")
     path, cache = work / "data.parquet", work / "cache"
     dist.barrier()
-    base = _rss_mib()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base, base_private = _rss_mib(), _uss_mib()
     t0 = time.perf_counter()
     convert_s = 0.0
     prompts: Any
@@ -141,7 +145,6 @@ def _rank(rank: int, a: argparse.Namespace, mode: str, work: Path, port: int) ->
     for _ in range(a.steps):
         drawn += sum(len(p.input_ids) for p in sampler.next_batch(rank, a.ranks))
     draw_ms = (time.perf_counter() - t1) / a.steps * 1e3
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out = {
         "rank": rank,
         "mode": mode,
@@ -149,9 +152,8 @@ def _rank(rank: int, a: argparse.Namespace, mode: str, work: Path, port: int) ->
         "convert_s": convert_s,
         "draw_ms": draw_ms,
         "tokens_drawn": drawn,
-        "peak_growth_mib": max(0.0, peak - max(base, peak_before)),
         "rss_growth_mib": _rss_mib() - base,
-        "uss_mib": psutil.Process().memory_full_info().uss / 2**20,
+        "private_growth_mib": _uss_mib() - base_private,
         "base_mib": base,
     }
     (work / f"{mode}.{rank}.json").write_text(json.dumps(out))
@@ -191,21 +193,22 @@ def main(argv: list[str] | None = None) -> None:
                 copy = next((work / "cache").glob("*.arrow"))
                 print(f"# the Arrow copy: {copy.stat().st_size / 2**20:.0f} MiB on disk, shared by the ranks' maps")
         print(
-            "| mode | rank | ready (s) | of which converting (s) | peak growth (MiB) | resident growth (MiB) | "
-            "private (USS, MiB) | draw a step (ms) |"
+            "| mode | rank | ready (s) | of which converting (s) | private growth (MiB) | resident growth (MiB) | "
+            "of which shared (MiB) | draw a step (ms) |"
         )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
                 f"| {r['mode']} | {r['rank']} | {r['ready_s']:.1f} | {r['convert_s']:.1f} | "
-                f"{r['peak_growth_mib']:.0f} | {r['rss_growth_mib']:.0f} | {r['uss_mib']:.0f} | {r['draw_ms']:.1f} |"
+                f"{r['private_growth_mib']:.0f} | {r['rss_growth_mib']:.0f} | "
+                f"{r['rss_growth_mib'] - r['private_growth_mib']:.0f} | {r['draw_ms']:.1f} |"
             )
+        total = psutil.virtual_memory().total / 2**20
         for mode in dict.fromkeys(r["mode"] for r in rows):
-            mine = [r for r in rows if r["mode"] == mode]
+            private = sum(r["private_growth_mib"] for r in rows if r["mode"] == mode)
             print(
-                f"# {mode}: the ranks together grew by {sum(r['peak_growth_mib'] for r in mine):.0f} MiB at peak "
-                f"({sum(r['peak_growth_mib'] for r in mine) / decoded:.2f}× the decoded records; the node's memory "
-                f"{psutil.virtual_memory().total / 2**20:.0f} MiB)"
+                f"# {mode}: the ranks' private memory grew by {private:.0f} MiB in all ({private / decoded:.2f}x the "
+                f"records decoded once, {decoded:.0f} MiB; the machine has {total:.0f} MiB)"
             )
 
 
