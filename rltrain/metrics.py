@@ -250,11 +250,11 @@ WANDB_ID = "wandb-run-id"  # in the run directory: a resumed run logs to the sam
 
 
 def start_wandb(cfg: Config, resumed: bool) -> Any:
-    """The W&B run of this job (config.py's WandbConfig), the resolved config as its config.
+    """The W&B run of this job (config/tracking.py WandbConfig), the resolved config as its config.
     Its id is made at the run's first start and kept in the run directory: a restart from a
     checkpoint resumes that run (W&B drops the steps it already has, and the rows after the
     checkpoint run again)."""
-    import wandb  # noqa: PLC0415 - optional (the wandb extra; config.py checks it is installed)
+    import wandb  # noqa: PLC0415 - optional (the wandb extra; the config checks it is installed)
 
     w = cfg.metrics.wandb
     id_file = cfg.run_dir / WANDB_ID
@@ -276,14 +276,14 @@ MLFLOW_ID = "mlflow-run-id"  # in the run directory: a resumed run logs to the s
 
 
 def start_mlflow(cfg: Config, resumed: bool) -> Any:
-    """The MLflow run of this job (config.py's MlflowConfig), the resolved config as its
+    """The MLflow run of this job (config/tracking.py MlflowConfig), the resolved config as its
     parameters and as config.json; resumed where the run directory keeps its id."""
     m = cfg.metrics.mlflow
     if m.tracking_uri.startswith("file:"):
         # MLflow 3 keeps its file store in maintenance mode behind this opt-in; a local store
         # needs nothing else (a server or a database is the tracking_uri's business).
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    import mlflow  # noqa: PLC0415 - optional (the mlflow extra; config.py checks it is installed)
+    import mlflow  # noqa: PLC0415 - optional (the mlflow extra; the config checks it is installed)
 
     mlflow.set_tracking_uri(m.tracking_uri)
     id_file = cfg.run_dir / MLFLOW_ID

@@ -1,7 +1,7 @@
 """`sync.transport=distributed`: per bucket, each engine's leader rank broadcasts one flat buffer
 over a weight-update group it made once with its engine's TP ranks through
 /init_weights_update_group (NCCL on GPU, gloo on CPU), inside a weight-update session per
-version. Not colocated on GPU: NCCL refuses two ranks of one group on one device (config.py).
+version. Not colocated on GPU: NCCL refuses two ranks of one group on one device (rltrain/config/).
 
 The trainer's end of each group is built outside torch's group registry
 (`runtime.weight_group.UnregisteredGroup`): the world's destroy between steps must not take it

@@ -1,0 +1,98 @@
+"""The inference engines: the backend, their layout over a node's GPUs, SGLang's arguments and
+the embedded engine's own settings (engine, engine.embedded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rltrain.config.errors import ConfigError
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """Keys only the embedded engine reads (`engine.backend: embedded`); SGLang takes its own
+    through `engine.extra_args`."""
+
+    max_batch_size: int = 256  # sequences decoded together
+    # On CUDA: the decode step's transformer blocks torch.compiled (fused norms, rotary and
+    # activations; start-up pays the compilation once).
+    compile: bool = True
+    # On CUDA: the weights, KV cache and CUDA graphs' memory through
+    # torch_memory_saver (SGLang's --enable-memory-saver; SGLang on CUDA always has it), so they
+    # are released and resumed at the same addresses and the captured graphs are kept, not
+    # captured again at every rollout. auto: where torch_memory_saver is installed.
+    memory_saver: bool | Literal["auto"] = "auto"
+    # How the engine's process starts on the CPU. auto: forked from its rank, which has
+    # imported torch and transformers already (no second import per engine), where a fork is
+    # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;
+    # exec: always a new interpreter. SGLang and engines on GPUs always start as new programs.
+    start: Literal["auto", "exec"] = "auto"
+
+    def check(self) -> None:
+        if self.max_batch_size < 1:
+            raise ConfigError(f"engine.embedded.max_batch_size={self.max_batch_size}: expected >= 1")
+
+
+@dataclass
+class EngineConfig:
+    """The node's rollout engine: real SGLang or the embedded engine, same HTTP protocol."""
+
+    # auto: SGLang where it is installed and a GPU is present, else the embedded engine.
+    backend: Literal["auto", "embedded", "sglang"] = "auto"
+    # Empty: model.path.
+    model_path: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Each engine's GPUs (its TP size): the node's GPUs are split into LOCAL_WORLD_SIZE /
+    # gpus_per_engine engines (engine/layout.py). 0: SGLang one engine over the node, the
+    # embedded engine one per GPU.
+    gpus_per_engine: int = 0
+    # Share of GPU memory for weights + KV cache (SGLang; the embedded engine's paged path).
+    mem_fraction_static: float = 0.8
+    seed: int = 0
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    max_inflight: int = 32  # concurrent HTTP requests per rank
+    prompts_per_request: int = 16
+    retries: int = 3  # transport errors only
+    # An engine process that dies during rollout is started again this many times per job (its
+    # weights re-sent, the generations it lost retried); one more death stops the job with the
+    # engine's log tail.
+    max_restarts: int = 1
+    extra_args: list[str] = field(default_factory=list)  # appended to the server command line
+    # Batch-invariant rollouts: the embedded engine runs each request on its own (no batching
+    # across requests), SGLang gets --enable-deterministic-inference. With per-step sampling
+    # seeds this makes runs, and resumed runs, repeat exactly.
+    deterministic: bool = False
+    # Every endpoint of the engine then needs `Authorization: Bearer <api_key>` (servers bind to
+    # loopback anyway). The embedded engine gets the key through its environment, SGLang through
+    # its --api-key flag (visible in the process list: SGLang takes it no other way).
+    api_key: str = ""
+    # Release the engines' memory (weights, KV cache, CUDA graphs) while the trainer trains
+    # (colocated). auto: on GPUs, where that device memory is what the trainer needs; an engine on
+    # the CPU keeps its memory (what it would free is host memory, and release, resume and the
+    # weights' rewrite would cost every step for it). SGLang releases on CUDA only.
+    release: bool | Literal["auto"] = "auto"
+    # Keep a host copy of the weights while they are released (SGLang's
+    # --enable-weights-cpu-backup; the embedded engine's --weights-backup). Off: released weights
+    # are discarded and come back as garbage until the sync rewrites every parameter — the
+    # post-sync verification is what proves it did — and no step pays a device->host->device
+    # copy of the whole model.
+    weights_backup: bool = False
+    embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)  # engine.embedded.*
+
+    def check(self) -> None:
+        if self.gpus_per_engine < 0:
+            raise ConfigError(f"engine.gpus_per_engine={self.gpus_per_engine}: expected >= 1, or 0 for the default")
+        for key in ("max_inflight", "prompts_per_request"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 1")
+        for key in ("retries", "max_restarts"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 0")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ConfigError(f"engine.mem_fraction_static={self.mem_fraction_static}: expected a fraction in (0, 1)")
+        for key in ("startup_timeout_s", "request_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"engine.{key}={getattr(self, key)}: expected a positive number of seconds")

@@ -1,0 +1,144 @@
+"""The job's own sections: the run directory and seeds (run), the process world (world), the
+model (model), the loop's shape (loop), checkpoints, releasing the trainer (release), the weight
+sync (sync)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from rltrain.config.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes its files and how it is seeded."""
+
+    name: str = "rltrain"
+    # Run directory = <dir>/<name>. Resolved config, logs and metrics go there.
+    dir: str = "runs"
+    seed: int = 0
+    # Begin again at step 1 where the run directory has history (metrics, checkpoints): the old
+    # files are kept beside, renamed *.before-<time>. Without it such a start is refused.
+    start_over: bool = False
+
+    def check(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"run.name={self.name!r}: expected a non-empty name without '/'")
+
+
+@dataclass
+class WorldConfig:
+    """The SPMD runtime: default process group, Gloo bridge, destroy/rebuild between phases."""
+
+    # auto: nccl when CUDA is available, else gloo.
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    # Every distributed wait (store, bridge, collectives, rebuild) gives up after this long.
+    timeout_s: float = 600.0
+    # Tear the default group down between phases and rebuild it (frees NCCL memory). auto: with
+    # the nccl backend only (a gloo world holds no accelerator memory: its cycle frees nothing).
+    # The environment variable RLTRAIN_RELOAD_WORLD=0/1 overrides it without editing configs.
+    reload: bool | Literal["auto"] = "auto"
+    # Run the teardown in a background thread so it is off the step's critical path;
+    # `World.wait_destroyed()` (and `rebuild()`) join it before memory is needed again.
+    async_destroy: bool = True
+
+    def check(self) -> None:
+        if not self.timeout_s > 0:
+            raise ConfigError(f"world.timeout_s={self.timeout_s!r}: expected a positive number of seconds")
+
+
+@dataclass
+class ModelConfig:
+    """The policy model: a local HF checkpoint directory (config.json + safetensors + tokenizer)."""
+
+    path: str = ""
+    # tiny-addition: if `path` does not exist, build a random tiny Qwen2 and the word-level
+    # tokenizer of the synthetic addition task there (the quickstart; no downloads).
+    # tiny-addition-moe: the same with a tiny Qwen3-MoE (4 experts, top 2) instead.
+    # tiny-lookup: the same for the tool quickstart's task (rollout/synthetic.py).
+    build: Literal["none", "tiny-addition", "tiny-addition-moe", "tiny-lookup"] = "none"
+    build_hidden: int = 64  # size of the built model
+    build_layers: int = 2
+
+    def check(self) -> None:
+        if not self.path:
+            raise ConfigError("model.path is required: a local HF checkpoint directory")
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 100
+    colocate: bool = True  # release engine memory while training, and trainer memory while rolling out
+    offload_trainer: bool = True  # params/grads/optimizer to host memory between train phases (GPU)
+    # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
+    # so a run stopped here and resumed is the same run (for time-limited allocations).
+    stop_after: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded atomic checkpoints (torch.distributed.checkpoint + per-rank state + manifest)."""
+
+    dir: str = ""  # empty: <run dir>/checkpoints
+    interval: int = 0  # save every N steps (0: never, unless release.train=true with source=disk)
+    keep_last: int = 3
+    resume: str = "auto"  # auto: newest complete checkpoint if any; none; or a step_* directory
+
+    def check(self) -> None:
+        if self.interval < 0 or self.keep_last < 0:
+            raise ConfigError("checkpoint.interval and checkpoint.keep_last must be >= 0")
+
+
+@dataclass
+class ReleaseConfig:
+    """Release-train: drop the trainer entirely after each step's verified save, re-create it next step."""
+
+    train: bool = False
+    source: Literal["disk", "host"] = "disk"  # re-create from the checkpoint, or from a host-RAM snapshot
+
+
+@dataclass
+class SyncConfig:
+    """How new weights reach the engines after each step (rltrain/sync/)."""
+
+    # tensor: handles to one buffer per bucket (CUDA IPC on GPU, shared memory on CPU), colocated;
+    # disk: HF safetensors per version; delta: XOR+zstd against the last version, applied next
+    # to the engine before a disk load (for slow shared storage, not colocated); distributed:
+    # broadcast over a weight-update group made through /init_weights_update_group.
+    # auto: tensor where the engines are colocated with the trainer (nothing is written or copied
+    # twice), disk where they are not (`Config.sync_transport` resolves it; the log says which).
+    transport: Literal["auto", "disk", "tensor", "delta", "distributed"] = "auto"
+    bucket_mb: int = 512
+    delta_full_every: int = 10  # every K-th version is published in full
+    # Verify every sync (sync/verify.py): the version each engine serves; the embedded engine's
+    # checksum against the trainer's; SGLang's weights reset before the sync and every parameter
+    # found rewritten after it (its /weights_checker), engines of one shard in agreement; the probe.
+    verify: bool = True
+    weights_dir: str = ""  # where weight versions are published (disk, delta); empty: <run dir>/weights
+    keep_weight_versions: int = 2  # 0: keep every version
+    # After every sync (with sync.verify) each engine scores the probe, this many tokens: the first
+    # data prompt's first half of them and the engine's greedy continuation (made at start-up); its
+    # log-probs must match the trainer's within bounds on the mean and the worst position
+    # |difference| (nats), calibrated at start-up where engine and trainer hold model.path's weights
+    # (sync/probe.py). probe_tolerance, probe_worst_tolerance > 0: those bounds instead. 0 tokens: no probe.
+    probe_tokens: int = 32
+    probe_tolerance: float = 0.0
+    probe_worst_tolerance: float = 0.0
+    # A warning when a rank's engine-vs-trainer log-prob gap of a step's rollout
+    # (logp_diff_engine_trainer) exceeds this many times the median of its earlier steps: weights
+    # the verification passed may still not be what the engine computes with. 0: no alarm.
+    logp_gap_alarm: float = 3.0
+
+    def check(self) -> None:
+        if self.bucket_mb < 1 or self.delta_full_every < 1:
+            raise ConfigError("sync.bucket_mb and sync.delta_full_every must be >= 1")
+        if self.probe_tokens < 0 or self.probe_tokens == 1:
+            raise ConfigError(f"sync.probe_tokens={self.probe_tokens}: expected 0 (no probe) or >= 2")
+        for key in ("probe_tolerance", "probe_worst_tolerance", "logp_gap_alarm"):
+            if not getattr(self, key) >= 0:  # (NaN too)
+                raise ConfigError(f"sync.{key}={getattr(self, key)}: expected a number >= 0 (0: the default)")
+        if 0 < self.logp_gap_alarm <= 1:
+            raise ConfigError(
+                f"sync.logp_gap_alarm={self.logp_gap_alarm}: expected 0 (off) or a factor > 1 over the gap's median"
+            )
