@@ -3,7 +3,9 @@
 EVAL           every eval.every steps (and before step 1 with eval.before_train): held-out
                prompts sampled and scored on the engines, nothing trained (rollout/evaluation.py)
 ROLLOUT        engines awake; each rank samples its prompts' groups and scores them, more prompts
-               while DAPO's dynamic sampling wants them (rollout/step.py)
+               while DAPO's dynamic sampling wants them (rollout/step.py). loop.max_staleness=1:
+               step t+1's rollout then starts in a thread, from the same weights, and runs
+               while step t trains; step t+1 takes it (the sync waits for it first)
 ENGINE ->      pause the engines, release their memory (weights, KV cache, CUDA graphs) [colocate]
 TRAIN          world rebuild, trainer back on the device (re-created if released), old/ref
                log-probs and advantages (rollout/prepare.py), optimizer steps, checkpoint
@@ -37,7 +39,7 @@ from rltrain.history import Finished, PreviousAttemptFailed, last_step, nothing_
 from rltrain.interfaces import PROBE_STATS, World
 from rltrain.metrics import MetricsWriter, PhaseClock
 from rltrain.rollout.prepare import LogpGapAlarm, prepare_batch
-from rltrain.rollout.step import StepRollout
+from rltrain.rollout.step import RolloutAhead, StepRollout
 from rltrain.runtime.failure import clear_failures, failing_in, name_failure
 from rltrain.runtime.ledger import MemoryLedger
 from rltrain.runtime.stop import StopRequest, write_marker
@@ -65,8 +67,10 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     )
     writer = MetricsWriter(cfg, world, parts.start_step)
     rollouts = StepRollout(cfg, world, sampler, parts.tokenizer, parts.rewards)
+    ahead = RolloutAhead(rollouts)  # loop.max_staleness=1: step t+1's rollout while step t trains
     gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
+    recent = [version]  # the versions a step may train on, newest first (loop.max_staleness + 1 of them)
     last: dict[str, float] = {}
     done = parts.start_step  # the last recorded step
     closing = [("the metrics writer's close", writer.close), *parts.closing()]
@@ -83,20 +87,27 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
         for step in range(parts.start_step, last_step(cfg)):
             clock.start_step(step + 1)
             if reason := stop.agreed(world, "before the rollout"):
+                ahead.discard()  # (its prompts go back to the sampler: the checkpoint draws them again)
                 _stop_at_step_boundary(cfg, parts, world, step, reason)
                 break
             if parts.evaluator is not None and parts.evaluator.due(step):  # the weights of `step` steps
                 with clock.phase("eval"):
                     writer.evaluation(parts.evaluator.run(engine.client, step, version))
-            with clock.phase("rollout"):
-                rollout = rollouts.collect(engine.client, step)
+            with clock.phase("rollout"):  # (a rollout ahead: the wait for what is left of it)
+                rollout = ahead.take(step)
+                if rollout is None:
+                    rollout = rollouts.collect(engine.client, step)
+                else:
+                    rollout.stats["rollout_ahead_s"] = ahead.seconds
             if engine.recover():  # an engine died: restarted (or the job stops, with its log tail)
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
                     _send_weights_again(parts, world, version)
                     rollout = rollouts.retry_failed(engine.client, rollout)
             with clock.phase("rollout"):
-                rollout = rollouts.for_training(rollout, version)
+                rollout = rollouts.for_training(rollout, recent)
+            if cfg.loop.max_staleness and step + 1 < last_step(cfg):
+                ahead.start(engine.client, step + 1)  # from the weights before this step's training
             _to_training(clock.phase, parts, world)
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = prepare_batch(cfg, trainer, rollout)
@@ -112,13 +123,18 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             gap.observe(step + 1, {**adv_stats, **train_stats})  # a warning where the gap jumps
             with clock.phase("save"):
                 reason = stop.agreed(world, "after the train step")
-                cycle.keep_state(step, {"sampler": sampler.state_dict()}, force=reason is not None)
+                cycle.keep_state(step, {"sampler": ahead.sampler_state()}, force=reason is not None)
             version = str(step + 1)
+            recent = [version, *recent][: cfg.loop.max_staleness + 1]
             if reason is not None:  # no sync this step: its row has no sync_* figures (the ridden probe: logged)
                 judged = {k: train_stats.pop(k) for k in PROBE_STATS if k in train_stats}
                 if judged and world.rank == 0:
                     log.info("step %d: the probe of the weights it trained from: %s", step + 1, judged)
-            if reason is None:
+            if reason is not None:
+                ahead.discard()
+            else:
+                with clock.phase("rollout_ahead_wait"):
+                    ahead.wait()  # the engines idle before their weights change
                 sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
                 for k in PROBE_STATS:  # the ridden probe's and the last push's
                     if k in train_stats and k in sent:

@@ -183,6 +183,14 @@ class MetricsWriter:
                 rec["multiturn"].get("turns_trajectories", 0.0), 1.0
             )
         slowest = {p: max(g["times"].get(p, 0.0) for g in gathered) for p in gathered[0]["times"]}
+        # loop.max_staleness: how many samples were trained at each lag behind the trained
+        # weights ({"0": ..., "1": ...}), and the seconds of the rollout generated ahead, beside
+        # the training it overlapped (its wait, if any, is the step's "rollout" phase).
+        lags = sorted({k for g in gathered for k in g if k.startswith("stale_samples_")})
+        if lags:
+            rec["staleness"] = {k.removeprefix("stale_samples_"): sum(g.get(k, 0.0) for g in gathered) for k in lags}
+        if any("rollout_ahead_s" in g for g in gathered):
+            rec["rollout_ahead_s"] = max(g.get("rollout_ahead_s", 0.0) for g in gathered)
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)
         rec["time"] = {**slowest, "step": max(g["step_seconds"] for g in gathered)}
         # inside the rollout phase (not phases of their own): the slowest rank's wait for its

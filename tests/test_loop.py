@@ -168,8 +168,11 @@ class _S:
 def test_samples_from_stale_weights_are_refused():
     rollout = type("R", (), {"groups": [[_S("4"), _S("3")]]})()
     with pytest.raises(StaleWeightsError, match=r"weight version\(s\) \['3', '4'\], expected 4"):
-        check_versions(rollout, "4", rank=1)
-    check_versions(type("R", (), {"groups": [[_S("4")]]})(), "4", rank=0)
+        check_versions(rollout, ["4"], rank=1)
+    check_versions(type("R", (), {"groups": [[_S("4")]]})(), ["4"], rank=0)
+    check_versions(rollout, ["4", "3"], rank=0)  # loop.max_staleness=1: one version behind is allowed
+    with pytest.raises(StaleWeightsError, match=r"expected 5 or one of the 1 before it \(\['4'\]\)"):
+        check_versions(rollout, ["5", "4"], rank=0)
 
 
 @pytest.mark.parametrize(

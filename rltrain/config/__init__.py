@@ -126,6 +126,11 @@ class Config:
                 f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "
                 f"got {self.rollout.n}"
             )
+        if self.loop.max_staleness and self.algo.dynamic_sampling:
+            raise ConfigError(
+                "loop.max_staleness=1 with algo.dynamic_sampling: dynamic sampling's rounds agree over the ranks "
+                "while the rollout ahead runs beside training; set one of them off"
+            )
         if self.algo.dynamic_sampling and self.rollout.n < 2:
             raise ConfigError("algo.dynamic_sampling keeps groups whose samples' rewards differ: needs rollout.n >= 2")
         if self.algo.overlong_buffer >= self.rollout.max_new_tokens:
@@ -189,6 +194,8 @@ def build_config(raw: dict[str, Any]) -> Config:
     """Build a validated `Config` from plain nested dicts (YAML-shaped)."""
     cfg = build_section(Config, raw, prefix="")
     check_tree(cfg)
+    if cfg.loop.max_staleness and not cfg.algo.corrects_rollout:
+        cfg.algo.rollout_is = "token"  # off-policy samples are always corrected (LoopConfig.max_staleness)
     return cfg
 
 

@@ -74,6 +74,27 @@ class LoopConfig:
     # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
     # so a run stopped here and resumed is the same run (for time-limited allocations).
     stop_after: int = 0
+    # Rollout ahead of training (one-step off-policy): 1 generates step t+1's samples while step
+    # t trains, from the weights before step t (each sample one version behind the policy it
+    # trains); 0 is the synchronous loop. Needs loop.colocate=false (the engines keep serving
+    # while the trainer trains). Rollout correction (algo.rollout_is / rollout_rs) is on with it:
+    # algo.rollout_is=token where none is set. Larger bounds need weight updates to engines with
+    # requests in flight, not built yet.
+    max_staleness: int = 0
+
+    def check(self) -> None:
+        if self.max_staleness < 0:
+            raise ConfigError(f"loop.max_staleness={self.max_staleness}: expected 0 (synchronous) or 1")
+        if self.max_staleness > 1:
+            raise ConfigError(
+                f"loop.max_staleness={self.max_staleness}: only 0 (synchronous) and 1 (step t+1's rollout while step t "
+                "trains) are built; a larger bound needs weight updates to engines while their requests are in flight"
+            )
+        if self.max_staleness and self.colocate:
+            raise ConfigError(
+                "loop.max_staleness=1 generates while the trainer trains: the engines must keep their memory, so set "
+                "loop.colocate=false"
+            )
 
 
 @dataclass

@@ -10,8 +10,11 @@ parameters and number of batches, which `collect` keeps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import threading
+import time
 from typing import Any
 
 from rltrain.config import Config
@@ -85,10 +88,14 @@ class StepRollout:
         rollout.stats["engine_restarts"] = 1.0
         return rollout
 
-    def for_training(self, rollout: Rollout, version: str | None) -> Rollout:
-        """The groups this rank trains on, all sampled from weight version `version` (a collective
-        with dynamic sampling: the ranks agree on their shares of the informative groups)."""
-        check_versions(rollout, version, self.world.rank)
+    def for_training(self, rollout: Rollout, versions: list[str | None]) -> Rollout:
+        """The groups this rank trains on, all sampled from the current weight version
+        (`versions[0]`) or, with loop.max_staleness, one of the versions before it that it allows
+        (`versions[1:]`, newest first) (a collective with dynamic sampling: the ranks agree on
+        their shares of the informative groups)."""
+        check_versions(rollout, versions, self.world.rank)
+        if self.cfg.loop.max_staleness:
+            rollout.stats.update(staleness(rollout, versions))
         if self.cfg.algo.dynamic_sampling:
             rollout = keep_informative_over_ranks(self.cfg, self.world, rollout, self._batches)
         return rollout
@@ -99,13 +106,98 @@ def rollout_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 1_009 + rank) * 1_000_000
 
 
-def check_versions(rollout: Rollout, expected: str | None, rank: int) -> None:
-    """Never train on samples from stale weights: every completion must carry the current version."""
-    if expected is None:
+def check_versions(rollout: Rollout, versions: list[str | None], rank: int) -> None:
+    """Never train on samples from stale weights: every completion must carry the current version
+    (`versions[0]`), or with loop.max_staleness k one of the k before it (`versions[1:]`, newest
+    first)."""
+    if not versions or versions[0] is None:
         return
     seen = {s.completion.weight_version for g in rollout.groups for s in g}
-    if seen - {expected}:
+    if seen - set(versions):
+        within = f" or one of the {len(versions) - 1} before it ({versions[1:]})" if len(versions) > 1 else ""
         raise StaleWeightsError(
             f"rank {rank}: rollout produced by weight version(s) {sorted(map(str, seen))}, "
-            f"expected {expected}; the engine did not load the published weights"
+            f"expected {versions[0]}{within}; the engine did not load the published weights"
         )
+
+
+def staleness(rollout: Rollout, versions: list[str | None]) -> dict[str, float]:
+    """How many versions behind the trained weights (`versions[0]`; the ones before it follow)
+    each sample's weights were: the count of samples at each lag (`stale_samples_<k>`)."""
+    if not versions or versions[0] is None:
+        return {}
+    lags: dict[str, float] = {}
+    for g in rollout.groups:
+        for s in g:
+            v = s.completion.weight_version
+            if v in versions:
+                key = f"stale_samples_{versions.index(v)}"
+                lags[key] = lags.get(key, 0.0) + 1.0
+    return lags
+
+
+class RolloutAhead:
+    """Step t+1's rollout generated in a thread while step t trains (`loop.max_staleness=1`).
+
+        ahead.start(client, step)      after step t's batch is taken: draw and sample step t+1
+        ahead.wait()                   before the sync: the engines idle while weights change
+        rollout = ahead.take(step)     at step t+1: its rollout (None if none was started)
+        ahead.sampler_state()          what a checkpoint keeps: the state before the draw ahead,
+                                       so a resumed run draws those prompts again
+
+    The thread uses only the engine client, the reward runner and the sampler, none of which
+    the training step touches; its failure is raised by `take` (or `wait`) in the loop's thread."""
+
+    def __init__(self, rollouts: StepRollout):
+        self.rollouts = rollouts
+        self._thread: threading.Thread | None = None
+        self._step: int | None = None
+        self._before: dict[str, int] | None = None
+        self._result: Rollout | None = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0  # the last rollout ahead's own duration (overlapped with training)
+
+    def start(self, client: RolloutClient, step: int) -> None:
+        assert self._thread is None, "one rollout ahead at a time"
+        self._step, self._before = step, self.rollouts.sampler.state_dict()
+        self._result = self._error = None
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                self._result = self.rollouts.collect(client, step)
+            except BaseException as e:  # noqa: BLE001 - raised in the loop's thread by take/wait
+                self._error = e
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name=f"rollout-ahead-{step + 1}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            if self._error is not None:
+                error, self._error = self._error, None
+                self._thread = None
+                raise error
+
+    def take(self, step: int) -> Rollout | None:
+        """Step `step`'s rollout, sampled ahead; None where none was (then the loop samples it)."""
+        if self._thread is None:
+            return None
+        self.wait()
+        assert self._step == step, f"the rollout ahead is step {self._step}'s, not {step}'s"
+        rollout, self._thread, self._before = self._result, None, None
+        return rollout
+
+    def discard(self) -> None:
+        """Drop a rollout ahead that will not be trained (the run stops): its prompts go back."""
+        if self._thread is not None:
+            with contextlib.suppress(BaseException):
+                self.wait()
+            assert self._before is not None
+            self.rollouts.sampler.load_state_dict(self._before)
+            self._thread = self._before = self._result = None
+
+    def sampler_state(self) -> dict[str, int]:
+        return dict(self._before) if self._before is not None else self.rollouts.sampler.state_dict()

@@ -1,0 +1,55 @@
+"""Rollout ahead of training (`loop.max_staleness=1`, #54): step t+1's samples generated while step
+t trains, each trained one weight version behind, corrected, checked and counted; a stop and a
+resume; the settings refused where they cannot work. End to end under torchrun on the CPU (the
+engines are processes of their own there, as on GPUs of their own)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rltrain.config import ConfigError, load_config
+from test_loop import REPO, run_quickstart
+
+AHEAD = ("loop.colocate=false", "loop.max_staleness=1")
+
+
+def _rows(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_each_step_after_the_first_trains_on_samples_one_version_behind_and_a_resumed_run_draws_them_again(tmp_path):
+    """Step 1 samples from the weights it trains (nothing was ahead); steps 2-3 train on samples
+    generated while the step before trained, one version behind (the staleness histogram says so
+    and the version check allows exactly that), with token importance weights on by default.
+    Stopped after step 2 and started again, step 3's prompts are drawn again from the checkpoint
+    (the rollout ahead is not saved): it samples them from the weights it trains."""
+    r = run_quickstart(tmp_path, *AHEAD, "checkpoint.interval=1", "loop.stop_after=2")
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_quickstart(tmp_path, *AHEAD, "checkpoint.interval=1")
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    assert [row["staleness"] for row in rows] == [{"0": 64.0}, {"1": 64.0}, {"0": 64.0}]
+    assert "rollout_ahead_s" not in rows[0] and rows[1]["rollout_ahead_s"] > 0 and "rollout_ahead_s" not in rows[2]
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["samples_trained"] == 64
+        assert 0.5 < row["is_weight"] <= 2.0 and 0 <= row["is_truncated"] <= 1  # (rollout_is=token by default)
+        assert "rollout_ahead_wait" in row["time"]
+    resolved = (tmp_path / "quickstart" / "config.yaml").read_text()
+    assert "rollout_is: token" in resolved and "max_staleness: 1" in resolved
+
+
+def test_the_rollout_ahead_settings_are_refused_where_they_cannot_work(tmp_path):
+    qs = str(REPO / "configs" / "quickstart.yaml")
+    with pytest.raises(ConfigError, match="set loop.colocate=false"):
+        load_config(qs, ["loop.max_staleness=1"])
+    with pytest.raises(ConfigError, match="only 0 .synchronous. and 1"):
+        load_config(qs, ["loop.colocate=false", "loop.max_staleness=2"])
+    with pytest.raises(ConfigError, match="dynamic sampling's rounds"):
+        load_config(qs, [*AHEAD, "algo.dynamic_sampling=true"])
+    cfg = load_config(qs, [*AHEAD, "algo.rollout_rs=geometric", "algo.rollout_rs_threshold=1.01"])
+    assert cfg.algo.rollout_is is None and cfg.algo.rollout_rs == "geometric"  # (a correction set: kept as set)
+    assert load_config(qs, list(AHEAD)).algo.rollout_is == "token"
+    assert load_config(qs, ["loop.colocate=false"]).algo.rollout_is is None
