@@ -158,6 +158,10 @@ def test_chat_prompts_need_a_chat_template(tok):
     try:
         (p,) = tokenize_records([{"messages": [{"role": "user", "content": "1 + 2"}]}], tok, False, 64)
         assert tok.convert_ids_to_tokens(p.input_ids) == ["1", "+", "2", "="]
+        # A batch of both kinds: the chat record through the template, the plain one as it is.
+        mixed = [{"prompt": "1 + 2"}, {"messages": [{"role": "user", "content": "1 + 2"}]}]
+        plain, chat = (tok.convert_ids_to_tokens(p.input_ids) for p in LazyPrompts(mixed, tok, False, 64).take([0, 1]))
+        assert chat == ["1", "+", "2", "="] and plain[-3:] == ["1", "+", "2"]
     finally:
         tok.chat_template = None
 

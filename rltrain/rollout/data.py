@@ -282,8 +282,7 @@ def tokenize_records(
     """Each record's prompt as token ids; a prompt over data.max_prompt_tokens, or (`context`:
     the model's context length and rollout.max_new_tokens) one that leaves no room for a whole
     response, is an error naming the record."""
-    lazy = LazyPrompts(records, tokenizer, chat_template, max_prompt_tokens, source, context)
-    return [lazy[i] for i in range(len(lazy))]
+    return LazyPrompts(records, tokenizer, chat_template, max_prompt_tokens, source, context)[:]
 
 
 class LazyPrompts(Sequence[Prompt]):
@@ -321,7 +320,7 @@ class LazyPrompts(Sequence[Prompt]):
             return []
         recs = _take(self.records, indices)
         prompts = []
-        for i, rec, ids in zip(indices, recs, self._token_ids(recs, indices[0])):
+        for i, rec, ids in zip(indices, recs, self._token_ids(recs, indices)):
             error = self._error(i, len(ids))
             if error:
                 raise DataError(error)
@@ -348,9 +347,9 @@ class LazyPrompts(Sequence[Prompt]):
         for start in range(0, len(mine), batch):
             at = mine[start : start + batch]
             try:
-                batch_ids = self._token_ids(_take(self.records, at), at[0])
+                batch_ids = self._token_ids(_take(self.records, at), at)
             except DataError as e:
-                return at[0], str(e)
+                return getattr(e, "index", at[0]), str(e)
             except Exception as e:  # noqa: BLE001 - the tokenizer's own errors (a prompt that is not text): named
                 return at[0], f"{self.source} records {at[0]}..{at[-1]}: cannot tokenise ({type(e).__name__}: {e})"
             for i, ids in zip(at, batch_ids):
@@ -359,22 +358,29 @@ class LazyPrompts(Sequence[Prompt]):
                     return i, error
         return None
 
-    def _token_ids(self, recs: Sequence[dict[str, Any]], first: int) -> list[list[int]]:
-        """The prompts of `recs` (the first being record `first`) as token ids, in one call of the
-        tokenizer for plain prompts (its batch path), one per record for chat."""
-        plain = not self.chat_template and all("messages" not in r for r in recs)
+    def _token_ids(self, recs: Sequence[dict[str, Any]], indices: Sequence[int]) -> list[list[int]]:
+        """The prompts of `recs` (records `indices`) as token ids: the plain ones in one
+        call of the tokenizer (its batch path), those with `messages` (or all, with
+        data.chat_template) through the chat template one by one."""
+        chat = [self.chat_template or "messages" in r for r in recs]
+        out: list[list[int]] = [[] for _ in recs]
+        plain = [k for k, c in enumerate(chat) if not c]
         if plain:
-            out = [list(map(int, ids)) for ids in self.tokenizer([r["prompt"] for r in recs])["input_ids"]]
-        else:
+            for k, ids in zip(plain, self.tokenizer([recs[k]["prompt"] for k in plain])["input_ids"]):
+                out[k] = list(map(int, ids))
+        for k in (k for k, c in enumerate(chat) if c):
             if not getattr(self.tokenizer, "chat_template", None):
-                raise DataError(f"{self.source} record {first}: chat prompts need a tokenizer with a chat template")
-            out = []
-            for r in recs:
-                messages = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
-                ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                    ids = ids["input_ids"]
-                out.append(list(map(int, ids)))
+                error = DataError(
+                    f"{self.source} record {indices[k]}: chat prompts need a tokenizer with a chat template"
+                )
+                error.index = indices[k]  # type: ignore[attr-defined]
+                raise error
+            r = recs[k]
+            messages = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            out[k] = list(map(int, ids))
         return out
 
     def _error(self, i: int, n: int) -> str | None:
