@@ -42,7 +42,11 @@ import torch
 
 
 class DataError(ValueError):
-    """A dataset that cannot be used; names the file and line."""
+    """A dataset that cannot be used; names the file and line (`index`: the record, where one)."""
+
+    def __init__(self, message: str, index: int | None = None):
+        super().__init__(message)
+        self.index = index
 
 
 @dataclass
@@ -349,7 +353,7 @@ class LazyPrompts(Sequence[Prompt]):
             try:
                 batch_ids = self._token_ids(_take(self.records, at), at)
             except DataError as e:
-                return getattr(e, "index", at[0]), str(e)
+                return (at[0] if e.index is None else e.index), str(e)
             except Exception as e:  # noqa: BLE001 - the tokenizer's own errors (a prompt that is not text): named
                 return at[0], f"{self.source} records {at[0]}..{at[-1]}: cannot tokenise ({type(e).__name__}: {e})"
             for i, ids in zip(at, batch_ids):
@@ -370,11 +374,9 @@ class LazyPrompts(Sequence[Prompt]):
                 out[k] = list(map(int, ids))
         for k in (k for k, c in enumerate(chat) if c):
             if not getattr(self.tokenizer, "chat_template", None):
-                error = DataError(
-                    f"{self.source} record {indices[k]}: chat prompts need a tokenizer with a chat template"
+                raise DataError(
+                    f"{self.source} record {indices[k]}: chat prompts need a tokenizer with a chat template", indices[k]
                 )
-                error.index = indices[k]  # type: ignore[attr-defined]
-                raise error
             r = recs[k]
             messages = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
