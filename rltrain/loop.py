@@ -133,8 +133,9 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason is not None:
                 ahead.discard()
             else:
-                with clock.phase("rollout_ahead_wait"):
-                    ahead.wait()  # the engines idle before their weights change
+                if cfg.loop.max_staleness:
+                    with clock.phase("rollout_ahead_wait"):
+                        ahead.wait()  # the engines idle before their weights change
                 sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
                 for k in PROBE_STATS:  # the ridden probe's and the last push's
                     if k in train_stats and k in sent:
