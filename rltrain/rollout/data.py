@@ -152,7 +152,8 @@ class ArrowRecords(Sequence[dict[str, Any]]):
         pa = _pyarrow(Path(self.source))
         names = self.table.schema.names
         column = self._column("prompt")
-        if column not in names or not pa.types.is_string(self.table.schema.field(column).type):
+        kind = self.table.schema.field(column).type if column in names else None
+        if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             return [None] * len(indices)
         sizes = pa.compute.binary_length(self.table.column(column))  # (of the whole column: no string copied)
         if self._column("messages") in names:
