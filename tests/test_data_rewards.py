@@ -118,6 +118,9 @@ def test_a_large_parquet_file_is_read_through_one_memory_mapped_copy(tmp_path):
     with pytest.raises(DataError, match="big.parquet: (cannot read it as parquet|not a parquet file)"):
         parquet_to_arrow(path, cache)
     assert [p.name for p in cache.iterdir()] == [again.name] or list(cache.iterdir()) == []
+    # The check's byte sizes, from string and large_string columns (pandas writes the latter).
+    pq.write_table(pa.table({"prompt": pa.array(["1 + 2 =", "héllo"], pa.large_string())}), tmp_path / "l.parquet")
+    assert read_records(tmp_path / "l.parquet").prompt_bytes([1, 0]) == [6, 7]
     pq.write_table(pa.Table.from_pylist([*rows[:3], {"question": None, "solution": "x"}]), tmp_path / "n.parquet")
     with pytest.raises(DataError, match=r"n.parquet record 3: needs a 'prompt'"):
         read_records(tmp_path / "n.parquet", fields, cache)
