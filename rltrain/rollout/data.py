@@ -341,14 +341,14 @@ class LazyPrompts(Sequence[Prompt]):
         tokens the tokenizer adds to any text: such a prompt that fits by that bound is not
         tokenised here; the rest are. (Should a tokenizer break the bound, the prompt is still
         checked when a step draws it, and the run stops there, naming it.)"""
-        mine = range(rank, len(self), world_size)
+        mine: Sequence[int] = range(rank, len(self), world_size)
         limit = self.max_prompt_tokens
         if self.context is not None:
             limit = min(limit, self.context[0] - self.context[1])
         if not self.chat_template:
             added = len(self.tokenizer("")["input_ids"])
             sizes = _prompt_bytes(self.records, mine)
-            mine = [i for i, b in zip(mine, sizes) if b is None or b == 0 or b + added > limit]  # type: ignore[assignment]
+            mine = [i for i, b in zip(mine, sizes) if b is None or b == 0 or b + added > limit]
         for start in range(0, len(mine), batch):
             at = mine[start : start + batch]
             try:
