@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
@@ -14,8 +15,9 @@ from rltrain import history, interfaces
 from rltrain.between_steps import BetweenSteps, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
 from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
-from rltrain.engine.command import check_engine, resolve_device
+from rltrain.engine.command import check_engine, resolve_backend, resolve_device
 from rltrain.engine.launcher import NodeEngine
+from rltrain.engine.layout import EngineLayout
 from rltrain.engine.process import EngineCrashed
 from rltrain.history import Finished, HistoryError
 from rltrain.interfaces import Trainer, World
@@ -153,7 +155,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         load_reward(cfg.reward.function, cfg.reward.format_regex), cfg.reward.timeout_s, cfg.reward.workers
     )
 
-    check_placement(cfg)
+    check_placement(cfg, world)
     trainer = _trainer(cfg, world, str(model_path), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
     # On GPUs the engines start first, on devices nothing else holds yet: SGLang sizes its KV pool
     # from the free memory it sees at start-up, and the engine and the trainer at once could need
@@ -306,11 +308,22 @@ def engine_alive(engine: NodeEngine) -> bool:
 INITIAL_VERSION = "0"  # the trainer's weights before its first step, when the setup sends them
 
 
-def check_placement(cfg: Config) -> None:
-    """What the config asks of the engines that cannot work where they run (ConfigError)."""
+def check_placement(cfg: Config, world: World) -> None:
+    """What the config asks of the engines that cannot work where they run (ConfigError), before
+    anything starts: the engines' layout over the node's GPUs included."""
     check_engine(cfg.engine, cfg.rollout.seeded)
-    if cfg.sync_transport == "distributed" and resolve_device(cfg.engine.device) == "cuda":
+    device = resolve_device(cfg.engine.device)
+    if cfg.sync_transport == "distributed" and device == "cuda" and not cfg.engine.gpus:
         raise ConfigError(DISTRIBUTED_COLOCATED)
+    visible = torch.cuda.device_count() if device == "cuda" else None
+    layout = EngineLayout.of(cfg.engine, resolve_backend(cfg.engine.backend), world.env, visible)
+    if layout.apart and layout.gpus_per_engine > 1 and cfg.sync_transport == "tensor":
+        raise ConfigError(
+            f"sync.transport=tensor to engines of {layout.gpus_per_engine} GPUs of their own (engine.gpus="
+            f"{cfg.engine.gpus}): a tensor sync hands each TP rank its payload from the trainer rank on that TP "
+            "rank's GPU, and no trainer rank is on an engine's GPUs; use sync.transport=distributed (NCCL "
+            "broadcast to the engine's ranks) or disk, or engine.gpus_per_engine=1"
+        )
 
 
 def _trainer(cfg: Config, world: World, model_path: str, pad_id: int) -> Trainer:

@@ -48,18 +48,23 @@ def test_impossible_combinations_are_rejected():
 
 
 def test_distributed_sync_is_refused_on_gpus_colocated_or_not():
-    """Engines always run on their ranks' GPUs (engine/layout.py), so the NCCL weight-update group
-    would hold two ranks on one device, with loop.colocate=false as well; the error does not
-    recommend a combination that cannot work. On CPU (gloo) it is the tested path."""
+    """Without engine.gpus the engines run on their ranks' GPUs (engine/layout.py), so the NCCL
+    weight-update group would hold two ranks on one device, with loop.colocate=false as well; the
+    error recommends only combinations that work (engines on GPUs of their own: accepted). On CPU
+    (gloo) it is the tested path."""
     for colocate in ("true", "false"):
         with pytest.raises(ConfigError) as e:
             load_config(
                 None, REQUIRED + ["sync.transport=distributed", "engine.device=cuda", f"loop.colocate={colocate}"]
             )
         message = str(e.value)
-        assert "every engine runs on the GPUs of its own ranks" in message
+        assert "the engines run on the trainer ranks' own GPUs" in message
         assert "use sync.transport=tensor (CUDA IPC) or disk" in message and "colocate=false with" not in message
     load_config(None, REQUIRED + ["sync.transport=distributed", "engine.device=cpu", "loop.colocate=false"])
+    load_config(
+        None,
+        REQUIRED + ["sync.transport=distributed", "engine.device=cuda", "loop.colocate=false", "engine.gpus=1"],
+    )
 
 
 def test_renamed_values_and_keys_are_errors_that_name_the_new_ones(tmp_path):

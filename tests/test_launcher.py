@@ -289,6 +289,77 @@ def test_engine_layouts_that_cannot_work_are_refused_with_what_to_set():
     assert embedded.gpus_per_engine == 2
 
 
+def test_engines_on_gpus_of_their_own_start_past_the_trainers_gpus_and_share_out_the_ranks():
+    """engine.gpus (#54): 6 trainer ranks and 2 GPUs of the engines' own on each node."""
+    from rltrain.config import EngineConfig
+    from rltrain.engine.command import engine_seed, server_command
+    from rltrain.engine.layout import EngineLayout
+
+    cfg = EngineConfig(backend="embedded", device="cuda", gpus=2)
+    two = [EngineLayout.of(cfg, "embedded", _env(r, 6, node=1), 8) for r in range(6)]
+    assert [(x.engine, x.is_engine_leader, x.base_gpu_id, x.tp_rank) for x in two] == [
+        (0, True, 6, 0),
+        (1, True, 7, 0),
+        (0, False, 6, 0),
+        (1, False, 7, 0),
+        (0, False, 6, 0),
+        (1, False, 7, 0),
+    ]
+    assert two[3].name == "node1-engine1" and two[3].local_ranks() == [1, 3, 5] and two[0].apart
+    assert not two[0].trainer_tp_ranks and two[0].engines_per_node == 2
+    cmd = server_command(cfg, "/m", 1, layout=two[1])
+    assert cmd[cmd.index("--device") + 1] == "cuda:7" and "--tp-size" not in cmd
+    assert len({engine_seed(0, x) for x in two}) == 2  # one seed per engine, none shared across nodes' counts
+    # SGLang by default: one engine over all of engine.gpus, led by local rank 0
+    sg_cfg = EngineConfig(backend="sglang", device="cuda", gpus=4)
+    sg = [EngineLayout.of(sg_cfg, "sglang", _env(r, 4), 8) for r in range(4)]
+    assert {(x.engine, x.gpus_per_engine, x.base_gpu_id) for x in sg} == {(0, 4, 4)}
+    assert [x.is_engine_leader for x in sg] == [True, False, False, False]
+    cmd = server_command(sg_cfg, "/m", 1, layout=sg[0])
+    assert cmd[cmd.index("--tp-size") + 1] == "4" and cmd[cmd.index("--base-gpu-id") + 1] == "4"
+    # On the CPU the cores are shared out over the trainer ranks' slots and the engines' own
+    cpu = EngineLayout.of(EngineConfig(backend="sglang", gpus=2, gpus_per_engine=2), "sglang", _env(0, 2), None)
+    assert cpu.cpu_binding([0, 1, 2, 3]) == "2|3"
+
+
+def test_engines_of_their_own_that_cannot_work_are_refused_with_what_to_set(tmp_path):
+    from rltrain.config import ConfigError, EngineConfig, load_config
+    from rltrain.engine.layout import EngineLayout
+
+    with pytest.raises(
+        ConfigError,
+        match=r"need 8 GPUs on each node, but this process sees 7: run torchrun "
+        r"--nproc-per-node=5 .* or set engine.gpus=1",
+    ):
+        EngineLayout.of(EngineConfig(backend="embedded", gpus=2), "embedded", _env(0, 6), 7)
+    with pytest.raises(ConfigError, match=r"gpus_per_engine=2 does not divide engine.gpus=3.*one of \[1, 3\]"):
+        EngineLayout.of(EngineConfig(backend="sglang", gpus=3, gpus_per_engine=2), "sglang", _env(0, 4), 8)
+    with pytest.raises(ConfigError, match=r"makes 4 engines per node, more than its 2 trainer rank\(s\).*to 2 or more"):
+        EngineLayout.of(EngineConfig(backend="embedded", gpus=4), "embedded", _env(0, 2), 8)
+    base = ["model.path=/m", "data.path=synthetic:addition"]
+    with pytest.raises(ConfigError, match="engine.gpus=2 puts the engines on GPUs of their own.*loop.colocate=false"):
+        load_config(None, [*base, "engine.gpus=2"])
+    with pytest.raises(ConfigError, match="engine.gpus=-1"):
+        load_config(None, [*base, "engine.gpus=-1", "loop.colocate=false"])
+    # distributed on GPU: refused where engines share the trainer's GPUs, the message says how not to
+    nccl = [*base, "sync.transport=distributed", "engine.device=cuda", "loop.colocate=false"]
+    with pytest.raises(ConfigError, match=r"put the engines on GPUs of their own \(loop.colocate=false, engine.gpus"):
+        load_config(None, nccl)
+    load_config(None, [*nccl, "engine.gpus=1"])
+    # tensor to engines of several GPUs of their own: no trainer rank is on their TP ranks' GPUs
+    from types import SimpleNamespace
+
+    from rltrain.setup import check_placement
+
+    apart = [*base, "loop.colocate=false", "engine.backend=embedded", "engine.device=cpu", "engine.gpus=2"]
+    world = SimpleNamespace(env=_env(0, 2))
+    with pytest.raises(ConfigError, match=r"sync.transport=tensor to engines of 2 GPUs of their own.*distributed"):
+        check_placement(load_config(None, [*apart, "engine.gpus_per_engine=2", "sync.transport=tensor"]), world)
+    check_placement(load_config(None, [*apart, "sync.transport=tensor"]), world)  # engines of one GPU: fine
+    with pytest.raises(ConfigError, match=r"makes 2 engines per node, more than its 1 trainer rank"):
+        check_placement(load_config(None, [*apart, "sync.transport=disk"]), SimpleNamespace(env=_env(0, 1)))
+
+
 def test_each_engine_gets_its_gpus_and_the_engine_environment_sglang_needs(monkeypatch):
     from rltrain.config import EngineConfig
     from rltrain.engine.command import server_command, server_environment

@@ -1,7 +1,9 @@
 """Rollout ahead of training (`loop.max_staleness=1`, #54): step t+1's samples generated while step
 t trains, each trained one weight version behind, corrected, checked and counted; a stop and a
-resume; the settings refused where they cannot work. End to end under torchrun on the CPU (the
-engines are processes of their own there, as on GPUs of their own)."""
+resume; the settings refused where they cannot work. Engines of their own (`engine.gpus`): one
+engine shared by the node's two ranks, fed by its leader, the synchronous run equal to the
+engines-beside-the-ranks run. End to end under torchrun on the CPU (the engines are processes of
+their own there, as on GPUs of their own)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,46 @@ def test_the_rollout_ahead_settings_are_refused_where_they_cannot_work(tmp_path)
     assert cfg.algo.rollout_is is None and cfg.algo.rollout_rs == "geometric"  # (a correction set: kept as set)
     assert load_config(qs, list(AHEAD)).algo.rollout_is == "token"
     assert load_config(qs, ["loop.colocate=false"]).algo.rollout_is is None
+
+
+def _trained(tmp_path) -> list[dict]:
+    """What a run trained on and how, row by row: every figure but times, memory and throughput."""
+    skip = ("time", "memory", "wall", "rollout_time", "rollout_tokens_per_s", "train_tokens_per_s")
+    return [{k: v for k, v in row.items() if k not in skip} for row in _rows(tmp_path)]
+
+
+def test_one_engine_of_its_own_serves_both_ranks_and_the_synchronous_run_equals_engines_beside_the_ranks(tmp_path):
+    """engine.gpus=1 on a node of two ranks: one engine (node0-engine0, on the "GPU" after the
+    trainer's), started and fed by rank 0, generating for both. Synchronous (k = 0), the run
+    equals the same seeded, batch-invariant run with an engine beside each rank, row for row."""
+    same = ("loop.colocate=false", "engine.deterministic=true", "sync.transport=tensor")
+    for d in ("beside", "apart"):
+        (tmp_path / d).mkdir()
+    r = run_quickstart(tmp_path / "beside", *same)
+    assert r.returncode == 0, r.stderr[-4000:]
+    r = run_quickstart(tmp_path / "apart", *same, "engine.gpus=1")
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "engines: 1 per node of 1 GPU(s) each (embedded, cpu), on GPUs of their own from GPU 2 on" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "apart" / "quickstart" / "engine").glob("*.log")) == [
+        "node0-engine0.log"
+    ]
+    assert sorted(p.name for p in (tmp_path / "beside" / "quickstart" / "engine").glob("*.log")) == [
+        "node0-engine0.log",
+        "node0-engine1.log",
+    ]
+    apart, beside = _trained(tmp_path / "apart"), _trained(tmp_path / "beside")
+    # one engine's digests compared each sync against two: the rest is the same run
+    assert [row.pop("sync_digests_compared") for row in apart] == [1, 1, 1]
+    assert [row.pop("sync_digests_compared") for row in beside] == [2, 2, 2]
+    assert [row["step"] for row in apart] == [1, 2, 3] and apart == beside
+
+
+def test_rollout_ahead_on_one_engine_of_its_own_fed_by_nccl_style_broadcast(tmp_path):
+    """k = 1 with the engine apart and `sync.transport=distributed` (gloo here, NCCL on GPUs: the
+    transport engines of their own take): steps 2-3 one version behind, every sync verified."""
+    r = run_quickstart(tmp_path, *AHEAD, "engine.gpus=1", "sync.transport=distributed")
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _rows(tmp_path)
+    assert [row["staleness"] for row in rows] == [{"0": 64.0}, {"1": 64.0}, {"1": 64.0}]
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["samples_trained"] == 64 and row["sync_digests_compared"] >= 1

@@ -109,7 +109,12 @@ class Config:
                 "sync.transport=delta needs loop.colocate=false: a delta saves bytes on a slow shared "
                 "disk, but colocated engines read the trainer's memory directly (use tensor)"
             )
-        if self.sync_transport == "distributed" and self.engine.device == "cuda":
+        if self.engine.gpus and self.loop.colocate:
+            raise ConfigError(
+                f"engine.gpus={self.engine.gpus} puts the engines on GPUs of their own, where nothing is shared "
+                "with the trainer: set loop.colocate=false (or engine.gpus=0 to colocate them on the trainer's GPUs)"
+            )
+        if self.sync_transport == "distributed" and self.engine.device == "cuda" and not self.engine.gpus:
             raise ConfigError(DISTRIBUTED_COLOCATED)
         if (
             self.sync_transport == "distributed"
@@ -157,12 +162,13 @@ class Config:
         return Path(self.sync.weights_dir) if self.sync.weights_dir else self.run_dir / "weights"
 
 
-# Engines always run on their ranks' GPUs (engine/layout.py), colocated or not.
+# Without engine.gpus the engines run on their ranks' GPUs (engine/layout.py), colocated or not.
 DISTRIBUTED_COLOCATED = (
-    "sync.transport=distributed on GPU: every engine runs on the GPUs of its own ranks (engine/layout.py; "
-    "with loop.colocate=false too), so each trainer rank and the engine TP rank on its GPU would be one NCCL "
-    "weight-update group's two ranks on one device, which NCCL refuses (a duplicate GPU): use "
-    "sync.transport=tensor (CUDA IPC) or disk"
+    "sync.transport=distributed on GPU with engine.gpus=0: the engines run on the trainer ranks' own GPUs "
+    "(engine/layout.py; with loop.colocate=false too), so each trainer rank and the engine TP rank on its GPU "
+    "would be one NCCL weight-update group's two ranks on one device, which NCCL refuses (a duplicate GPU): "
+    "use sync.transport=tensor (CUDA IPC) or disk, or put the engines on GPUs of their own "
+    "(loop.colocate=false, engine.gpus=N)"
 )
 
 

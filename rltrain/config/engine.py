@@ -48,6 +48,11 @@ class EngineConfig:
     # gpus_per_engine engines (engine/layout.py). 0: SGLang one engine over the node, the
     # embedded engine one per GPU.
     gpus_per_engine: int = 0
+    # Engines on GPUs of their own (needs loop.colocate=false): on each node, this many GPUs after
+    # the trainer ranks' (torchrun --nproc-per-node of them) serve rollout, cut into engines of
+    # gpus_per_engine (0 there: SGLang one engine over them all, the embedded engine one per GPU).
+    # 0: the engines run on the ranks' own GPUs (engine/layout.py).
+    gpus: int = 0
     # Share of GPU memory for weights + KV cache (SGLang; the embedded engine's paged path).
     mem_fraction_static: float = 0.8
     seed: int = 0
@@ -83,6 +88,8 @@ class EngineConfig:
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)  # engine.embedded.*
 
     def check(self) -> None:
+        if self.gpus < 0:
+            raise ConfigError(f"engine.gpus={self.gpus}: expected >= 1 GPUs of the engines' own per node, or 0")
         if self.gpus_per_engine < 0:
             raise ConfigError(f"engine.gpus_per_engine={self.gpus_per_engine}: expected >= 1, or 0 for the default")
         for key in ("max_inflight", "prompts_per_request"):

@@ -130,11 +130,15 @@ class NodeEngine:
         log_path = run_dir / "engine" / f"{layout.name}.log"
         if world.rank == 0:
             log.info(
-                "engines: %d per node of %d GPU(s) each (%s, %s)",
+                "engines: %d per node of %d GPU(s) each (%s, %s)%s",
                 layout.engines_per_node,
                 layout.gpus_per_engine,
                 backend,
                 device,
+                f", on GPUs of their own from GPU {layout.local_world_size} on (engine.gpus={layout.engine_gpus}), "
+                f"shared round robin by the node's {layout.local_world_size} rank(s)"
+                if layout.apart
+                else "",
             )
             if cfg.release is True and backend == "sglang" and device == "cpu" and colocate:
                 log.warning(

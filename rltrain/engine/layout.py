@@ -18,8 +18,21 @@ protocol where SGLang is absent (and on CPU, where SGLang cannot run a MoE at EP
 not shard the model: on GPUs it is for checking a layout, not for serving a model one GPU
 cannot hold.
 
-On CPU a "GPU" is a rank: the same layout, with the node's CPU cores shared out between the
-engines' TP ranks (`cpu_binding`).
+Engines on GPUs of their own (`engine.gpus` = m > 0, with `loop.colocate=false`): the node's first
+`local_world_size` GPUs train (one rank each, as torchrun numbers them) and the m GPUs after them
+serve rollout, cut into `m / gpus_per_engine` engines the same way: engine e spans GPUs
+`local_world_size + e * gpus_per_engine ...`. The node's ranks share its engines round robin
+(rank L generates through engine `L % engines`); the first rank of each engine, local rank e,
+starts it and sends it its weights. No trainer rank is one of its TP ranks, so a weight payload
+per TP rank (`sync.transport=tensor`) is not built for them: such engines are fed by
+`distributed` (NCCL broadcast) or `disk`, and `tensor` takes engines of one GPU.
+
+    torchrun --nproc-per-node=6 ... engine.gpus=2                # 6 trainer GPUs, 2 engines of one GPU
+    torchrun --nproc-per-node=4 ... engine.gpus=4 engine.backend=sglang sync.transport=distributed
+                                                                 # 4 trainer GPUs, one SGLang engine at TP 4
+
+On CPU a "GPU" is a rank (or, apart, an engine slot): the same layout, with the node's CPU cores
+shared out between the slots (`cpu_binding`).
 
 A started engine's own report of its layout (/server_info) must be this layout
 (`check_reported`): the sync builds one payload per TP rank of the layout, and routes experts by
@@ -44,12 +57,15 @@ class EngineLayout:
     local_world_size: int
     node_rank: int
     gpus_per_engine: int
+    engine_gpus: int = 0  # engine.gpus: the node's GPUs after the trainer's that serve rollout (0: shared)
 
     @classmethod
     def of(cls, cfg: EngineConfig, backend: str, env: DistEnv, visible_gpus: int | None) -> EngineLayout:
         """The layout the config asks for, checked against the node: `backend` is the resolved
         engine backend, `visible_gpus` the GPUs this process sees (None on CPU)."""
         n = env.local_world_size
+        if cfg.gpus:
+            return cls._apart(cfg, backend, env, visible_gpus)
         per = cfg.gpus_per_engine or (n if backend == "sglang" else 1)
         if per > n:
             raise ConfigError(
@@ -70,28 +86,71 @@ class EngineLayout:
             )
         return cls(env.local_rank, n, env.node_rank, per)
 
+    @classmethod
+    def _apart(cls, cfg: EngineConfig, backend: str, env: DistEnv, visible_gpus: int | None) -> EngineLayout:
+        """Engines on `cfg.gpus` GPUs of their own, after the node's trainer GPUs (module docstring)."""
+        n, m = env.local_world_size, cfg.gpus
+        per = cfg.gpus_per_engine or (m if backend == "sglang" else 1)
+        if m % per:
+            divisors = [d for d in range(1, m + 1) if m % d == 0]
+            raise ConfigError(
+                f"engine.gpus_per_engine={per} does not divide engine.gpus={m}, the node's GPUs that serve "
+                f"rollout: set engine.gpus_per_engine to one of {divisors}, or engine.gpus to a multiple of {per}"
+            )
+        engines = m // per
+        if engines > n:
+            raise ConfigError(
+                f"engine.gpus={m} at engine.gpus_per_engine={per} makes {engines} engines per node, more than its "
+                f"{n} trainer rank(s) (LOCAL_WORLD_SIZE), one of which must start and feed each engine: set "
+                f"engine.gpus_per_engine to {-(-m // n)} or more, or engine.gpus to at most {n * per}"
+            )
+        if visible_gpus is not None and visible_gpus < n + m:
+            raise ConfigError(
+                f"{n} trainer rank(s) per node (LOCAL_WORLD_SIZE) and engine.gpus={m} need {n + m} GPUs on each node, "
+                f"but this process sees {visible_gpus}: run torchrun --nproc-per-node={max(visible_gpus - m, 0)} "
+                f"(the trainer's GPUs; the engines take the last {m}), or set engine.gpus={max(visible_gpus - n, 0)}, "
+                "or make every GPU visible (CUDA_VISIBLE_DEVICES)"
+            )
+        return cls(env.local_rank, n, env.node_rank, per, m)
+
+    @property
+    def apart(self) -> bool:
+        """The engines are on GPUs of their own (engine.gpus), not on the trainer ranks'."""
+        return self.engine_gpus > 0
+
     @property
     def engines_per_node(self) -> int:
-        return self.local_world_size // self.gpus_per_engine
+        return (self.engine_gpus or self.local_world_size) // self.gpus_per_engine
 
     @property
     def engine(self) -> int:
         """This rank's engine on the node."""
+        if self.apart:
+            return self.local_rank % self.engines_per_node
         return self.local_rank // self.gpus_per_engine
 
     @property
     def tp_rank(self) -> int:
-        """This rank's TP rank in its engine (its GPU's place in the engine)."""
-        return self.local_rank % self.gpus_per_engine
+        """This rank's TP rank in its engine (its GPU's place in the engine); apart, 0 on every
+        rank: no trainer rank is on an engine's GPUs (its leader speaks for it)."""
+        return 0 if self.apart else self.local_rank % self.gpus_per_engine
 
     @property
     def is_engine_leader(self) -> bool:
-        """The first rank of an engine's GPUs starts it and talks to it for the engine's ranks."""
-        return self.tp_rank == 0
+        """The first rank of an engine's GPUs starts it and talks to it for the engine's ranks;
+        apart, local rank e leads engine e."""
+        return self.local_rank < self.engines_per_node if self.apart else self.tp_rank == 0
 
     @property
     def base_gpu_id(self) -> int:
-        return self.engine * self.gpus_per_engine
+        first = self.local_world_size if self.apart else 0  # apart: after the trainer's GPUs
+        return first + self.engine * self.gpus_per_engine
+
+    @property
+    def trainer_tp_ranks(self) -> bool:
+        """Whether each of the engine's TP ranks is a trainer rank (on its GPU), which builds that
+        TP rank's weight payloads (`sync.transport=tensor`, TP > 1): colocated layouts only."""
+        return not self.apart and self.gpus_per_engine > 1
 
     @property
     def name(self) -> str:
@@ -99,7 +158,10 @@ class EngineLayout:
         return f"node{self.node_rank}-engine{self.engine}"
 
     def local_ranks(self) -> list[int]:
-        """The local ranks of this rank's engine, in TP-rank order."""
+        """The local ranks of this rank's engine, in TP-rank order; apart, the ranks that
+        generate through it, its leader first."""
+        if self.apart:
+            return list(range(self.engine, self.local_world_size, self.engines_per_node))
         return list(range(self.base_gpu_id, self.base_gpu_id + self.gpus_per_engine))
 
     def ranks(self, node_first_rank: int) -> list[int]:
@@ -144,9 +206,11 @@ class EngineLayout:
         evenly between its ranks, each TP rank bound to its rank's share ("0|1" for TP 2 on two
         cores). Without it SGLang refuses more TP ranks than NUMA nodes."""
         cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
-        share = max(1, len(cores) // self.local_world_size)
+        # One slot per GPU of the layout: the ranks', then (apart) the engines' own.
+        share = max(1, len(cores) // (self.local_world_size + self.engine_gpus))
         parts = []
-        for r in self.local_ranks():
-            mine = cores[(r * share) % len(cores) : (r * share) % len(cores) + share] or cores[:1]
+        for k in range(self.gpus_per_engine):
+            slot = self.base_gpu_id + k
+            mine = cores[(slot * share) % len(cores) : (slot * share) % len(cores) + share] or cores[:1]
             parts.append(",".join(map(str, mine)))
         return "|".join(parts)

@@ -123,7 +123,7 @@ class WeightSync:
         self.engine_name, self.leader = verify.engine_place(world, engine)
         self.tp_rank, tp_size = (engine.tp_rank, engine.gpus_per_engine) if engine is not None else (0, 1)
         self.tp_group = None
-        if engine is not None and tp_size > 1:
+        if engine is not None and engine.trainer_tp_ranks:  # (each TP rank's payload built on its GPU)
             self.tp_group = world.bridge.subgroup(engine.ranks(world.rank - env.local_rank), f"sync/{engine.name}")
         model_cfg = AutoConfig.from_pretrained(engine_model_path)
         self.plan = plan_sync(cfg, trainer, self.receivers, engine_model_path, num_experts(model_cfg), tp_size)
@@ -134,8 +134,8 @@ class WeightSync:
             )
         # Routed inside the engine: each trainer rank is handed only its TP rank's payload.
         self.needs: Needs | None = None
-        if self.plan.engine_ep_ranks is not None:
-            local = env.local_world_size
+        if self.plan.engine_ep_ranks is not None and not (engine is not None and engine.apart):
+            local = env.local_world_size  # (apart, an engine's leader sends every TP rank's share)
             self.needs = lambda rank, name: self.plan.needed_by((rank % local) % tp_size, name)
         # Asked of the engines once, by the leader; its TP ranks checksum their payloads by its answer.
         asked = [c.capabilities() for c in self.receivers] if self.leader else []
