@@ -6,6 +6,8 @@
     python -m rltrain.bench.e2e --shape 0.6b --engine sglang embedded   # both engines, same prompts
     python -m rltrain.bench.e2e --packing padded packed --stop-tokens 300 --max-new-tokens 1024
                                           # variable response lengths, the trainer padded and padding-free
+    python -m rltrain.bench.e2e --staleness 0 1 --steps 6   # not colocated: the engine beside the trainer
+                                          # on the same GPU, synchronous, then its rollout ahead of training
 
 A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
 task's tokenizer. The real loop runs under torchrun on one rank (or --nproc, one per GPU, FSDP2
@@ -16,6 +18,13 @@ process (so that its own CUDA context is not on the GPU during the loop), the li
 matmul rate, the pinned host<->device copy rates, the decode memory-bandwidth limit of the
 rollout (weights + KV bytes per decode step over the device's measured copy bandwidth,
 `rltrain.bench.limits`) and the raw CUDA-IPC floor of the model's bytes (`rltrain.bench.sync`).
+
+With `--staleness K ...` each run is not colocated (`loop.colocate=false`: the engine keeps its
+memory beside the trainer's, `--mem-fraction` of the GPU for the embedded engine's KV pool too)
+with `loop.max_staleness=K`: at 1 the next step's rollout runs while this step trains. On one GPU
+the two share its SMs and memory bandwidth: a check of the overlap and its correctness (samples
+one version behind, corrected), not a speed claim; on engines of their own GPUs (`engine.gpus`)
+the rollout would not slow training.
 
 Reported, averaged over the steps after the first: rollout and train tokens/s with MFU (6 x
 parameters x tokens per train step, 2 x for the log-prob passes), each phase switch as a share
@@ -88,12 +97,17 @@ def stop_token_ids(vocab: int, count: int) -> list[int]:
 
 
 def run_loop(
-    root: Path, model: Path, a: argparse.Namespace, engine: str = "embedded", packed: bool = False
+    root: Path,
+    model: Path,
+    a: argparse.Namespace,
+    engine: str = "embedded",
+    packed: bool = False,
+    staleness: int | None = None,
 ) -> Path | None:
     """One loop run under torchrun; its run directory, or None (said, with its first error) if it
     failed. Each run begins again (run.start_over: a kept directory's earlier run is renamed
     aside, not reported as this one), and an earlier log is kept beside."""
-    label = engine + ("-packed" if packed else "")
+    label = _label(engine, packed, staleness)
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "quickstart.yaml"
     overrides = [
@@ -119,6 +133,10 @@ def run_loop(
         "metrics.progress_bar=false",
         "metrics.plot=true",
     ]
+    if staleness is not None:  # the engine beside the trainer, its memory kept (and bounded)
+        overrides += ["loop.colocate=false", f"loop.max_staleness={staleness}"]
+        if engine == "embedded":
+            overrides.append(f"engine.mem_fraction_static={a.mem_fraction}")
     if packed:  # the padded path's tokens per forward, cut by real tokens instead of rows
         overrides.append(f"trainer.max_tokens_per_micro_batch={a.micro * (PROMPT_TOKENS + a.max_new_tokens)}")
     if a.compile:
@@ -151,6 +169,10 @@ def run_loop(
         print(failed_run_report(f"the loop {label}", r.returncode, log), flush=True)
         return None
     return root / f"e2e-{label}"
+
+
+def _label(engine: str, packed: bool, staleness: int | None) -> str:
+    return engine + ("-packed" if packed else "") + (f"-k{staleness}" if staleness is not None else "")
 
 
 def _vocab(path: Path) -> int:
@@ -192,7 +214,9 @@ def compare(
         resume = m(lambda r: r["time"].get("engine_resume_weights", 0.0) + r["time"].get("engine_resume_kv", 0.0))
         sync_s = m(lambda r: r["time"].get("sync", 0.0))
         mem = [r["memory"]["rank0"] for r in steady]
-        freed = sum(x["rollout"]["device_used"] - x["engine_release"]["device_used"] for x in mem) / len(mem)
+        freed = sum(
+            x["rollout"].get("device_used", 0.0) - x["engine_release"].get("device_used", 0.0) for x in mem
+        ) / len(mem)
         held = sum(_engine_gib(x["rollout"]) for x in mem) / len(mem)
         training = max(_engine_gib(x["train"]) for x in mem)
         train_s, lp_s = m(lambda r: r["time"]["train"]), m(lambda r: r["time"]["logprobs"])
@@ -219,6 +243,12 @@ def compare(
             "all phase switches": f"{switches:.3f} s",
             "phase switches, share of step": f"{switches / step_s:.1%}",
             "probe log-prob difference": f"{m(lambda r: r.get('sync_probe_diff', float('nan'))):.4f}",
+            "reward (all steps)": f"{_mean(rows, lambda r: r['reward_mean']):.4f}",
+            "samples by lag (all steps)": _lags(rows),
+            "rollout ahead, beside training": f"{m(lambda r: r.get('rollout_ahead_s', 0.0)):.3f} s",
+            "waiting for it before the sync": f"{m(lambda r: r['time'].get('rollout_ahead_wait', 0.0)):.3f} s",
+            "importance weight (mean)": f"{m(lambda r: r.get('is_weight', 1.0)):.4f}",
+            "engine-trainer log-prob gap": f"{m(lambda r: r.get('logp_diff_engine_trainer', float('nan'))):.4f}",
             "failed generations (all steps)": f"{sum(r['generation_failed'] for r in rows):.0f}",
         }
     names = list(cols)
@@ -232,6 +262,15 @@ def compare(
     for key in cols[names[0]]:
         lines.append(f"{key:>32s} " + " ".join(f"{cols[n][key]:>14s}" for n in names))
     return lines
+
+
+def _lags(rows: list[dict]) -> str:
+    """Samples trained per weight-version lag over the run ("0:512 1:2560")."""
+    total: dict[str, float] = {}
+    for r in rows:
+        for lag, count in r.get("staleness", {}).items():
+            total[lag] = total.get(lag, 0.0) + count
+    return " ".join(f"{lag}:{count:.0f}" for lag, count in sorted(total.items())) or "-"
 
 
 def report(
@@ -349,7 +388,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--compile", action="store_true", help="trainer.compile=true")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags, one string")
-    ap.add_argument("--mem-fraction", type=float, default=0.5, help="SGLang's --mem-fraction-static")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=0.5,
+        help="SGLang's --mem-fraction-static; with --staleness the embedded engine's too (engine.mem_fraction_static)",
+    )
+    ap.add_argument(
+        "--staleness",
+        type=int,
+        nargs="+",
+        default=None,
+        help="not colocated, the engine beside the trainer on the GPU: one run per loop.max_staleness given",
+    )
     ap.add_argument(
         "--report-only",
         action="store_true",
@@ -375,11 +426,12 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"building the model failed (exit {p.exitcode})")
     for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         os.environ.pop(k, None)
-    labels = [(e, p == "packed") for e in a.engine for p in a.packing]
+    bounds: list[int | None] = list(a.staleness) if a.staleness else [None]
+    labels = [(e, p == "packed", k) for e in a.engine for p in a.packing for k in bounds]
     if a.report_only:
-        runs = {e + ("-packed" if p else ""): root / f"e2e-{e}{'-packed' if p else ''}" for e, p in labels}
+        runs = {_label(*x): root / f"e2e-{_label(*x)}" for x in labels}
     else:
-        done = {e + ("-packed" if p else ""): run_loop(root, model, a, e, p) for e, p in labels}
+        done = {_label(*x): run_loop(root, model, a, *x) for x in labels}
         runs = {label: d for label, d in done.items() if d is not None}
         if not runs:
             raise SystemExit("every loop run failed")
