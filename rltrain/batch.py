@@ -73,3 +73,21 @@ def pad_rows(batch: TrainBatch, rows: int, pad_id: int) -> TrainBatch:
 def pad_width(t: torch.Tensor, width: int) -> torch.Tensor:
     """A [B, L] tensor right-padded with zeros to [B, width]."""
     return torch.nn.functional.pad(t, (0, width - t.shape[1])) if t.dim() == 2 and t.shape[1] < width else t
+
+
+def with_probe_row(mb: TrainBatch, tokens: list[int], pad_id: int) -> TrainBatch:
+    """`mb`'s tokens and masks with the probe appended as one more row (both right-padded to
+    the longer of the two): a row the loss never sees."""
+    B, L = mb.tokens.shape
+    width = max(L, len(tokens))
+    grow = (0, width - L)
+    row = torch.full((1, width), pad_id, dtype=mb.tokens.dtype, device=mb.tokens.device)
+    row[0, : len(tokens)] = torch.tensor(tokens, dtype=mb.tokens.dtype)
+    seen = torch.zeros((1, width), dtype=mb.attention_mask.dtype, device=mb.tokens.device)
+    seen[0, : len(tokens)] = 1
+    pad = torch.nn.functional.pad
+    return TrainBatch(
+        torch.cat([pad(mb.tokens, grow, value=pad_id), row]),
+        torch.cat([pad(mb.attention_mask, grow), seen]),
+        torch.cat([pad(mb.loss_mask, grow), torch.zeros((1, width), dtype=mb.loss_mask.dtype, device=seen.device)]),
+    )

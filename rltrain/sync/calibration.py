@@ -9,6 +9,13 @@ later sync is judged by are a multiple of it (probe.py says which, with its floo
                         greedy continuation — and every engine's log-probs of them
     tokens_and_bounds   (WeightSync) the trainer's log-probs of the same tokens, the difference,
                         the bounds; random tokens within the precision's ceilings without a start
+
+Where the trainer's side of the probe will ride a training step (one more row of a micro-batch),
+the trainer scores it at start-up that way too, in a micro-batch of the training's shape: in half
+precision a row's log-probs move with the shape of the batch around it (other kernels, sums in
+another order; ~0.02 mean, ~0.06 at the worst position for the 1.7B shape in bf16 on an H200),
+which the row scored alone, as the engine scores it, does not show. The bounds are calibrated
+from the larger of the two differences.
 Both are collectives over the bridge; an engine that cannot answer, or computes another model,
 stops the run on every rank, named.
 """
@@ -75,20 +82,26 @@ def tokens_and_bounds(
     start: StartProbe | None,
     trainer_logprobs: Callable[[list[int]], torch.Tensor],
     sharded: bool,
+    riding: Callable[[list[int]], torch.Tensor] | None = None,
 ) -> tuple[list[int], ProbeBounds]:
     """The probe's tokens and bounds: calibrated from `start` against `trainer_logprobs` of its
     tokens now (a collective; taken by rank 0, and by every rank where the trainer's forward is a
-    collective: `sharded`), where it is given; else random tokens within the precision's
-    ceilings. An engine that computed otherwise at start-up stops the run here."""
+    collective: `sharded`), and against `riding`'s (the trainer's log-probs of them as they ride
+    a training step) where given, the larger difference; else random tokens within the
+    precision's ceilings. An engine that computed otherwise at start-up stops the run here."""
     engine_dtype = getattr(torch, caps.dtype) if caps.dtype else None
     precision = probe.precision(engine_dtype, plan.weights[0].dtype)
     if start is None:
         return probe.random_tokens(vocab, cfg.probe_tokens), probe.uncalibrated(cfg, precision)
     rank0 = world.rank == 0
-    ours = trainer_logprobs(start.tokens) if rank0 or sharded else None
+    ours = [f(start.tokens) for f in (trainer_logprobs, riding) if f is not None] if rank0 or sharded else None
     gathered = world.bridge.all_gather_object((start.scores, ours if rank0 else None), phase="sync probe")
-    reference = gathered[0][1]
-    measured = {name: ProbeDiff.of(lp, reference) for scores, _ in gathered for name, lp in scores.items()}
+    references = gathered[0][1]
+    measured = {
+        name: ProbeDiff.largest([ProbeDiff.of(lp, ref) for ref in references])
+        for scores, _ in gathered
+        for name, lp in scores.items()
+    }
     errors = [e for name, d in sorted(measured.items()) if (e := probe.start_error(name, d, cfg, precision))]
     if errors:
         raise WeightMismatchError("; ".join(errors))
@@ -96,11 +109,12 @@ def tokens_and_bounds(
     if rank0:
         log.info(
             "sync probe: %d tokens, %d of the first prompt and the engine's greedy continuation; bounds: mean "
-            "%.3g, worst position %.3g (%s)",
+            "%.3g, worst position %.3g (%s; the trainer's side scored alone%s)",
             len(start.tokens),
             start.prompt_tokens,
             bounds.mean,
             bounds.worst,
             bounds.how,
+            " and in a micro-batch of the training's shape, as it rides" if riding is not None else "",
         )
     return start.tokens, bounds

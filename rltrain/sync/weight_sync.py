@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import torch
 from transformers import AutoConfig
 
+from rltrain.batch import TrainBatch, with_probe_row
 from rltrain.config import Config
 from rltrain.engine.client import EngineCapabilities, EngineClient, EngineError
 from rltrain.engine.layout import EngineLayout
@@ -150,11 +151,20 @@ class WeightSync:
                 "the sync misses is seen only by the probe, and there as last version's copy",
                 self.engine_name,
             )
+        riding = self._trainer_probe_riding if trainer.rides_probe else None  # (as `can_ride` below)
         tokens, bounds = (
             ([], ProbeBounds.fixed(0.0))
             if checks.probe is ProbeMoment.OFF
             else calibration.tokens_and_bounds(
-                cfg.sync, world, caps, self.plan, model_cfg.vocab_size, start, self._trainer_probe, trainer.sharded
+                cfg.sync,
+                world,
+                caps,
+                self.plan,
+                model_cfg.vocab_size,
+                start,
+                self._trainer_probe,
+                trainer.sharded,
+                riding,
             )
         )
         self.verifier = verify.EngineVerifier(
@@ -309,6 +319,19 @@ class WeightSync:
         """The trainer's log-probs of the probe's tokens 1.. (or `tokens`') at temperature 1."""
         batch = probe.probe_batch(self.probe if tokens is None else tokens)
         return self.trainer.logprobs(batch, temperature=1.0)[0][0, 1:]
+
+    def _trainer_probe_riding(self, tokens: list[int]) -> torch.Tensor:
+        """The trainer's log-probs of `tokens` 1.. as the probe rides a training step: one more
+        row of a micro-batch of the training's shape (trainer.micro_batch_size rows, or
+        padding-free as many as trainer.max_tokens_per_micro_batch holds, each a prompt of the
+        probe's length with a whole response; their tokens the probe's, repeated)."""
+        t, length = self.cfg.trainer, len(tokens) + self.cfg.rollout.max_new_tokens
+        rows = max(1, t.max_tokens_per_micro_batch // length) if t.max_tokens_per_micro_batch else t.micro_batch_size
+        filler = torch.tensor((tokens * -(-length // len(tokens)))[:length]).repeat(rows, 1)
+        batch = with_probe_row(
+            TrainBatch(filler, torch.ones_like(filler), torch.zeros_like(filler)), tokens, self.trainer.pad_id
+        )
+        return self.trainer.logprobs(batch, temperature=1.0)[0][rows, 1 : len(tokens)]
 
     def _verify(self, version: str, sums: Sums, early: Future[torch.Tensor] | None = None) -> dict[str, float]:
         """This rank's report on its engines, judged with every rank's (a collective). Returns what

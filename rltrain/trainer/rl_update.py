@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from rltrain.algo.losses import PolicyLossConfig, aggregate, kl_penalty, policy_loss
-from rltrain.batch import TrainBatch, idle_batch
+from rltrain.batch import TrainBatch, idle_batch, with_probe_row
 from rltrain.config import AlgoConfig, TrainerConfig
 from rltrain.interfaces import PROBE_STATS, ProbeRide
 from rltrain.kernels import logprobs_entropy
@@ -180,24 +180,6 @@ def dropout_in(config: Any) -> list[str]:
         for k, v in vars(config).items()
         if ("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
     ]
-
-
-def with_probe_row(mb: TrainBatch, tokens: list[int], pad_id: int) -> TrainBatch:
-    """`mb`'s tokens and masks with the probe appended as one more row (both right-padded to
-    the longer of the two): a row the loss never sees."""
-    B, L = mb.tokens.shape
-    width = max(L, len(tokens))
-    grow = (0, width - L)
-    row = torch.full((1, width), pad_id, dtype=mb.tokens.dtype, device=mb.tokens.device)
-    row[0, : len(tokens)] = torch.tensor(tokens, dtype=mb.tokens.dtype)
-    seen = torch.zeros((1, width), dtype=mb.attention_mask.dtype, device=mb.tokens.device)
-    seen[0, : len(tokens)] = 1
-    pad = torch.nn.functional.pad
-    return TrainBatch(
-        torch.cat([pad(mb.tokens, grow, value=pad_id), row]),
-        torch.cat([pad(mb.attention_mask, grow), seen]),
-        torch.cat([pad(mb.loss_mask, grow), torch.zeros((1, width), dtype=mb.loss_mask.dtype, device=seen.device)]),
-    )
 
 
 def forward_with_probe(
