@@ -91,6 +91,44 @@ def test_the_probe_is_judged_on_the_mean_and_on_the_worst_position():
     assert "scored 14 probe tokens" in probe_error("e", [-3.0] * 14, ours, bounds)
 
 
+def _calibrate_rank(rank: int, world_size: int, riding: bool) -> tuple[float, float]:
+    """tokens_and_bounds over a two-rank world: each rank's engine scored the probe at start-up
+    exactly as the trainer scores it alone; as a row of a training micro-batch the trainer's
+    log-probs move by up to 0.06 (what bf16 does on an H200 at the 1.7B shape)."""
+    from types import SimpleNamespace
+
+    from rltrain.runtime.world import World
+    from rltrain.sync.calibration import tokens_and_bounds
+    from rltrain.sync.plan import WeightSpec
+    from rltrain.sync.probe import StartProbe
+
+    world = World(backend="gloo", timeout=60)
+    tokens = list(range(1, 17))
+    start = StartProbe(tokens, 8, {f"node0-engine{rank}": [-2.0] * 15})
+    alone = lambda t: torch.full((len(t) - 1,), -2.0)  # noqa: E731
+    in_batch = lambda t: alone(t) + torch.linspace(0.0, 0.06, len(t) - 1)  # noqa: E731
+    plan = SimpleNamespace(weights=[WeightSpec("w", (1,), torch.bfloat16)])
+    _, bounds = tokens_and_bounds(
+        SyncConfig(), world, EngineCapabilities(), plan, 32, start, alone, False, in_batch if riding else None
+    )
+    world.close()
+    return bounds.mean, bounds.worst
+
+
+@pytest.mark.parametrize("riding", [True, False])
+def test_the_probes_bounds_are_calibrated_against_the_trainers_side_as_it_rides_too(riding):
+    """The trainer's side of the probe rides a training step as one more row of a micro-batch,
+    whose log-probs in half precision differ from the row's alone; calibrated from the row alone
+    only, the bounds sat at the floors (0.01, 0.05) and an H200 run's first ride failed at 0.0205
+    mean, 0.051 at the worst position. Every rank takes rank 0's measurement."""
+    from multiproc import run_ranks, values
+
+    out = values(run_ranks(_calibrate_rank, 2, riding, deadline_s=120))
+    floor = (FLOOR["half"].mean, FLOOR["half"].worst)
+    expected = (CALIBRATION_FACTOR * 0.03, CALIBRATION_FACTOR * 0.06) if riding else floor
+    assert out == [pytest.approx(expected)] * 2
+
+
 def test_probe_bounds_are_k_times_the_start_up_difference_with_a_floor_or_the_configured_ones():
     assert precision(torch.float32, torch.float32) == "single"
     assert precision(torch.bfloat16, torch.float32) == precision(None, torch.bfloat16) == "half"
