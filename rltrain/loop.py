@@ -71,6 +71,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
     recent = [version]  # the versions a step may train on, newest first (loop.max_staleness + 1 of them)
+    restarted_ahead = False  # an engine died under the rollout ahead and was started again before the sync
     last: dict[str, float] = {}
     done = parts.start_step  # the last recorded step
     closing = [("the metrics writer's close", writer.close), *parts.closing()]
@@ -103,7 +104,11 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
                     _send_weights_again(parts, world, version)
+                restarted_ahead = True
+            if restarted_ahead:  # (or under the rollout ahead: restarted before the last sync)
+                with clock.phase("engine_restart"):
                     rollout = rollouts.retry_failed(engine.client, rollout)
+                restarted_ahead = False
             with clock.phase("rollout"):
                 rollout = rollouts.for_training(rollout, recent)
             if cfg.loop.max_staleness and step + 1 < last_step(cfg):
@@ -136,6 +141,10 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 if cfg.loop.max_staleness:
                     with clock.phase("rollout_ahead_wait"):
                         ahead.wait()  # the engines idle before their weights change
+                    if engine.recover():  # one died under the rollout ahead: back before the sync reaches it
+                        with clock.phase("engine_restart"):
+                            parts.sync.engine_restarted()
+                        restarted_ahead = True  # (the sync sends it this step's weights; the take retries)
                 sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
                 for k in PROBE_STATS:  # the ridden probe's and the last push's
                     if k in train_stats and k in sent:

@@ -98,3 +98,22 @@ def test_rollout_ahead_on_one_engine_of_its_own_fed_by_nccl_style_broadcast(tmp_
     assert [row["staleness"] for row in rows] == [{"0": 64.0}, {"1": 64.0}, {"1": 64.0}]
     for row in rows:
         assert row["generation_failed"] == 0 and row["samples_trained"] == 64 and row["sync_digests_compared"] >= 1
+
+
+def test_an_engine_dying_under_the_rollout_ahead_is_restarted_before_the_sync_and_its_lost_samples_retried(tmp_path):
+    """The engine SIGKILLs itself while serving step 3's rollout ahead (weight version 1, while
+    step 2 trains). It is started again before step 2's sync reaches it (which sends it version
+    2), and step 3 samples the generations it lost again, from version 2: lag 0 beside the
+    rest's lag 1, none failed. The old loop synced to the dead engine and the job failed."""
+    from test_checkpoint import _engine_dies
+
+    r = _engine_dies(tmp_path, "1", *AHEAD, "loop.steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "engine_died_at_v1").exists()  # it did die
+    assert "died during rollout; starting them again (restart 1 of 1)" in r.stderr, r.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [row["engine_restarts"] for row in rows] == [0, 0, 1, 0]
+    third = rows[2]
+    assert third["generation_retried"] > 0 and third["generation_failed"] == 0 and third["samples_trained"] == 64
+    assert set(third["staleness"]) == {"0", "1"} and third["staleness"]["0"] == third["generation_retried"]
+    assert "engine_restart" in rows[1]["time"]  # (restarted in step 2, before its sync)
