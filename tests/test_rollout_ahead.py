@@ -115,5 +115,6 @@ def test_an_engine_dying_under_the_rollout_ahead_is_restarted_before_the_sync_an
     assert [row["engine_restarts"] for row in rows] == [0, 0, 1, 0]
     third = rows[2]
     assert third["generation_retried"] > 0 and third["generation_failed"] == 0 and third["samples_trained"] == 64
-    assert set(third["staleness"]) == {"0", "1"} and third["staleness"]["0"] == third["generation_retried"]
+    # (each rank has its engine; one or both die at their first generation at version 1)
+    assert third["staleness"]["0"] == third["generation_retried"] and sum(third["staleness"].values()) == 64
     assert "engine_restart" in rows[1]["time"]  # (restarted in step 2, before its sync)
