@@ -1,8 +1,9 @@
 """What happens to the trainer between steps: one value, decided once from the config.
 
-    KEEP          it stays on the device                       loop.offload_trainer=false
-    OFFLOAD       weights and optimizer state to host memory,  loop.offload_trainer=true (default)
-                  modules kept, onloaded next step
+    KEEP          it stays on the device                       loop.offload_trainer=false (auto: when
+                                                               not colocated)
+    OFFLOAD       weights and optimizer state to host memory,  loop.offload_trainer=true (auto: when
+                  modules kept, onloaded next step             colocated)
     RELEASE_DISK  dropped whole after the step's verified      release.train=true, release.source=disk
                   checkpoint, re-created from it next step
     RELEASE_HOST  dropped whole after a host-memory snapshot,  release.train=true, release.source=host
@@ -35,7 +36,8 @@ class BetweenSteps(enum.Enum):
     def of(cls, cfg: Config) -> BetweenSteps:
         if cfg.release.train:
             return cls.RELEASE_HOST if cfg.release.source == "host" else cls.RELEASE_DISK
-        return cls.OFFLOAD if cfg.loop.offload_trainer else cls.KEEP
+        offload = cfg.loop.colocate if cfg.loop.offload_trainer == "auto" else cfg.loop.offload_trainer
+        return cls.OFFLOAD if offload else cls.KEEP
 
     @property
     def releases(self) -> bool:

@@ -189,3 +189,20 @@ def test_cli_help_lists_commands(tmp_path):
 def test_every_shipped_recipe_is_a_valid_config(recipe):
     cfg = load_config(REPO / "configs" / recipe)
     assert cfg.model.path and cfg.data.path
+
+
+def test_the_trainer_is_offloaded_between_steps_by_default_only_where_the_engines_need_its_memory():
+    """loop.offload_trainer=auto: offloaded when colocated; kept on the device when the engines
+    keep memory of their own (loop.colocate=false), where a step's offload and onload freed memory
+    nothing used (4.8 s of the first step of an H200 run at the 1.7B shape). Set, it is obeyed."""
+    from rltrain.between_steps import BetweenSteps
+
+    def between(*overrides: str) -> BetweenSteps:
+        return BetweenSteps.of(load_config(None, REQUIRED + list(overrides)))
+
+    assert between() is BetweenSteps.OFFLOAD
+    assert between("loop.colocate=false") is BetweenSteps.KEEP
+    assert between("loop.colocate=false", "loop.offload_trainer=true") is BetweenSteps.OFFLOAD
+    assert between("loop.offload_trainer=false") is BetweenSteps.KEEP
+    with pytest.raises(ConfigError, match="loop.offload_trainer"):
+        load_config(None, REQUIRED + ["loop.offload_trainer=sometimes"])

@@ -70,7 +70,10 @@ class ModelConfig:
 class LoopConfig:
     steps: int = 100
     colocate: bool = True  # release engine memory while training, and trainer memory while rolling out
-    offload_trainer: bool = True  # params/grads/optimizer to host memory between train phases (GPU)
+    # Params/grads/optimizer to host memory between train phases (GPU). auto: when colocated (the
+    # engines need the memory); not colocated, the engines keep memory of their own and nothing
+    # would use what the offload frees.
+    offload_trainer: bool | Literal["auto"] = "auto"
     # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
     # so a run stopped here and resumed is the same run (for time-limited allocations).
     stop_after: int = 0
