@@ -122,17 +122,35 @@ def start_engine(kind: str, model: Path, log_dir: Path, env: dict[str, str] | No
     return start_server(engine_config(kind, **kw), model, log_dir / f"{kind}.log", env)
 
 
-@pytest.fixture(scope="session", params=["embedded", "sglang"])
-def server(request, model_a, tmp_path_factory):
-    """A live engine serving model A: the embedded engine, and real SGLang on CPU."""
-    if request.param == "sglang" and not HAVE_SGLANG:
+def _served(kind: str, model_a: Path, tmp_path_factory) -> Iterator[SimpleNamespace]:
+    if kind == "sglang" and not HAVE_SGLANG:
         if SKIP_SGLANG:
             pytest.skip("SGLang not installed and RLTRAIN_SKIP_SGLANG=1")
         pytest.fail("SGLang is not installed: install it as the README says, or set RLTRAIN_SKIP_SGLANG=1")
-    srv = start_engine(request.param, model_a, tmp_path_factory.mktemp(f"{request.param}_logs"))
+    srv = start_engine(kind, model_a, tmp_path_factory.mktemp(f"{kind}_logs"))
     yield srv
     srv.client.close()
     srv.process.stop()
+
+
+# One server of each kind per test process, kept for the whole session: a parametrized session
+# fixture would be started again each time the test order switches between its params (every
+# module that uses both), and SGLang's start costs ~20 s of CPU. Each test leaves it serving
+# model A, as it found it.
+@pytest.fixture(scope="session")
+def embedded_server(model_a, tmp_path_factory):
+    yield from _served("embedded", model_a, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def sglang_server(model_a, tmp_path_factory):
+    yield from _served("sglang", model_a, tmp_path_factory)
+
+
+@pytest.fixture(params=["embedded", "sglang"])
+def server(request):
+    """A live engine serving model A: the embedded engine, and real SGLang on CPU."""
+    return request.getfixturevalue(f"{request.param}_server")
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from multiproc import run_torchrun
+from rltrain.generation import Completion
 from rltrain.rollout.step import check_versions
 from rltrain.weights.versions import StaleWeightsError
 
@@ -52,6 +53,9 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
     # pool from the free memory it sees at start-up).
     started, created = r.stderr.index("engine started: pid"), r.stderr.index("trainer created (fsdp), while")
     assert started < created < r.stderr.index("engine healthy at")
+    # Each rank's embedded CPU engine is forked from it (no second import of torch per engine: on
+    # two cores most of the job's start-up): nothing in the rank may run a thread before it starts.
+    assert "(forked from its rank)" in r.stderr, r.stderr[-4000:]  # (rank 0 logs its own)
     run_dir = tmp_path / "quickstart"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
@@ -161,8 +165,8 @@ def test_bad_dataset_fails_before_training_with_file_and_line(tmp_path):
 
 
 class _S:
-    def __init__(self, v):
-        self.completion = type("C", (), {"weight_version": v})()
+    def __init__(self, v, tokens=None):
+        self.completion = Completion(0, 0, output_ids=[1] * len(tokens or []), weight_version=v, token_versions=tokens)
 
 
 def test_samples_from_stale_weights_are_refused():
@@ -173,6 +177,15 @@ def test_samples_from_stale_weights_are_refused():
     check_versions(rollout, ["4", "3"], rank=0)  # loop.max_staleness=1: one version behind is allowed
     with pytest.raises(StaleWeightsError, match=r"expected 5 or one of the 1 before it \(\['4'\]\)"):
         check_versions(rollout, ["5", "4"], rank=0)
+    # A sample cut by a weight update and continued (loop.in_flight_update=continue): every token's
+    # version is judged, not only its oldest.
+    continued = type("R", (), {"groups": [[_S("3", ["3", "4", "4"])]]})()
+    check_versions(continued, ["4", "3"], rank=0)
+    with pytest.raises(StaleWeightsError, match=r"\['3', '4'\], expected 4"):
+        check_versions(continued, ["4"], rank=0)
+    odd = type("R", (), {"groups": [[_S("4", ["4", "9"])]]})()  # (a token of a version never published)
+    with pytest.raises(StaleWeightsError, match=r"\['4', '9'\]"):
+        check_versions(odd, ["4", "3"], rank=0)
 
 
 @pytest.mark.parametrize(

@@ -157,15 +157,20 @@ class Scored:
 class Workers:
     """`size` daemon threads running calls from a queue, each call's `Future` returned. Daemon
     threads, unlike ThreadPoolExecutor's (joined when the interpreter exits), leave a call that
-    never returns behind at exit: a hung grader cannot hold the job's process open."""
+    never returns behind at exit: a hung grader cannot hold the job's process open. The threads
+    start at the first call: a rank that has not scored yet runs no thread of this pool, so its
+    engine can still be started by a fork (engine/forked.py)."""
 
     def __init__(self, size: int, name: str):
         self._tasks: queue.SimpleQueue[tuple[Future, Callable[..., Any], tuple] | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(size)]
-        for t in self._threads:
-            t.start()
+        self._start = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        with self._start:
+            if self._threads[0].ident is None:  # (not started yet)
+                for t in self._threads:
+                    t.start()
         fut: Future = Future()
         self._tasks.put((fut, fn, args))
         return fut
