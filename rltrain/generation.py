@@ -90,6 +90,10 @@ class Completion:
     # A multi-turn trajectory (rollout/multiturn.py): 1 on the tokens the model sampled, 0 on the
     # environment's (None: every token is sampled, as in a single-turn completion).
     loss_mask: list[int] | None = None
+    # A sample cut by a weight update and continued on the new weights (loop.in_flight_update=
+    # continue): the version that sampled each output token (None: all of them `weight_version`,
+    # which is then the oldest of these).
+    token_versions: list[str | None] | None = None
 
     @property
     def ok(self) -> bool:

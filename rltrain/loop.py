@@ -67,7 +67,8 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     )
     writer = MetricsWriter(cfg, world, parts.start_step)
     rollouts = StepRollout(cfg, world, sampler, parts.tokenizer, parts.rewards)
-    ahead = RolloutAhead(rollouts)  # loop.max_staleness=1: step t+1's rollout while step t trains
+    # loop.max_staleness=k: the rollouts of steps t+1..t+k while step t trains
+    ahead = RolloutAhead(rollouts, cfg.loop.in_flight_update, cfg.world.timeout_s)
     gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
     recent = [version]  # the versions a step may train on, newest first (loop.max_staleness + 1 of them)
@@ -111,8 +112,9 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 restarted_ahead = False
             with clock.phase("rollout"):
                 rollout = rollouts.for_training(rollout, recent)
-            if cfg.loop.max_staleness and step + 1 < last_step(cfg):
-                ahead.start(engine.client, step + 1)  # from the weights before this step's training
+            for later in range(step + 1, min(step + 1 + cfg.loop.max_staleness, last_step(cfg))):
+                if later not in ahead.steps:  # (from the weights before this step's training)
+                    ahead.start(engine.client, later)
             _to_training(clock.phase, parts, world)
             with clock.phase("logprobs"):
                 batch, rewards, adv_stats = prepare_batch(cfg, trainer, rollout)
@@ -138,14 +140,20 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
             if reason is not None:
                 ahead.discard()
             else:
+                in_flight = bool(ahead.steps) and cfg.loop.in_flight_update != "wait"
                 if cfg.loop.max_staleness:
-                    with clock.phase("rollout_ahead_wait"):
-                        ahead.wait()  # the engines idle before their weights change
+                    if not in_flight:
+                        with clock.phase("rollout_ahead_wait"):
+                            ahead.wait()  # the engines idle before their weights change
                     if engine.recover():  # one died under the rollout ahead: back before the sync reaches it
                         with clock.phase("engine_restart"):
                             parts.sync.engine_restarted()
                         restarted_ahead = True  # (the sync sends it this step's weights; the take retries)
-                sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg))
+                    if in_flight:  # the rows in flight cut, to go on from the new weights
+                        with clock.phase("rollout_ahead_pause"):
+                            ahead.pause(engine)
+                paused = ahead if in_flight else None
+                sent = _to_rollout(clock.phase, parts, world, version, ride=step + 1 < last_step(cfg), resume=paused)
                 for k in PROBE_STATS:  # the ridden probe's and the last push's
                     if k in train_stats and k in sent:
                         sent[k] = max(sent[k], train_stats[k])
@@ -224,15 +232,21 @@ def _to_training(phase: Phase, parts: RunParts, world: World) -> None:
         parts.cycle.bring_back()
 
 
-def _to_rollout(phase: Phase, parts: RunParts, world: World, version: str, ride: bool) -> dict[str, float]:
+def _to_rollout(
+    phase: Phase, parts: RunParts, world: World, version: str, ride: bool, resume: RolloutAhead | None = None
+) -> dict[str, float]:
     """From training to rollout: the engines take their weights' memory back and receive
     `version` (verified; the trainer's side of the probe rides the next training step where
     `ride`: one follows), the world goes down, the trainer is put away, the engines take their
-    KV cache back once the world's NCCL memory is free."""
+    KV cache back once the world's NCCL memory is free. `resume`: rollouts ahead paused for the
+    update, which go on once it is made (before the engines' probe, which they would hold)."""
     with phase("engine_resume_weights"):
         parts.engine.resume_weights()
     with phase("sync"):
         stats = parts.sync.push(version, ride=ride)  # gathers shards: world up
+    if resume is not None:
+        with phase("rollout_ahead_resume"):
+            resume.resume(parts.engine)
     with phase("world_destroy"):
         world.destroy()  # NCCL teardown runs in the background during the trainer's put-away
     with phase("trainer_offload"):

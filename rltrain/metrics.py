@@ -189,6 +189,16 @@ class MetricsWriter:
         lags = sorted({k for g in gathered for k in g if k.startswith("stale_samples_")})
         if lags:
             rec["staleness"] = {k.removeprefix("stale_samples_"): sum(g.get(k, 0.0) for g in gathered) for k in lags}
+        # loop.in_flight_update: the trained tokens at each lag (samples continued over an update
+        # mix versions), and the rows the updates cut, continued or sampled again (inflight.py)
+        token_lags = sorted({k for g in gathered for k in g if k.startswith("stale_tokens_")})
+        if token_lags:
+            rec["staleness_tokens"] = {
+                k.removeprefix("stale_tokens_"): sum(g.get(k, 0.0) for g in gathered) for k in token_lags
+            }
+        for k in ("in_flight_cut", "in_flight_continued", "in_flight_requeued"):
+            if any(k in g for g in gathered):
+                rec[k] = sum(g.get(k, 0.0) for g in gathered)
         if any("rollout_ahead_s" in g for g in gathered):
             rec["rollout_ahead_s"] = max(g.get("rollout_ahead_s", 0.0) for g in gathered)
         rec["rollout_tokens_per_s"] = tot("response_tokens") / max(slowest.get("rollout", 0.0), 1e-9)

@@ -8,6 +8,7 @@ their own there, as on GPUs of their own)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -47,14 +48,49 @@ def test_the_rollout_ahead_settings_are_refused_where_they_cannot_work(tmp_path)
     qs = str(REPO / "configs" / "quickstart.yaml")
     with pytest.raises(ConfigError, match="set loop.colocate=false"):
         load_config(qs, ["loop.max_staleness=1"])
-    with pytest.raises(ConfigError, match="only 0 .synchronous. and 1"):
+    with pytest.raises(ConfigError, match="each sync would wait for every rollout ahead"):
         load_config(qs, ["loop.colocate=false", "loop.max_staleness=2"])
+    with pytest.raises(ConfigError, match="nothing is in flight at a weight update of the synchronous loop"):
+        load_config(qs, ["loop.colocate=false", "loop.in_flight_update=continue"])
+    with pytest.raises(ConfigError, match="expected one of 'wait', 'continue', 'requeue'"):
+        load_config(qs, [*AHEAD, "loop.in_flight_update=retract"])
+    assert load_config(qs, ["loop.colocate=false", "loop.max_staleness=3", "loop.in_flight_update=requeue"])
     with pytest.raises(ConfigError, match="dynamic sampling's rounds"):
         load_config(qs, [*AHEAD, "algo.dynamic_sampling=true"])
     cfg = load_config(qs, [*AHEAD, "algo.rollout_rs=geometric", "algo.rollout_rs_threshold=1.01"])
     assert cfg.algo.rollout_is is None and cfg.algo.rollout_rs == "geometric"  # (a correction set: kept as set)
     assert load_config(qs, list(AHEAD)).algo.rollout_is == "token"
     assert load_config(qs, ["loop.colocate=false"]).algo.rollout_is is None
+
+
+def test_rollouts_two_steps_ahead_are_cut_by_each_weight_update_and_go_on_with_every_token_versioned(tmp_path):
+    """loop.max_staleness=2 with loop.in_flight_update=continue (partial rollout), the engines
+    slowed (a test-only sleep per decode step) so that rollouts are in flight at every sync. Each
+    update pauses them (mode abort), and the rows it cut go on from their tokens on the new weights:
+    steps 3-4 train on samples begun two versions behind, no sample older (the loop's version check
+    would fail the run), and the tokens of a row carry the versions that sampled them (the token
+    histogram mixes lags in a step). No generation failed; every sample is trained (its whole group
+    kept), with the importance weights of the mixed versions."""
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
+        "RLTRAIN_TEST_ENGINE_STEP_S": "0.05",
+    }
+    extra = ("loop.colocate=false", "loop.max_staleness=2", "loop.in_flight_update=continue")
+    r = run_quickstart(tmp_path, *extra, "loop.steps=4", "rollout.max_new_tokens=12", env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = _rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[0]["staleness"] == {"0": 64.0} and set(rows[1]["staleness"]) <= {"0", "1"}
+    assert all(set(row["staleness"]) <= {"0", "1", "2"} for row in rows)
+    assert "2" in rows[3]["staleness"]  # (begun in step 2, from the weights before it)
+    cut = [row.get("in_flight_cut", 0) for row in rows]
+    assert sum(cut) > 0 and [row.get("in_flight_continued", 0) for row in rows] == cut
+    mixed = [row for row in rows if len(row.get("staleness_tokens", {})) > 1]
+    assert mixed, rows
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["samples_trained"] == 64
+        assert 0.5 < row["is_weight"] <= 2.0
+        assert ("rollout_ahead_pause" in row["time"]) == (row["step"] < 4)  # (no rollout ahead after the last)
 
 
 def _trained(tmp_path) -> list[dict]:
@@ -109,3 +145,65 @@ def test_an_engine_of_its_own_dying_under_the_rollout_ahead_is_restarted_before_
     assert rows[2]["generation_retried"] == 64
     for row in rows:
         assert row["generation_failed"] == 0 and row["samples_trained"] == 64 and row["sync_digests_compared"] >= 1
+
+
+@pytest.mark.parametrize("mode", ["continue", "requeue"])
+def test_a_weight_update_cuts_the_rows_in_flight_and_they_go_on_from_the_new_weights(server, model_a, model_b, mode):
+    """Real engines (the embedded one and SGLang on the CPU), as the loop drives them with
+    loop.in_flight_update: a long greedy generation of weights A is cut by SGLang's
+    /pause_generation (mode abort) in the middle and answered with its tokens so far; weights B
+    are loaded and the engine continued. With continue (partial rollout) the sample is its tokens of
+    A, then exactly what the engine generates from the prompt and them on B, each token with the
+    version that produced it and the engine's log-prob of each kept; with requeue, the whole sample
+    is B's. The engine is left serving A, as it was."""
+    import threading
+    import time
+
+    from rltrain.generation import SamplingParams
+    from rltrain.rollout.inflight import InFlightClient, UpdateGate
+
+    client, before = server.client, server.client.weight_version()
+    prompt, length = [5, 6, 7, 8], 900
+    params = SamplingParams(max_new_tokens=length, temperature=0.0, ignore_eos=True)
+    delay = 0.3
+    try:
+        for _ in range(6):  # until the pause lands in the middle of the generation
+            gate = UpdateGate(120)
+            flight = InFlightClient(client, gate, mode)
+            got: dict = {}
+            thread = threading.Thread(target=lambda: got.update(out=flight.generate([prompt], params)))
+            thread.start()
+            time.sleep(delay)
+            gate.close()
+            client.pause("abort")
+            client.update_weights_from_disk(str(model_b), weight_version="b")
+            client.continue_generation()
+            gate.open()
+            thread.join(300)
+            (c,) = got["out"]
+            assert c.ok and len(c.output_ids) == length and len(c.logprobs) == length, c
+            cut = flight.stats.cut
+            client.update_weights_from_disk(str(model_a), weight_version=before)
+            if cut and (mode == "requeue" or 0 < (c.token_versions or []).count(before) < length):
+                break
+            delay = delay * 2 if not cut else delay / 2  # (finished before the pause: later; cut at 0: sooner)
+        else:
+            pytest.fail("the pause never landed in the middle of the generation")
+        assert flight.stats.cut == 1 and getattr(flight.stats, "continued" if mode == "continue" else "requeued") == 1
+        on_b = lambda ids, n: client.generate([ids], SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))  # noqa: E731
+        client.update_weights_from_disk(str(model_b), weight_version="b")
+        if mode == "continue":
+            done = c.token_versions.count(before)
+            assert c.token_versions == [before] * done + ["b"] * (length - done) and c.weight_version == before
+            (rest,) = on_b(prompt + c.output_ids[:done], length - done)
+            assert c.output_ids[done:] == rest.output_ids
+            client.update_weights_from_disk(str(model_a), weight_version=before)
+            (of_a,) = client.generate([prompt], SamplingParams(max_new_tokens=done, temperature=0.0, ignore_eos=True))
+            assert c.output_ids[:done] == of_a.output_ids  # the cut part: weights A's
+        else:
+            (whole,) = on_b(prompt, length)
+            assert c.output_ids == whole.output_ids and c.weight_version == "b" and c.token_versions is None
+    finally:
+        client.continue_generation()
+        client.update_weights_from_disk(str(model_a), weight_version=before)
+    assert client.weight_version() == before

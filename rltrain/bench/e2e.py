@@ -135,6 +135,8 @@ def run_loop(
     ]
     if staleness is not None:  # the engine beside the trainer, its memory kept (and bounded)
         overrides += ["loop.colocate=false", f"loop.max_staleness={staleness}"]
+        if staleness:
+            overrides.append(f"loop.in_flight_update={a.in_flight}")
         if engine == "embedded":
             overrides.append(f"engine.mem_fraction_static={a.mem_fraction}")
     if packed:  # the padded path's tokens per forward, cut by real tokens instead of rows
@@ -209,7 +211,10 @@ def compare(
         m = lambda f, s=steady: _mean(s, f)  # noqa: E731
         step_s = m(lambda r: r["time"]["step"])
         rollout_s = m(lambda r: r["time"]["rollout"])
-        tps = m(lambda r: r["response_length"] * r["samples_trained"]) / rollout_s
+        # A rollout ahead (loop.max_staleness): its own seconds, beside training; "rollout" is then
+        # only what the step still waited for it.
+        generated_s = m(lambda r: max(r.get("rollout_ahead_s", 0.0), r["time"]["rollout"]))
+        tps = m(lambda r: r["response_length"] * r["samples_trained"]) / generated_s
         switches = sum(m(lambda r, p=p: r["time"].get(p, 0.0)) for p in SWITCHES)
         resume = m(lambda r: r["time"].get("engine_resume_weights", 0.0) + r["time"].get("engine_resume_kv", 0.0))
         sync_s = m(lambda r: r["time"].get("sync", 0.0))
@@ -226,7 +231,7 @@ def compare(
             "rollout": f"{rollout_s:.2f} s",
             "  waiting for the answers": f"{m(lambda r: r.get('rollout_time', {}).get('generate_s', 0.0)):.3f} s",
             "  decoding and scoring them": f"{m(lambda r: r.get('rollout_time', {}).get('score_s', 0.0)):.3f} s",
-            "response tokens/s": f"{tps:,.0f}",
+            "response tok/s (own time)": f"{tps:,.0f}",
             "mean response length": f"{m(lambda r: r['response_length']):.0f}",
             "log-probs MFU (real tokens)": "fused into train"
             if _old_logp_fused(run_dir)
@@ -250,6 +255,9 @@ def compare(
             "importance weight (mean)": f"{m(lambda r: r.get('is_weight', 1.0)):.4f}",
             "engine-trainer log-prob gap": f"{m(lambda r: r.get('logp_diff_engine_trainer', float('nan'))):.4f}",
             "failed generations (all steps)": f"{sum(r['generation_failed'] for r in rows):.0f}",
+            "rows cut by updates, continued": f"{sum(r.get('in_flight_cut', 0) for r in rows):.0f}, "
+            f"{sum(r.get('in_flight_continued', 0) for r in rows):.0f}",
+            "tokens by lag (all steps)": _lags(rows, "staleness_tokens"),
         }
     names = list(cols)
     lines = [
@@ -264,11 +272,11 @@ def compare(
     return lines
 
 
-def _lags(rows: list[dict]) -> str:
-    """Samples trained per weight-version lag over the run ("0:512 1:2560")."""
+def _lags(rows: list[dict], key: str = "staleness") -> str:
+    """Samples (or tokens) trained per weight-version lag over the run ("0:512 1:2560")."""
     total: dict[str, float] = {}
     for r in rows:
-        for lag, count in r.get("staleness", {}).items():
+        for lag, count in r.get(key, {}).items():
             total[lag] = total.get(lag, 0.0) + count
     return " ".join(f"{lag}:{count:.0f}" for lag, count in sorted(total.items())) or "-"
 
@@ -290,6 +298,7 @@ def report(
         "",
     ]
     rollout_s, train_s, lp_s = (mean(lambda r, p=p: r["time"].get(p, 0.0)) for p in ("rollout", "train", "logprobs"))
+    rollout_s = max(rollout_s, mean(lambda r: r.get("rollout_ahead_s", 0.0)))  # (a rollout ahead: its own seconds)
     response = mean(lambda r: r["response_length"] * r["samples_trained"])
     train_tps = mean(lambda r: r["train_tokens_per_s"])
     train_tokens = train_tps * train_s
@@ -400,6 +409,12 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=None,
         help="not colocated, the engine beside the trainer on the GPU: one run per loop.max_staleness given",
+    )
+    ap.add_argument(
+        "--in-flight",
+        choices=["wait", "continue", "requeue"],
+        default="wait",
+        help="loop.in_flight_update for the --staleness runs above 0 (a bound above 1 needs continue or requeue)",
     )
     ap.add_argument(
         "--report-only",

@@ -247,6 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--micro", type=int, default=4, help="rows of the training micro-batch the probe rides")
     ap.add_argument("--micro-tokens", type=int, default=389, help="tokens per row of that micro-batch")
+    ap.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="the engine's engine.mem_fraction_static (its KV pool's share of the GPU; default: the engine's own): "
+        "on an 80 GB GPU at the 4B shape the default leaves the trainer too little for the probe's micro-batch",
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one push per transport")
     ap.add_argument(
         "--verify-parts",
@@ -319,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=dtype_name,
                 extra_args=["--log-level", "DEBUG"] if a.profile else [],
             )
+            if a.mem_fraction is not None:
+                ecfg.mem_fraction_static = a.mem_fraction
             proc = EngineProcess.start(
                 server_command(ecfg, str(path), port),
                 f"http://127.0.0.1:{port}",

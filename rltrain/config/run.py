@@ -81,22 +81,40 @@ class LoopConfig:
     # t trains, from the weights before step t (each sample one version behind the policy it
     # trains); 0 is the synchronous loop. Needs loop.colocate=false (the engines keep serving
     # while the trainer trains). Rollout correction (algo.rollout_is / rollout_rs) is on with it:
-    # algo.rollout_is=token where none is set. Larger bounds need weight updates to engines with
-    # requests in flight, not built yet.
+    # algo.rollout_is=token where none is set. k > 1 needs a loop.in_flight_update that does not
+    # wait (the rollouts ahead then span the weight updates of the steps between).
     max_staleness: int = 0
+    # What a weight update does to the rollout ahead still in flight (loop.max_staleness >= 1):
+    # wait: the sync waits for it to finish (the engines never change weights under a request;
+    #   every sample is of one version). The default: at k = 1 the rollout ahead started when
+    #   training did, so the wait is only what generation takes beyond training, and no sample
+    #   mixes versions.
+    # continue (partial rollout): the engines are paused with mode abort, the update is made, and
+    #   each cut sample goes on from its tokens (token-in: the prompt and what it had sampled)
+    #   on the new weights; every token records the version that sampled it (a sample's version
+    #   for the staleness bound is its oldest token's), the engine's log-probs of each token kept
+    #   for the correction.
+    # requeue: the cut samples are sampled again from their prompts on the new weights.
+    in_flight_update: Literal["wait", "continue", "requeue"] = "wait"
 
     def check(self) -> None:
         if self.max_staleness < 0:
-            raise ConfigError(f"loop.max_staleness={self.max_staleness}: expected 0 (synchronous) or 1")
-        if self.max_staleness > 1:
+            raise ConfigError(f"loop.max_staleness={self.max_staleness}: expected 0 (synchronous) or more")
+        if self.in_flight_update != "wait" and not self.max_staleness:
             raise ConfigError(
-                f"loop.max_staleness={self.max_staleness}: only 0 (synchronous) and 1 (step t+1's rollout while step t "
-                "trains) are built; a larger bound needs weight updates to engines while their requests are in flight"
+                f"loop.in_flight_update={self.in_flight_update}: nothing is in flight at a weight update of the "
+                "synchronous loop (loop.max_staleness=0); set loop.max_staleness >= 1 or leave it at wait"
+            )
+        if self.max_staleness > 1 and self.in_flight_update == "wait":
+            raise ConfigError(
+                f"loop.max_staleness={self.max_staleness} with loop.in_flight_update=wait: each sync would wait for "
+                "every rollout ahead, so none could be more than one version behind; set loop.in_flight_update="
+                "continue (partial rollout) or requeue, or loop.max_staleness=1"
             )
         if self.max_staleness and self.colocate:
             raise ConfigError(
-                "loop.max_staleness=1 generates while the trainer trains: the engines must keep their memory, so set "
-                "loop.colocate=false"
+                f"loop.max_staleness={self.max_staleness} generates while the trainer trains: the engines must keep "
+                "their memory, so set loop.colocate=false"
             )
 
 

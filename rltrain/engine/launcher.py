@@ -238,6 +238,17 @@ class NodeEngine:
 
         self._on_leader(resume, world.bridge, "engine resume kv")
 
+    def pause_generation(self) -> None:
+        """A weight update to engines that keep serving (loop.in_flight_update): every engine ends
+        the rows in flight (SGLang's /pause_generation, mode abort: each answered with its tokens
+        so far) and holds new requests until `continue_generation`. A collective over the job."""
+        self._on_leader(lambda: self.client.pause("abort"), self._world().bridge, "engine paused")
+
+    def continue_generation(self) -> None:
+        """After the update: the engines take requests again (those held, and the cut rows'
+        continuations). A collective over the job: no engine serves before every engine is updated."""
+        self._on_leader(self.client.continue_generation, self._world().bridge, "engine continued")
+
     def _on_leader(self, action: Callable[[], None], ranks: Bridge | None, phase: str) -> None:
         """`action` (requests to the engine) on its leader; the ranks of `ranks` (a collective
         over it; None: this rank alone) wait for it and learn every leader's failure, raised on

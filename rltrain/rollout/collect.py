@@ -42,6 +42,7 @@ class Rollout:
     groups: list[list[Sample]]  # the kept groups, in prompt order
     stats: dict[str, float] = field(default_factory=dict)
     every_group: list[list[Sample]] = field(default_factory=list)  # kept or not, one per prompt
+    drawn: Any = None  # what it was sampled from (rollout/step.py's Drawn), set by the step's rollout
 
     @property
     def generation_failed_prompts(self) -> list[int]:

@@ -210,7 +210,7 @@ class MultiTurn:
         budget = self.cfg.max_trajectory_tokens or self.cfg.max_new_tokens * self.cfg.max_turns
         out = Trajectory(start, Completion(prompt_index=pos, sample_index=j, prompt_tokens=len(first)))
         rewards: list[float] = []
-        versions = set()
+        versions: list[str | None] = []  # the version of each token of the trajectory after its prompt
         t_engine = t_env = 0.0
         while True:
             left = budget - len(mask)
@@ -229,7 +229,7 @@ class MultiTurn:
                 out.completion.error = c.error or f"turn {out.turns}: finish reason {c.finish_reason!r}"
                 out.ended_by = "failed"
                 break
-            versions.add(c.weight_version)
+            versions += c.token_versions or [c.weight_version] * len(c.output_ids)
             out.last_turn = list(c.output_ids)
             ids += c.output_ids
             mask += [1] * len(c.output_ids)
@@ -263,6 +263,7 @@ class MultiTurn:
                 out.ended_by = "budget"
                 break
             ids += obs
+            versions += versions[-1:] * len(obs)  # (not sampled: the version of the turn it answers)
             mask += [0] * len(obs)
             logp += [0.0] * len(obs)
             out.observation_tokens += len(obs)
@@ -272,9 +273,10 @@ class MultiTurn:
             c.finish_reason = "length"
         elif c.error is None:
             c.finish_reason = "stop"
-        if len(versions) > 1 and c.error is None:
-            c.error = f"turns sampled from weight versions {sorted(map(str, versions))}"
-        c.weight_version = next(iter(versions)) if len(versions) == 1 else None
+        # Turns of several versions only where a weight update came between them (loop.in_flight_update):
+        # each token's kept, the trajectory's the oldest (what the staleness bound judges).
+        c.weight_version = versions[0] if versions else None
+        c.token_versions = versions if len(set(versions)) > 1 else None
         out.env_reward = sum(rewards) if rewards else None
         self.stats.add(
             trajectories=1,

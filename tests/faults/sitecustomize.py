@@ -211,3 +211,20 @@ if _END and os.environ.get("RANK") == _END.split(":")[0] and os.environ.get("TOR
         raise RuntimeError(f"fault injected by the test in {_end_method} at the end of the run")
 
     setattr(_end_cls, _end_method.split(".")[1], _failing_at_the_end)
+
+# RLTRAIN_TEST_ENGINE_STEP_S=<seconds>: the embedded engine's plain path sleeps that long at every
+# decode step, so that a rollout is still in flight when the loop's next weight update comes
+# (loop.in_flight_update: the update cuts it).
+_STEP_S = os.environ.get("RLTRAIN_TEST_ENGINE_STEP_S")
+if _STEP_S and os.environ.get("RANK") is None:
+    import time as _time
+
+    import rltrain.engine.embedded.plain as _plain
+
+    _sample = _plain.sample
+
+    def _slow_sample(*args, **kw):
+        _time.sleep(float(_STEP_S))
+        return _sample(*args, **kw)
+
+    _plain.sample = _slow_sample
