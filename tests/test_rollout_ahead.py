@@ -207,3 +207,35 @@ def test_a_weight_update_cuts_the_rows_in_flight_and_they_go_on_from_the_new_wei
         client.continue_generation()
         client.update_weights_from_disk(str(model_a), weight_version=before)
     assert client.weight_version() == before
+
+
+def test_a_rank_killed_with_rollouts_in_flight_is_restarted_and_resumes_from_its_checkpoint(tmp_path):
+    """k = 2 with partial rollouts: rank 1 is SIGKILLed while step 3 trains, with the rollouts
+    of steps 4 and 5 in flight. torchrun restarts the job, which resumes from step 2's checkpoint:
+    its engines are started and sent that version, the prompts drawn ahead are drawn again (the
+    checkpoint keeps the sampler as it was before them), and steps 3-5 are trained once each,
+    every sample within two versions, nothing failed, nothing left waiting on a paused engine."""
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
+        "RLTRAIN_TEST_ENGINE_STEP_S": "0.05",
+        "RLTRAIN_TEST_FAULT": "1:train:3:kill",
+    }
+    extra = ("loop.colocate=false", "loop.max_staleness=2", "loop.in_flight_update=continue")
+    r = run_quickstart(
+        tmp_path,
+        *extra,
+        "loop.steps=5",
+        "rollout.max_new_tokens=12",
+        "checkpoint.interval=1",
+        "world.timeout_s=60",
+        torchrun_args=("--max-restarts=1",),
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "resumed from" in r.stderr and "step 2, weight version 2" in r.stderr, r.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["staleness"] == {"0": 64.0}  # (the first step after the resume: nothing was ahead)
+    for row in rows:
+        assert set(row["staleness"]) <= {"0", "1", "2"} and row["generation_failed"] == 0
+        assert row["samples_trained"] == 64
