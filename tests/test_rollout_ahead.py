@@ -64,19 +64,22 @@ def test_the_rollout_ahead_settings_are_refused_where_they_cannot_work(tmp_path)
 
 
 def test_rollouts_two_steps_ahead_are_cut_by_each_weight_update_and_go_on_with_every_token_versioned(tmp_path):
-    """loop.max_staleness=2 with loop.in_flight_update=continue (partial rollout), the engines
-    slowed (a test-only sleep per decode step) so that rollouts are in flight at every sync. Each
-    update pauses them (mode abort), and the rows it cut go on from their tokens on the new weights:
-    steps 3-4 train on samples begun two versions behind, no sample older (the loop's version check
-    would fail the run), and the tokens of a row carry the versions that sampled them (the token
-    histogram mixes lags in a step). No generation failed; every sample is trained (its whole group
-    kept), with the importance weights of the mixed versions."""
+    """loop.max_staleness=2 with loop.in_flight_update=continue (partial rollout), on one engine of
+    its own shared by both ranks and fed by `distributed`, the engine slowed (a test-only sleep per
+    decode step) so that rollouts are in flight at every sync. Each update pauses them (mode
+    abort), and the rows it cut go on from their tokens on the new weights: steps 3-4 train on
+    samples begun two versions behind, no sample older (the loop's version check would fail the
+    run), and the tokens of a row carry the versions that sampled them (the token histogram mixes
+    lags in a step). No generation failed; every sample is trained (its whole group kept), with
+    the importance weights of the mixed versions."""
     env = {
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), os.environ.get("PYTHONPATH", "")]),
         "RLTRAIN_TEST_ENGINE_STEP_S": "0.05",
     }
     extra = ("loop.colocate=false", "loop.max_staleness=2", "loop.in_flight_update=continue")
-    r = run_quickstart(tmp_path, *extra, "loop.steps=4", "rollout.max_new_tokens=12", env=env)
+    # One engine of its own for both ranks, fed by `distributed` (NCCL broadcast on GPUs, gloo here).
+    apart = ("engine.gpus=1", "sync.transport=distributed")
+    r = run_quickstart(tmp_path, *extra, *apart, "loop.steps=4", "rollout.max_new_tokens=12", env=env)
     assert r.returncode == 0, r.stderr[-4000:]
     rows = _rows(tmp_path)
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
@@ -88,7 +91,7 @@ def test_rollouts_two_steps_ahead_are_cut_by_each_weight_update_and_go_on_with_e
     mixed = [row for row in rows if len(row.get("staleness_tokens", {})) > 1]
     assert mixed, rows
     for row in rows:
-        assert row["generation_failed"] == 0 and row["samples_trained"] == 64
+        assert row["generation_failed"] == 0 and row["samples_trained"] == 64 and row["sync_digests_compared"] == 1
         assert 0.5 < row["is_weight"] <= 2.0
         assert ("rollout_ahead_pause" in row["time"]) == (row["step"] < 4)  # (no rollout ahead after the last)
 
