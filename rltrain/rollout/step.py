@@ -117,7 +117,7 @@ class StepRollout:
         their shares of the informative groups)."""
         check_versions(rollout, versions, self.world.rank)
         if self.cfg.loop.max_staleness:
-            rollout.stats.update(staleness(rollout, versions))
+            rollout.stats.update(staleness(rollout, versions, self.cfg.loop.in_flight_update != "wait"))
         if self.cfg.algo.dynamic_sampling:
             assert isinstance(rollout.drawn, Drawn)
             rollout = keep_informative_over_ranks(self.cfg, self.world, rollout, rollout.drawn.batches)
@@ -149,22 +149,21 @@ def token_versions(c: Completion) -> set[str | None]:
     return set(c.token_versions) if c.token_versions else {c.weight_version}
 
 
-def staleness(rollout: Rollout, versions: list[str | None]) -> dict[str, float]:
+def staleness(rollout: Rollout, versions: list[str | None], per_token: bool = False) -> dict[str, float]:
     """How many versions behind the trained weights (`versions[0]`; the ones before it follow)
     each sample's weights were: the count of samples at each lag (`stale_samples_<k>`, a sample
-    continued over a weight update at its oldest token's), and of tokens (`stale_tokens_<k>`,
-    where any sample mixes versions: loop.in_flight_update=continue)."""
+    continued over a weight update at its oldest token's), and where `per_token` (weight updates
+    under rollouts in flight: a sample may mix versions) of the sampled tokens (`stale_tokens_<k>`)."""
     if not versions or versions[0] is None:
         return {}
     lags: dict[str, float] = {}
-    mixed = any(s.completion.token_versions for g in rollout.groups for s in g)
     for g in rollout.groups:
         for s in g:
             v = s.completion.weight_version
             if v in versions:
                 key = f"stale_samples_{versions.index(v)}"
                 lags[key] = lags.get(key, 0.0) + 1.0
-            if mixed:
+            if per_token:
                 each = s.completion.token_versions or [v] * len(s.completion.output_ids)
                 mask = s.completion.loss_mask or [1] * len(each)
                 for tv, m in zip(each, mask):
