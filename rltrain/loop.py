@@ -72,7 +72,9 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
     gap = LogpGapAlarm(cfg.sync.logp_gap_alarm, world.rank)
     version = parts.initial_version
     recent = [version]  # the versions a step may train on, newest first (loop.max_staleness + 1 of them)
-    restarted_ahead = False  # an engine died under the rollout ahead and was started again before the sync
+    # The steps whose rollouts an engine restart cut (this step's, and every rollout ahead in
+    # flight when it died): their lost generations are sampled again when each is taken.
+    retry: set[int] = set()
     last: dict[str, float] = {}
     done = parts.start_step  # the last recorded step
     closing = [("the metrics writer's close", writer.close), *parts.closing()]
@@ -105,11 +107,11 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                 with clock.phase("engine_restart"):
                     parts.sync.engine_restarted()
                     _send_weights_again(parts, world, version)
-                restarted_ahead = True
-            if restarted_ahead:  # (or under the rollout ahead: restarted before the last sync)
+                retry |= {step, *ahead.steps}
+            if step in retry:  # (or under a rollout ahead: restarted before a sync)
                 with clock.phase("engine_restart"):
-                    rollout = rollouts.retry_failed(engine.client, rollout)
-                restarted_ahead = False
+                    rollout = rollouts.retry_failed(engine.client, rollout, recent)
+                retry.discard(step)
             with clock.phase("rollout"):
                 rollout = rollouts.for_training(rollout, recent)
             for later in range(step + 1, min(step + 1 + cfg.loop.max_staleness, last_step(cfg))):
@@ -148,7 +150,7 @@ def run(cfg: Config, world: World, stop: StopRequest) -> dict[str, float]:
                     if engine.recover():  # one died under the rollout ahead: back before the sync reaches it
                         with clock.phase("engine_restart"):
                             parts.sync.engine_restarted()
-                        restarted_ahead = True  # (the sync sends it this step's weights; the take retries)
+                        retry |= set(ahead.steps)  # (the sync sends it this step's weights; each take retries)
                     if in_flight:  # the rows in flight cut, to go on from the new weights
                         with clock.phase("rollout_ahead_pause"):
                             ahead.pause(engine)

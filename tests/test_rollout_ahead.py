@@ -242,3 +242,28 @@ def test_a_rank_killed_with_rollouts_in_flight_is_restarted_and_resumes_from_its
     for row in rows:
         assert set(row["staleness"]) <= {"0", "1", "2"} and row["generation_failed"] == 0
         assert row["samples_trained"] == 64
+
+
+def test_an_engine_dying_under_a_rollout_two_steps_ahead_is_restarted_and_that_rollout_sampled_again(tmp_path):
+    """k = 2 with partial rollout, one engine of its own for both ranks (fed by `distributed`).
+    The engine SIGKILLs itself at its first rollout request of weight version 1: step 4's rollout,
+    started while step 2 trained. The loop sees the death at its next check (before step 2's sync
+    or at step 3's take): the engine is started again and sent the weights, and step 4, when it
+    takes its rollout, samples again every generation the death cut, and anything the restarted
+    engine sampled before it had the weights (a version no step may train on): nothing failed,
+    nothing trained more than two versions behind. The old loop retried only the rollout taken
+    next (step 3's, which had lost nothing): step 4's lost generations were dropped."""
+    from test_checkpoint import _engine_dies
+
+    env_extra = ("loop.max_staleness=2", "loop.in_flight_update=continue", "loop.steps=5")
+    r = _engine_dies(tmp_path, "1", "loop.colocate=false", *env_extra, "engine.gpus=1", "sync.transport=distributed")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "engine_died_at_v1").exists()  # it did die
+    assert "died during rollout; starting them again (restart 1 of 1)" in r.stderr, r.stderr[-3000:]
+    rows = _rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert sum(row["engine_restarts"] for row in rows) >= 1
+    assert sum(row["generation_retried"] for row in rows) > 0
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["samples_trained"] == 64, row
+        assert set(row["staleness"]) <= {"0", "1", "2"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,10 +93,17 @@ def retry_failed(
     tokenizer: Any,
     rewards: RewardRunner,
     turns: MultiTurn | None = None,
+    served_by: Callable[[Completion], bool] | None = None,
 ) -> Rollout:
     """Generate the groups whose generation failed once more (the engine was restarted), with the
-    sampling seeds they had; what fails again stays failed and is dropped."""
+    sampling seeds they had; what fails again stays failed and is dropped. `served_by`: where
+    given, also the groups with a sample it refuses (sampled by the restarted engine before it
+    was sent the weights it should serve: a rollout ahead's requests after the restart)."""
     again = rollout.generation_failed_prompts
+    if served_by is not None:
+        again = sorted(
+            {*again, *(i for i, g in enumerate(rollout.every_group) if any(not served_by(s.completion) for s in g))}
+        )
     groups = list(rollout.every_group)
     if again:
         fresh = _generate(client, [prompts[i] for i in again], again, params, tokenizer, rewards, turns=turns)

@@ -98,13 +98,23 @@ class StepRollout:
         rollout.drawn = drawn
         return rollout
 
-    def retry_failed(self, client: RolloutClient, rollout: Rollout) -> Rollout:
-        """After an engine restart: the step's groups whose generation failed, sampled once more
-        with the seeds they had."""
+    def retry_failed(self, client: RolloutClient, rollout: Rollout, versions: list[str | None]) -> Rollout:
+        """After an engine restart: the step's groups whose generation failed, or with a sample
+        of a version the step may not train on (`versions`: a rollout ahead's request the
+        restarted engine served before it was sent the weights), sampled once more with the
+        seeds they had."""
         drawn = rollout.drawn
         assert isinstance(drawn, Drawn)
+        allowed = set(versions)
         retried = collect.retry_failed(
-            rollout, client, drawn.prompts, drawn.params, self.tokenizer, self.rewards, self.turns
+            rollout,
+            client,
+            drawn.prompts,
+            drawn.params,
+            self.tokenizer,
+            self.rewards,
+            self.turns,
+            served_by=None if None in allowed else lambda c: token_versions(c) <= allowed,
         )
         retried.stats["engine_restarts"] = 1.0
         retried.drawn = drawn
