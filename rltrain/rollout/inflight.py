@@ -11,10 +11,14 @@ marked stays a failed generation, as ever), holds it, and any new request, until
 (the engines then serve the new weights), and then:
 
 - continue (partial rollout): sends the row's running ids (the prompt and what it sampled) with
-  the tokens it has left, on its own sampling seed, and joins the two parts: the output ids and
+  the tokens it has left (and what is left of min_new_tokens), on its own sampling seed (the
+  sample's own where it was cut before its first token), and joins the two parts: the output ids and
   the engine's log-probs of both, and the version that sampled each token (`token_versions`;
   the sample's `weight_version` becomes its oldest token's, which the staleness bound judges);
 - requeue: samples the row again from its prompt, with the seed it had.
+
+The penalties (frequency, presence, repetition) of a continuation count the tokens it samples
+itself: the cut part is its prompt there, as SGLang counts a request's prompt.
 
 A continued row cut again by the next update goes on the same way. This is retract's semantics
 (the context is prefilled again on the new weights) done by the client, which alone knows where
@@ -109,16 +113,20 @@ class InFlightClient:
     def _row(self, c: Completion, prompt: list[int], params: SamplingParams) -> tuple[list[int], SamplingParams, int]:
         """The request that goes on with cut row `c`: (its ids, its params of n = 1, its position)."""
         pos, first = c.prompt_index, sample_seed(params, c.prompt_index, c.sample_index)
-        if self.mode == "requeue":
-            seed, ids, left = first, prompt, params.max_new_tokens
-        else:
-            done = len(c.output_ids)
-            ids, left = prompt + c.output_ids, None if params.max_new_tokens is None else params.max_new_tokens - done
-            # Its own stream from here: the cut sample's seed and how far it got.
-            seed = None if first is None else _seed(f"{first}/{done}")
+        done = 0 if self.mode == "requeue" else len(c.output_ids)
+        ids = prompt + c.output_ids[:done]
+        left = None if params.max_new_tokens is None else params.max_new_tokens - done
+        # Continued: its own stream from here, from the cut sample's seed and how far it got.
+        seed = first if first is None or not done else _seed(f"{first}/{done}")
         # (the client adds a row's position to the seed it is given: taken off here)
         own = None if seed is None else seed - pos
-        return ids, dataclasses.replace(params, n=1, max_new_tokens=left, sampling_seed=own), pos
+        return (
+            ids,
+            dataclasses.replace(
+                params, n=1, max_new_tokens=left, min_new_tokens=max(params.min_new_tokens - done, 0), sampling_seed=own
+            ),
+            pos,
+        )
 
 
 def _seed(key: str) -> int:
