@@ -1,7 +1,7 @@
 """Weight updates under a rollout still in flight (`loop.in_flight_update`, with loop.max_staleness).
 
-    gate = UpdateGate()
-    client = InFlightClient(engine_client, gate, "continue", timeout_s)   # what the rollout ahead uses
+    gate = UpdateGate(timeout_s)                                  # (a wait on it is bounded)
+    client = InFlightClient(engine_client, gate, "continue")       # what the rollout ahead uses
     gate.close(); pause the engines (mode abort); update their weights; continue them; gate.open()
 
 Closing the gate marks an update: the engines' pause (SGLang's /pause_generation with mode abort;
