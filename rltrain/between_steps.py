@@ -3,7 +3,8 @@
     KEEP          it stays on the device                       loop.offload_trainer=false (auto: when
                                                                not colocated)
     OFFLOAD       weights and optimizer state to host memory,  loop.offload_trainer=true (auto: when
-                  modules kept, onloaded next step             colocated)
+                  modules kept, onloaded next step             colocated); =fit: only what the engines'
+                                                               rollout needs (`Residency`)
     RELEASE_DISK  dropped whole after the step's verified      release.train=true, release.source=disk
                   checkpoint, re-created from it next step
     RELEASE_HOST  dropped whole after a host-memory snapshot,  release.train=true, release.source=host
@@ -11,19 +12,26 @@
 
 `TrainerCycle` carries the trainer through those states for the loop: `bring_back` before the
 step's log-probs, `keep_state` after the train step (the checkpoint when due, the snapshot),
-`put_away` once the weights are synced, `recorded` once the step's metrics row is written (the
-checkpoints a restart no longer needs are pruned then).
+`put_away` once the weights are synced (with fit, `after_train` begins it), `recorded` once the
+step's metrics row is written (the checkpoints a restart no longer needs are pruned then).
 """
 
 from __future__ import annotations
 
 import enum
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from rltrain.checkpoint import Checkpointer
 from rltrain.config import Config
 from rltrain.interfaces import Snapshot, Trainer
+from rltrain.runtime.ledger import GIB, storage_bytes
+
+log = logging.getLogger("rltrain.between_steps")
 
 
 class BetweenSteps(enum.Enum):
@@ -49,6 +57,24 @@ class BetweenSteps(enum.Enum):
         return self is not BetweenSteps.KEEP
 
 
+@dataclass
+class Residency:
+    """loop.offload_trainer=fit: how many bytes of its state the trainer keeps on the device while
+    the engines roll out. Measured, not assumed: a rollout ends with `free` bytes of the device
+    unused while `kept` bytes of the trainer's state sit beside the engine (its KV pool, its CUDA
+    graphs and the peak its allocator still caches all taken). The next put-away keeps
+    `kept + free - headroom` (never below 0), so the next rollout ends `headroom` short of the
+    device's end; a rollout that took more shrinks it. Until a rollout is measured, nothing stays."""
+
+    headroom: int
+    keep: int = 0
+
+    def observe(self, free: int, kept: int) -> int:
+        """The budget after a rollout that ended with `free` bytes unused and `kept` kept; returns it."""
+        self.keep = max(kept + free - self.headroom, 0)
+        return self.keep
+
+
 class TrainerCycle:
     """The trainer through the loop's steps, as `BetweenSteps` says."""
 
@@ -60,9 +86,16 @@ class TrainerCycle:
         colocate: bool,
         checkpoint_interval: int,
         last_steps: tuple[int, ...],
+        residency: Residency | None = None,
     ):
         self.trainer, self.checkpointer, self.between = trainer, checkpointer, between
         self.colocate = colocate
+        self.residency = residency if between is BetweenSteps.OFFLOAD else None
+        self._said: int | None = None  # fit: the budget last logged
+        self._total = 0  # fit: bytes of the state at the last offload
+        # For the step's row: the parts of the last onload and offload, seconds (the trainer's
+        # timings), and with fit the state they kept and moved, GiB.
+        self.figures: dict[str, float] = {}
         # Saved every `interval` steps and at the run's end: loop.steps, or loop.stop_after.
         self.interval, self.last_steps = checkpoint_interval, last_steps
         self.saved: Path | None = None  # the newest checkpoint this run wrote or resumed from
@@ -73,7 +106,7 @@ class TrainerCycle:
         """Before the first rollout: out of the engine's way (colocated), as after every step.
         Offloaded, not released: there is no checkpoint or snapshot to re-create it from yet."""
         if self.colocate and self.between.leaves_device:
-            self.trainer.offload()
+            self._offload()
 
     def bring_back(self) -> None:
         """On the device, over the world's current groups (re-created first if released)."""
@@ -85,13 +118,53 @@ class TrainerCycle:
                 assert self.saved is not None
                 self.trainer.create(load_weights=False)
                 self.checkpointer.load(self.saved, self.trainer, restore_rank_state=False)
+        self.trainer.timings.clear()  # (the parts of this onload only)
         self.trainer.onload()
+        self.figures = _parts(self.trainer.timings, "onload")
 
     def after_train(self) -> None:
         """The train step's activation cache back to the device before the engine's weights,
-        when the trainer leaves the device after the step anyway."""
+        when the trainer leaves the device after the step anyway; with fit, the offload begun
+        (the optimizer state's copy out, beside the checkpoint and the sync)."""
         if self.colocate and self.between.leaves_device:
             self.trainer.trim()
+        if self.residency is not None:
+            self.trainer.stage_offload(self.residency.keep)
+
+    def rollout_done(self) -> None:
+        """fit: what the rollout left free on the device, before the engines let go of anything."""
+        if self.residency is None or self.trainer.device.type != "cuda":
+            return
+        free, _ = torch.cuda.mem_get_info(self.trainer.device)
+        keep = min(self.residency.observe(free, self._on_device()), self._total)
+        if self._said is None or abs(keep - self._said) >= GIB:  # the first budget, and each that changes
+            log.info(
+                "trainer: keeps %.2f GiB of its %.2f GiB state on the device while the engines roll out "
+                "(loop.offload_trainer=fit: the last rollout ended with %.2f GiB free, headroom %.2f GiB)",
+                keep / GIB,
+                self._total / GIB,
+                free / GIB,
+                self.residency.headroom / GIB,
+            )
+            self._said = keep
+
+    def _on_device(self) -> int:
+        """Bytes of the trainer's state (weights, gradients, optimizer state) on the device now."""
+        held = self.trainer.held_tensors()
+        return storage_bytes([*held["weights"], *held["grads"], *held["optimizer"]], set())["device"]
+
+    def _offload(self) -> None:
+        """Offload (with fit: within the budget), and what stayed and what moved."""
+        for name in [n for n in self.trainer.timings if n.startswith("offload: ")]:
+            del self.trainer.timings[name]  # (the parts of this offload only)
+        if self.residency is None or self.trainer.device.type != "cuda":
+            self.trainer.offload()
+        else:
+            self._total = max(self._on_device(), self._total)  # (an offloaded trainer: the last size)
+            self.trainer.offload(self.residency.keep)
+            kept = self._on_device()
+            self.figures.update(offload_kept_gib=kept / GIB, offload_moved_gib=(self._total - kept) / GIB)
+        self.figures.update(_parts(self.trainer.timings, "offload"))
 
     def save_due(self, step: int) -> bool:
         if self.between is BetweenSteps.RELEASE_DISK:
@@ -121,4 +194,15 @@ class TrainerCycle:
         if self.between.releases:
             self.trainer.release()
         elif self.between is BetweenSteps.OFFLOAD:
-            self.trainer.offload()
+            self._offload()
+
+
+def _parts(timings: dict[str, float], what: str) -> dict[str, float]:
+    """A trainer's timings of `what` ("onload: copy to device": 0.4) as row figures
+    ("onload_copy_to_device_s": 0.4)."""
+    return {
+        f"{what}_{part.replace(' ', '_')}_s": s
+        for name, s in timings.items()
+        for kind, _, part in [name.partition(": ")]
+        if kind == what
+    }

@@ -227,6 +227,7 @@ def _to_training(phase: Phase, parts: RunParts, world: World) -> None:
     trainer comes back onto the device."""
     with phase("engine_release"):
         parts.sync.probe_answered()  # the engines' answers to a ridden probe are in before they let go
+        parts.cycle.rollout_done()  # (fit: what the rollout left free sizes what the trainer keeps)
         parts.engine.release_memory()
     with phase("world_rebuild"):
         world.rebuild()
@@ -253,6 +254,7 @@ def _to_rollout(
         world.destroy()  # NCCL teardown runs in the background during the trainer's put-away
     with phase("trainer_offload"):
         parts.cycle.put_away()
+    stats.update(parts.cycle.figures)
     with phase("engine_resume_kv"):
         world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
         parts.engine.resume_kv()

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from rltrain import history, interfaces
-from rltrain.between_steps import BetweenSteps, TrainerCycle
+from rltrain.between_steps import BetweenSteps, Residency, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
 from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
 from rltrain.engine.command import check_engine, resolve_backend, resolve_device
@@ -35,6 +35,7 @@ from rltrain.rollout.evaluation import Evaluator
 from rltrain.rollout.rewards import RewardRunner, load_reward
 from rltrain.runtime.bridge import restart_attempt
 from rltrain.runtime.failure import clear_failures
+from rltrain.runtime.ledger import GIB
 from rltrain.runtime.stop import clear_marker
 from rltrain.sync.calibration import probe_at_start
 from rltrain.sync.weight_sync import WeightSync
@@ -203,6 +204,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         cfg.loop.colocate,
         cfg.checkpoint.interval,
         (cfg.loop.steps, cfg.loop.stop_after),
+        Residency(int(cfg.loop.offload_headroom_gib * GIB)) if cfg.loop.offload_trainer == "fit" else None,
     )
     if restored is not None:
         cycle.saved, cycle.saved_step = restored.path, restored.step

@@ -206,3 +206,17 @@ def test_the_trainer_is_offloaded_between_steps_by_default_only_where_the_engine
     assert between("loop.offload_trainer=false") is BetweenSteps.KEEP
     with pytest.raises(ConfigError, match="loop.offload_trainer"):
         load_config(None, REQUIRED + ["loop.offload_trainer=sometimes"])
+
+
+def test_an_offload_that_keeps_what_fits_is_refused_where_it_cannot_work():
+    """loop.offload_trainer=fit offloads (within a budget); it sizes the budget beside colocated
+    engines, and only the fsdp backend's offload can keep part of the state."""
+    from rltrain.between_steps import BetweenSteps
+
+    assert BetweenSteps.of(load_config(None, REQUIRED + ["loop.offload_trainer=fit"])) is BetweenSteps.OFFLOAD
+    with pytest.raises(ConfigError, match="loop.colocate=false the engines have memory of their own"):
+        load_config(None, REQUIRED + ["loop.offload_trainer=fit", "loop.colocate=false"])
+    with pytest.raises(ConfigError, match="trainer.backend=megatron's offload cannot"):
+        load_config(None, REQUIRED + ["loop.offload_trainer=fit", "trainer.backend=megatron"])
+    with pytest.raises(ConfigError, match="loop.offload_headroom_gib=-1"):
+        load_config(None, REQUIRED + ["loop.offload_headroom_gib=-1"])

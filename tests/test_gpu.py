@@ -230,6 +230,65 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
         world.close()
 
 
+def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies_train_as_without(
+    tmp_path, monkeypatch
+):
+    """loop.offload_trainer=fit's trainer side: the optimizer state leaves (its copy out begun on a
+    side stream right after the step), the weights stay; what moved goes back to the driver (the
+    allocator keeps no more than the budget); the state comes back with the optimizer state behind
+    the weights, settled before the step; three steps bitwise those of a trainer never offloaded."""
+    from models import make_model
+    from rltrain.batch import TrainBatch
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.world import World
+    from rltrain.trainer.fsdp import FSDPTrainer
+
+    for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
+    B, L = 8, 32
+    g = torch.Generator().manual_seed(0)
+    batch = TrainBatch(
+        torch.randint(1, 8192, (B, L), generator=g),
+        torch.ones(B, L, dtype=torch.long),
+        torch.ones(B, L),
+        advantages=torch.randn(B, L, generator=g),
+    )
+    world = World(backend="nccl", timeout=60)
+    torch.use_deterministic_algorithms(True, warn_only=False)
+    try:
+        cfg = TrainerConfig(lr=1e-3, micro_batch_size=4, dtype="float32")
+        parked, steady = (FSDPTrainer(cfg, AlgoConfig(), str(path), torch.device("cuda")) for _ in range(2))
+        for t in (parked, steady):
+            t.create()
+        for _ in range(3):
+            for t in (parked, steady):
+                batch.old_logp, _ = t.logprobs(batch)
+                t.train_step(batch)
+            weights = sum(p.to_local().numel() * p.element_size() for p in parked.model.parameters())
+            keep = weights + (4 << 20)  # (the buffers, rounded)
+            parked.trim()
+            parked.stage_offload(keep)
+            world.destroy()
+            world.wait_destroyed()
+            reserved = torch.cuda.memory_reserved()
+            parked.offload(keep)
+            assert parked.offloaded and not parked._keep_refused
+            assert 0 < parked._park.kept <= keep
+            # What moved went back to the driver: the allocator's reserve fell by about the optimizer state.
+            assert reserved - torch.cuda.memory_reserved() >= 2 * weights - (8 << 20)
+            world.rebuild()
+            steady.onload()
+            parked.onload()
+            assert parked._park.unsettled  # the optimizer state still on its way (settled at the step)
+        a, b = dict(parked.export_weights()), dict(steady.export_weights())
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        world.close()
+
+
 def _ledger_rank(rank: int, world_size: int, model: str, log_dir: str) -> list[dict]:
     """A fresh process (its CUDA context measured at first touch): a trainer, an embedded engine
     on the same GPU, a one-rank NCCL world; the ledger after each transition."""

@@ -37,10 +37,13 @@ def one_step(t: FSDPTrainer, batch: TrainBatch) -> dict:
     return t.train_step(batch)
 
 
-def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool, rebinds: bool = True) -> dict:
+def _dp_rank(
+    rank: int, world_size: int, path: str, steps: int, cycle: bool, rebinds: bool = True, park: bool = False
+) -> dict:
     from torch.distributed.tensor import DTensor
 
     from rltrain.runtime.world import World
+    from rltrain.trainer.sharding import local
 
     world = World(backend="gloo", timeout=60)
     try:
@@ -52,6 +55,14 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool, reb
         assert isinstance(embed, DTensor) and embed.to_local().shape[0] == embed.shape[0] // 2  # FSDP2 shards
         norms, groups = [], {id(t._group)}
         for _ in range(steps):
+            if cycle and park:  # the optimizer state's shards to host memory and back, the weights' kept
+                t.parks_on_cpu = True
+                held = t.held_tensors()
+                storages = {local(w).untyped_storage().data_ptr(): local(w).untyped_storage() for w in held["weights"]}
+                keep = sum(s.nbytes() for s in storages.values())
+                t.stage_offload(keep)
+                t.offload(keep)
+                assert t._park.kept == keep and t.offloaded == bool(norms)  # (no Adam state before a step)
             if cycle:
                 world.destroy()
                 world.rebuild()
@@ -66,13 +77,13 @@ def _dp_rank(rank: int, world_size: int, path: str, steps: int, cycle: bool, reb
 
 
 @pytest.mark.parametrize(
-    "steps,cycle,rebinds",
-    [(1, False, True), (3, True, True), (3, True, False)],
-    ids=["one-step", "world-cycles-between-steps", "world-cycles-fresh-modules"],
+    "steps,cycle,rebinds,park",
+    [(1, False, True, False), (3, True, True, False), (3, True, False, False), (3, True, True, True)],
+    ids=["one-step", "world-cycles-between-steps", "world-cycles-fresh-modules", "world-cycles-state-parked-in-part"],
 )
-def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle, rebinds):
+def test_two_sharded_ranks_with_half_batches_equal_one_rank_with_the_full_batch(tmp_path, steps, cycle, rebinds, park):
     path = make_model(tmp_path / "m", seed=5)
-    ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, rebinds, deadline_s=180))
+    ranks = values(run_ranks(_dp_rank, 2, str(path), steps, cycle, rebinds, park, deadline_s=180))
     single = make_trainer(path, micro=3)  # different micro-batching too: accumulation must not matter
     norms = [one_step(single, fixed_batch())["grad_norm"] for _ in range(steps)]
     ref = single.model.state_dict()

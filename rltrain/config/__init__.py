@@ -126,6 +126,12 @@ class Config:
                 f"{self.engine.gpus_per_engine}: the embedded engine's TP ranks are one process, which cannot join "
                 "the weight-update group as each of them; use sync.transport=tensor or disk (or engine.backend=sglang)"
             )
+        if self.loop.offload_trainer == "fit" and self.trainer.backend != "fsdp":
+            raise ConfigError(
+                f"loop.offload_trainer=fit keeps part of the trainer's state on the device, which "
+                f"trainer.backend={self.trainer.backend}'s offload cannot (it moves the whole state): use "
+                "loop.offload_trainer=true"
+            )
         if self.algo.advantage in ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline") and self.rollout.n < 2:
             raise ConfigError(
                 f"algo.advantage={self.algo.advantage} compares samples of a prompt: needs rollout.n >= 2, "

@@ -73,7 +73,11 @@ class LoopConfig:
     # Params/grads/optimizer to host memory between train phases (GPU). auto: when colocated (the
     # engines need the memory); not colocated, the engines keep memory of their own and nothing
     # would use what the offload frees.
-    offload_trainer: bool | Literal["auto"] = "auto"
+    # fit: move only what must move. The first step offloads all; then each put-away keeps on the
+    # device what the last rollout left free, less loop.offload_headroom_gib (the optimizer state
+    # leaves first, its copies beside the sync and the next forward). fsdp, colocated.
+    offload_trainer: bool | Literal["auto", "fit"] = "auto"
+    offload_headroom_gib: float = 4.0  # fit: device memory left free at a rollout's end
     # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
     # so a run stopped here and resumed is the same run (for time-limited allocations).
     stop_after: int = 0
@@ -110,6 +114,13 @@ class LoopConfig:
                 f"loop.max_staleness={self.max_staleness} with loop.in_flight_update=wait: each sync would wait for "
                 "every rollout ahead, so none could be more than one version behind; set loop.in_flight_update="
                 "continue (partial rollout) or requeue, or loop.max_staleness=1"
+            )
+        if self.offload_headroom_gib < 0:
+            raise ConfigError(f"loop.offload_headroom_gib={self.offload_headroom_gib}: expected >= 0")
+        if self.offload_trainer == "fit" and not self.colocate:
+            raise ConfigError(
+                "loop.offload_trainer=fit sizes what the trainer keeps beside colocated engines' rollout; with "
+                "loop.colocate=false the engines have memory of their own: use loop.offload_trainer=false or true"
             )
         if self.max_staleness and self.colocate:
             raise ConfigError(

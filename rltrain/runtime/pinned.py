@@ -56,18 +56,19 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 class PinnedArena:
     """One `pinned_empty` buffer, reused while it is large enough and replaced (the old one let go
     first: never both page-locked at once) when a larger one is asked for. Pieces are carved at
-    `ALIGN`-byte offsets."""
+    `ALIGN`-byte offsets. `pin=False`: plain host memory (for state that lives on the CPU)."""
 
     ALIGN = 512
 
-    def __init__(self) -> None:
+    def __init__(self, pin: bool = True) -> None:
         self.buffer: torch.Tensor | None = None
+        self.pin = pin
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The buffer, at least `nbytes` long (its old contents are not kept when it grows)."""
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = None
-            self.buffer = pinned_empty(nbytes)
+            self.buffer = pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
         return self.buffer
 
     @classmethod

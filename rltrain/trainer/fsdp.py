@@ -7,8 +7,10 @@ destroys that group between steps: `onload` re-binds the modules to the rebuilt 
 re-shards fresh ones from the local shards where it cannot (`sharding.py`).
 
 Offload keeps the modules and parks their storages in one page-locked host buffer
-(`sharding.HostPark`); release drops everything, and the trainer is re-created from a checkpoint
-(`create(load_weights=False)` + the checkpoint) or from a host snapshot (`restore_snapshot`).
+(`host_park.HostPark`), all of them or, with a budget (`keep`), the optimizer state first; the
+optimizer state's copies run beside the sync and the next forward (`stage_offload`). Release
+drops everything, and the trainer is re-created from a checkpoint (`create(load_weights=False)` +
+the checkpoint) or from a host snapshot (`restore_snapshot`).
 
 The model is the one transformers builds, with the changes of `causal_lm.py` (the log-prob head,
 compiled blocks); its export gathers whole tensors in chunks and converts them to checkpoint
@@ -41,15 +43,16 @@ from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
 from rltrain.trainer import rl_update
 from rltrain.trainer.causal_lm import LogprobHead, compile_blocks, outside_graphs
+from rltrain.trainer.host_park import HostPark
 from rltrain.trainer.rl_update import LogProbs
 from rltrain.trainer.sharding import (
-    HostPark,
     capture,
     current_group,
     free_storage,
     full_tensor,
     full_tensors,
     load,
+    local,
     one_unit,
     rebind,
     reshard,
@@ -62,6 +65,8 @@ from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoin
 
 log = logging.getLogger("rltrain.trainer")
 
+# An offload that keeps part of the state: freed bytes the allocator may keep in segments shared with it.
+STRANDED_BYTES = 512 << 20
 GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: above a sync bucket (512 MiB)
 # On the CPU a gather's staging buffer is fresh pages, dear per byte, and a gloo call is dear per
 # call: chunks this small keep the pages few and still gather a small model in one call.
@@ -76,6 +81,9 @@ class FSDPTrainer:
     # False: after a world rebuild, re-shard fresh modules from the local shards instead of
     # re-binding the kept ones (the fallback that a refused rebind takes; the tests run it so).
     rebinds = True
+    # True: offload parks the state on the CPU too, in plain host memory (the tests of what moves
+    # and of the order of the overlapped copies); on a CPU device offload is otherwise a no-op.
+    parks_on_cpu = False
 
     def __init__(
         self,
@@ -107,6 +115,7 @@ class FSDPTrainer:
         self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
         self._reshards = 0  # re-shards of fresh modules (a full gc every GC_EVERY)
         self._rebind_refused = False  # rebind said no once: said in the log once
+        self._keep_refused = False  # a kept part held more memory than it was allowed: all moves since
         self._hf_config = AutoConfig.from_pretrained(model_path)
         self._specs: list[WeightSpecRow] | None = None
         # From `_specs`: checkpoint name -> module tensor, and the module tensors stored converted.
@@ -219,6 +228,8 @@ class FSDPTrainer:
     def release(self) -> None:
         """Drop model, reference, optimizer (with grads and state) and allocator caches entirely.
         Re-create with `create(load_weights=False)` + a checkpoint, or `restore_snapshot`."""
+        if self._park is not None:
+            self._park.drain()
         self._free()
         self._drop()
         self._park = None
@@ -244,14 +255,46 @@ class FSDPTrainer:
 
     # ------------------------------------------------------------------ offload
 
-    def offload(self) -> None:
-        """Params and optimizer state (and the reference) to pinned host memory, and every GPU
-        byte returned. Gradients are freed after each optimizer step, so there are none to move.
-        A no-op on a CPU device. The modules are kept, their storages emptied in place
-        (`sharding.HostPark`); `onload` refills them and, after a world rebuild, re-binds them
-        to the new group."""
-        if self.device.type == "cpu" or self.offloaded or self.released:
+    def _parks(self) -> bool:
+        return (self.device.type == "cuda" or self.parks_on_cpu) and not self.released
+
+    def _groups(self) -> list[list[torch.Tensor]]:
+        """The state in the order it leaves the device: the optimizer state (read by the optimizer
+        step only), the reference's weights (by the reference log-probs), the policy's last."""
+        policy, reference = held((self.model,), None), held((self.ref_model,), None)["weights"]
+        weights = {local(t).untyped_storage().data_ptr() for t in (*policy["weights"], *reference)}
+        # (the optimizer's parameter groups hold the policy's weights: those leave with them)
+        optim = held((), self.optimizer)["optimizer"]
+        state = [t for t in optim if local(t).untyped_storage().data_ptr() not in weights]
+        return [state, reference, policy["weights"] + policy["grads"]]
+
+    def stage_offload(self, keep: int | None = None) -> None:
+        """Begin the offload right after the optimizer step: choose what moves (the optimizer
+        state first, then the reference's weights, then the policy's) so that at most `keep`
+        bytes stay (None: nothing), and start the optimizer state's copy out, which then runs
+        beside the checkpoint and the sync; `offload` finishes it. At the onload that state comes
+        back behind the weights, beside the log-probs and the forward and backward."""
+        if not self._parks() or self.offloaded:
             return
+        keep = None if self._keep_refused else keep
+        for module in (self.model, self.ref_model):
+            if module is not None:
+                reshard(module)
+        if self._park is None:
+            self._park = HostPark(self.device.type)
+        self._settle()
+        self._park.stage(self._groups(), keep, ahead=1)
+
+    def offload(self, keep: int | None = None) -> None:
+        """Params and optimizer state (and the reference) to pinned host memory, and every GPU
+        byte returned; `keep`: at most that many bytes of them stay (the optimizer state leaves
+        first). What `stage_offload` began is finished instead. Gradients are freed after each
+        optimizer step, so there are none to move. A no-op on a CPU device. The modules are kept,
+        their storages emptied in place (`host_park.HostPark`); `onload` refills them and, after
+        a world rebuild, re-binds them to the new group."""
+        if not self._parks() or self.offloaded:
+            return
+        keep = None if self._keep_refused else keep
         # The root keeps its gathered parameters after a forward without backward. Resharding is
         # local (a no-op on a plain module), so it is not decided from `dist.is_initialized()`,
         # which the world's background teardown (runtime/world.py) may be flipping right now.
@@ -260,11 +303,40 @@ class FSDPTrainer:
                 reshard(module)
         with timed(self.timings, "offload: copy to host", self.device):
             if self._park is None:
-                self._park = HostPark()
-            state = self.held_tensors()
-            self._park.park(state["weights"] + state["grads"] + state["optimizer"])
+                self._park = HostPark(self.device.type)
+            if self._park.staged:
+                self._park.park()
+            else:
+                self._settle()
+                self._park.park(self._groups(), keep)
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
+        if self.device.type == "cuda" and self._park.kept:
+            self._check_returned()
+
+    def _check_returned(self) -> None:
+        """An offload that kept part of the state: the freed bytes the caching allocator could not
+        hand back (in segments that also hold kept state) are not the engines'. Past
+        `STRANDED_BYTES`, the rest moves too, and every offload after it moves everything."""
+        assert self._park is not None
+        stranded = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if stranded <= STRANDED_BYTES:
+            return
+        self._keep_refused = True
+        log.warning(
+            "trainer: %.2f GiB freed by the offload stay with the caching allocator (segments shared with the "
+            "%.2f GiB of state kept on the device): the whole state moves at every offload from now on",
+            stranded / 2**30,
+            self._park.kept / 2**30,
+        )
+        self._park.unpark()
+        self._park.park(self._groups())
+        free_cuda_caches()
+
+    def _settle(self) -> None:
+        """The optimizer state that came back behind the weights is there for what runs next."""
+        if self._park is not None:
+            self._park.settle()
 
     def trim(self) -> None:
         """Hand the allocator's cached blocks (the last step's activations) back to the device,
@@ -283,8 +355,10 @@ class FSDPTrainer:
         group was destroyed since (a world rebuild) is re-bound to the new group (offloaded or
         not), or, where FSDP2 cannot be re-bound, re-sharded from its local shards."""
         if self._park is not None and self._park.parked:
-            with timed(self.timings, "onload: copy to device", self.device):
-                self._park.unpark()
+            overlap = self._park.ahead > 0  # the optimizer state comes back beside the forward (`_settle`)
+            with timed(self.timings, "onload: copy to device", self.device, stream_only=overlap):
+                self._park.unpark(overlap)
+            self.timings["onload: allocate"] = self._park.allocate_s
         if not self._stale():
             return
         group = current_group()
@@ -320,6 +394,7 @@ class FSDPTrainer:
             gc.collect()
 
     def _capture(self, to_host: bool, with_reference: bool) -> Snapshot:
+        self._settle()
         pin = to_host and self.device.type == "cuda"
         state: Snapshot = {"model": capture(self._live_model(), self.optimizer, to_host, pin), **self.host_state()}
         if with_reference and self.ref_model is not None:
@@ -383,6 +458,7 @@ class FSDPTrainer:
         if not torch.isfinite(grad_norm):
             log.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
         else:
+            self._settle()
             self.optimizer.step()
         return float(grad_norm)
 
@@ -521,10 +597,12 @@ class FSDPTrainer:
     def distributed_state_dict(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """FQN-keyed model and optimizer state (sharded DTensors) for torch.distributed.checkpoint."""
         assert self.optimizer is not None
+        self._settle()
         return get_state_dict(self._live_model(), self.optimizer)
 
     def load_distributed_state_dict(self, model_sd: dict[str, Any], optim_sd: dict[str, Any]) -> None:
         assert self.optimizer is not None
+        self._settle()
         set_state_dict(self._live_model(), self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
     def host_state(self) -> dict[str, Any]:

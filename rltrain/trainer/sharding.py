@@ -8,7 +8,7 @@ group between steps. The modules follow the rebuilt group in one of two ways:
   every parameter, the replicated buffers, the optimizer state), the module is dropped, and a
   fresh module is sharded onto the rebuilt group and filled from those tensors (`load`). The same
   capture serves the host snapshot of release-train and the megatron trainer's offload.
-Offload keeps the modules and empties their storages into page-locked host memory (`HostPark`).
+Offload keeps the modules and empties their storages into page-locked host memory (host_park.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from rltrain.runtime import internals
 from rltrain.runtime.memory import round_up
-from rltrain.runtime.pinned import PinnedArena, pinned_like
+from rltrain.runtime.pinned import pinned_like
 
 
 def current_group() -> dist.ProcessGroup | None:
@@ -335,66 +335,3 @@ def rebind(model: torch.nn.Module, group: dist.ProcessGroup) -> str | None:
     if broken:  # cannot be undone: the old group is gone
         raise RuntimeError(f"rebind: {len(broken)} FSDP2 groups or meshes still resolve to the destroyed group")
     return None
-
-
-class HostPark:
-    """The device storages of a module's tensors (weights, optimizer state) moved into one
-    page-locked host buffer and freed on the device: each storage is resized to 0 and back, so
-    every tensor and view on it — FSDP2's padded shards, DTensors, the optimizer's state — stays
-    valid and refills in place. The buffer is kept for the next offload while the sizes match
-    (pinning GBs afresh costs seconds). Storages that cannot be resized stay where they are."""
-
-    def __init__(self) -> None:
-        self._arena = PinnedArena()
-        self.parked: list[tuple[torch.UntypedStorage, int, int]] = []
-
-    @property
-    def buffer(self) -> torch.Tensor | None:
-        """The host buffer (kept between offloads; it holds the state while parked)."""
-        return self._arena.buffer
-
-    def park(self, tensors: list[torch.Tensor]) -> None:
-        """Copy the storages to the host buffer, wait, free them on the device."""
-        storages, seen, offset = [], set(), 0
-        for t in tensors:
-            s = local(t).untyped_storage()
-            if s.device.type != "cuda" or s.nbytes() == 0 or not s.resizable() or s.data_ptr() in seen:
-                continue
-            seen.add(s.data_ptr())
-            storages.append((s, offset, s.nbytes()))
-            offset += round_up(s.nbytes(), PinnedArena.ALIGN)
-        # Grown when the state grew (the first offload, before any step, parks no Adam state).
-        buffer = self._arena.reserve(offset)
-        for s, off, n in storages:
-            buffer[off : off + n].copy_(_bytes(s), non_blocking=True)
-        torch.cuda.synchronize()
-        for s, _, _ in storages:
-            s.resize_(0)
-        self.parked = storages
-
-    def unpark(self) -> None:
-        """Re-allocate every parked storage and queue its copy back (the caller synchronizes).
-
-        The storages are carved out of one block, allocated and returned to the caching
-        allocator first: it splits a cached block for later requests, so the state lives in
-        one segment, and the next offload hands it back to the driver with one cudaFree
-        instead of one per storage (hundreds, for a model with Adam)."""
-        if not self.parked:
-            return
-        large = [n for *_, n in self.parked if n >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
-        if large:
-            # Each request is rounded up to 512 bytes, as the allocator rounds it.
-            block = torch.empty(
-                sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=self.parked[0][0].device
-            )
-            del block
-        buffer = self.buffer
-        assert buffer is not None, "parked storages without their host buffer"
-        for s, off, n in self.parked:
-            s.resize_(n)
-            _bytes(s).copy_(buffer[off : off + n], non_blocking=True)
-        self.parked = []
-
-
-def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))

@@ -77,14 +77,18 @@ def held(
 
 
 @contextlib.contextmanager
-def timed(timings: dict[str, float], what: str, device: torch.device) -> Iterator[None]:
-    """Seconds of a part of offload/onload, device work included, into `timings[what]`."""
+def timed(timings: dict[str, float], what: str, device: torch.device, stream_only: bool = False) -> Iterator[None]:
+    """Seconds of a part of offload/onload, device work included, into `timings[what]`.
+    `stream_only`: the work the current stream waits for, not what a side stream goes on with."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     yield
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if stream_only:
+            torch.cuda.current_stream(device).synchronize()
+        else:
+            torch.cuda.synchronize(device)
     timings[what] = time.perf_counter() - t0
 
 

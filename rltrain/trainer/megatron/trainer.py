@@ -219,9 +219,15 @@ class MegatronTrainer:
         self._host = None
         return_memory(self.device)
 
-    def offload(self) -> None:
+    def stage_offload(self, keep: int | None = None) -> None:
+        """Nothing begins early: `offload` captures and drops the whole state at once."""
+        _whole_state(keep)
+
+    def offload(self, keep: int | None = None) -> None:
         """Weights, optimizer state (and the reference) to page-locked host memory; the modules
-        are dropped (megatron's parallel state is rebuilt with the world: see `_assemble`)."""
+        are dropped (megatron's parallel state is rebuilt with the world: see `_assemble`).
+        All of it: a budget (`keep`, loop.offload_trainer=fit) is the fsdp backend's."""
+        _whole_state(keep)
         if self.device.type == "cpu" or self.offloaded or self.released:
             return
         with timed(self.timings, "offload: copy to host", self.device):
@@ -487,3 +493,11 @@ class MegatronTrainer:
 
 
 __all__ = ["MegatronTrainer"]
+
+
+def _whole_state(keep: int | None) -> None:
+    if keep:
+        raise ValueError(
+            "megatron's offload drops its modules and moves the whole state; loop.offload_trainer=fit "
+            "(a part kept on the device) is trainer.backend=fsdp's: use loop.offload_trainer=true"
+        )

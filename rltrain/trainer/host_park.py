@@ -1,0 +1,231 @@
+"""A trainer's state parked in host memory while the engines have the device, in place.
+
+`HostPark` moves the device storages of a module's tensors (weights, optimizer state) into one
+page-locked host buffer and frees them on the device: each storage is resized to 0 and back, so
+every tensor and view on it — FSDP2's padded shards, DTensors, the optimizer's state — stays valid
+and refills in place. The buffer is kept for the next offload while the sizes match (pinning GBs
+afresh costs seconds). Storages that cannot be resized stay where they are.
+
+What moves is chosen, not all of it (`stage`): the storages come in groups, in the order they
+should go (the optimizer state first, the policy's weights last), and whole groups move, the
+fewest that leave at most `keep` bytes on the device. Each group comes back as one block of the
+caching allocator (`unpark`), so that a group that moves again frees whole segments that the
+driver gets back (a group split between moving and staying would hold its segments). The first
+`ahead` groups — the optimizer state, which nothing reads or writes between one optimizer step
+and the next — go early and come back late:
+
+    stage(groups, keep, ahead)   after the optimizer step: what moves is laid out in the buffer and
+                                 the `ahead` groups' copy out starts on a side stream (beside the
+                                 checkpoint and the sync); nothing is freed yet
+    park()                       at the put-away: the rest is copied, every copy waited for, every
+                                 chosen storage freed
+    unpark(overlap=True)         at the onload: every storage re-allocated; the others copied back
+                                 first (the caller's stream waits for them only), the `ahead`
+                                 groups behind them on the side stream (beside the forward and backward)
+    settle()                     before anything reads the optimizer state again (its step, a
+                                 checkpoint): the caller's stream waits for those copies
+
+On the CPU (`device_type="cpu"`: the tests of the order) the same steps run with plain host
+memory: `stage` copies the early groups at once and `settle` copies the late ones back; until
+then they hold NaN bytes, so a step that reads that state before `settle` shows it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from rltrain.runtime.memory import round_up
+from rltrain.runtime.pinned import PinnedArena
+
+
+class Parked(NamedTuple):
+    storage: torch.UntypedStorage
+    offset: int  # where its bytes sit in the host buffer
+    group: int  # which of `stage`'s groups it came from
+    nbytes: int
+
+
+class HostPark:
+    """One module's state in and out of host memory (see the module's docstring)."""
+
+    def __init__(self, device_type: str = "cuda") -> None:
+        self.device_type = device_type
+        self._arena = PinnedArena(pin=device_type == "cuda")
+        self.parked: list[Parked] = []  # on the host now, freed on the device
+        self.staged: list[Parked] = []  # chosen to move at the next `park`, still on the device
+        self.ahead = 0  # the groups that went early, and come back late
+        self.kept = 0  # bytes of the last `stage`'s storages that stay on the device
+        self.total = 0  # bytes of the last `stage`'s storages
+        self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
+        self._early: list[Parked] = []  # staged, copy out begun
+        self._late: list[Parked] = []  # re-allocated, copy back not yet waited for (CPU: not yet made)
+        self._out_done: torch.cuda.Event | None = None
+        self._in_done: torch.cuda.Event | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The host buffer (kept between offloads; it holds the state while parked)."""
+        return self._arena.buffer
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether storages came back whose copies `settle` has not yet waited for."""
+        return bool(self._late) or self._in_done is not None
+
+    def stage(self, groups: Sequence[list[torch.Tensor]], keep: int | None = None, ahead: int = 0) -> None:
+        """Choose what moves: whole groups of `groups` in order, until at most `keep` bytes stay
+        (None: all move). Lay them out in the host buffer and begin copying those of the first
+        `ahead` groups, behind the work queued on the current stream so far. Nothing is freed
+        until `park`; until then those storages must not be written."""
+        assert not self.parked, "stage: the state is parked already"
+        self.settle()
+        if self._out_done is not None:  # an earlier stage's copies, into the buffer about to be laid out again
+            self._out_done.synchronize()
+            self._out_done = None
+        found: list[tuple[int, torch.UntypedStorage]] = []
+        seen: set[int] = set()
+        for g, tensors in enumerate(groups):
+            for t in tensors:
+                s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+                if s.device.type != self.device_type or s.nbytes() == 0 or not s.resizable():
+                    continue
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    found.append((g, s))
+        self.total = sum(s.nbytes() for _, s in found)
+        must = self.total if keep is None else max(self.total - keep, 0)
+        chosen: list[Parked] = []
+        moved = offset = 0
+        for g, s in found:
+            if moved >= must and (not chosen or chosen[-1].group != g):
+                break  # (a group moves whole)
+            chosen.append(Parked(s, offset, g, s.nbytes()))
+            moved += s.nbytes()
+            offset += round_up(s.nbytes(), PinnedArena.ALIGN)
+        self.kept = self.total - moved
+        # Grown when the state grew (the first offload, before any step, parks no Adam state).
+        buffer = self._arena.reserve(offset)
+        self.staged, self.ahead = chosen, ahead
+        self._early = [p for p in chosen if p.group < ahead]
+        if not self._early:
+            return
+        if self.device_type != "cuda":
+            self._copy_out(self._early, buffer)
+            return
+        after = torch.cuda.Event()
+        after.record()  # the optimizer step that wrote them
+        with torch.cuda.stream(self._side()):
+            torch.cuda.current_stream().wait_event(after)
+            self._copy_out(self._early, buffer)
+            self._out_done = torch.cuda.Event()
+            self._out_done.record()
+
+    def park(self, groups: Sequence[list[torch.Tensor]] | None = None, keep: int | None = None) -> None:
+        """Move what `stage` chose (or, given `groups`, what `stage(groups, keep)` chooses now):
+        the rest of the copies, a wait for every one, the storages freed."""
+        if groups is not None:
+            self.stage(groups, keep)
+        buffer = self.buffer
+        assert buffer is not None or not self.staged
+        rest = [p for p in self.staged if p.group >= self.ahead]
+        if rest:
+            assert buffer is not None
+            self._copy_out(rest, buffer)
+        if self.device_type == "cuda":
+            torch.cuda.synchronize()  # every stream: the early copies too
+        for p in self.staged:
+            p.storage.resize_(0)
+        self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
+
+    def unpark(self, overlap: bool = False) -> None:
+        """Re-allocate every parked storage and copy it back (the caller synchronizes its stream).
+        `overlap`: the groups that went ahead come back behind the others, to be waited for by
+        `settle`; the caller's stream waits for the others only.
+
+        Each group's storages are carved out of one block, allocated and returned to the
+        caching allocator first: it splits a cached block for later requests, so the group lives
+        in one segment, and the next offload hands it back to the driver with one cudaFree
+        instead of one per storage (hundreds, for a model with Adam)."""
+        if not self.parked:
+            return
+        t0 = time.perf_counter()
+        for g in sorted({p.group for p in self.parked}):
+            group = [p for p in self.parked if p.group == g]
+            large = [p.nbytes for p in group if p.nbytes >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
+            if large and self.device_type == "cuda":
+                # Each request is rounded up to 512 bytes, as the allocator rounds it.
+                block = torch.empty(
+                    sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=group[0].storage.device
+                )
+                del block
+            for p in group:
+                p.storage.resize_(p.nbytes)
+        self.allocate_s = time.perf_counter() - t0
+        buffer = self.buffer
+        assert buffer is not None, "parked storages without their host buffer"
+        late = [p for p in self.parked if overlap and p.group < self.ahead]
+        now = [p for p in self.parked if not (overlap and p.group < self.ahead)]
+        self.parked = []
+        if self.device_type != "cuda":
+            self._copy_in(now, buffer)
+            for p in late:  # NaN bytes until `settle`: a read before it shows
+                _bytes(p.storage).fill_(0xFF)
+            self._late = late
+            return
+        if not late:
+            self._copy_in(now, buffer)
+            return
+        start = torch.cuda.Event()
+        start.record()
+        caller = torch.cuda.current_stream()
+        # One stream, in order: what the forward needs first at the full copy rate, then the rest.
+        with torch.cuda.stream(self._side()):
+            torch.cuda.current_stream().wait_event(start)
+            self._copy_in(now, buffer)
+            first = torch.cuda.Event()
+            first.record()
+            self._copy_in(late, buffer)
+            self._in_done = torch.cuda.Event()
+            self._in_done.record()
+        caller.wait_event(first)
+
+    def settle(self) -> None:
+        """The storages that came back late hold their values for what the current stream runs next."""
+        if self._in_done is not None:
+            torch.cuda.current_stream().wait_event(self._in_done)
+            self._in_done = None
+        if self._late:
+            buffer = self.buffer
+            assert buffer is not None
+            self._copy_in(self._late, buffer)
+            self._late = []
+
+    def drain(self) -> None:
+        """Every copy in flight done (before the storages or this object, with its buffer, go)."""
+        self.settle()
+        if self._out_done is not None:
+            self._out_done.synchronize()
+            self._out_done = None
+
+    def _side(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _copy_out(self, parked: list[Parked], buffer: torch.Tensor) -> None:
+        for p in parked:
+            buffer[p.offset : p.offset + p.nbytes].copy_(_bytes(p.storage), non_blocking=self.device_type == "cuda")
+
+    def _copy_in(self, parked: list[Parked], buffer: torch.Tensor) -> None:
+        for p in parked:
+            _bytes(p.storage).copy_(buffer[p.offset : p.offset + p.nbytes], non_blocking=self.device_type == "cuda")
+
+
+def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))

@@ -1,0 +1,124 @@
+"""loop.offload_trainer=fit: what stays on the device, what moves, in which order, and that the
+overlapped copies change nothing the trainer computes.
+
+The trainer parks on the CPU here (`FSDPTrainer.parks_on_cpu`, plain host memory): the same
+`HostPark` steps run in the same order as on a GPU, with the side stream's copies made at the
+points where the GPU's would be waited for. What only a GPU shows (the copies overlapping the
+sync and the forward, segments returned to the driver) is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import make_model
+from rltrain.between_steps import Residency
+from rltrain.runtime.ledger import storage_bytes
+from rltrain.trainer.fsdp import FSDPTrainer
+from test_trainer import fixed_batch, make_trainer, one_step
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+
+def _state(t: FSDPTrainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The weights, and the optimizer's state (not its parameter groups: the weights)."""
+    held = t.held_tensors()
+    weights = {w.untyped_storage().data_ptr() for w in held["weights"]}
+    return held["weights"], [o for o in held["optimizer"] if o.untyped_storage().data_ptr() not in weights]
+
+
+@pytest.mark.parametrize("keep", ["nothing", "the weights", "a byte less than the weights", "everything"])
+def test_an_offload_keeps_whole_groups_within_its_budget_the_optimizer_state_leaving_first(tmp_path, keep):
+    """Three steps, each: train, `stage_offload` (the optimizer state's copy out begins), the
+    offload, the onload (the optimizer state comes back behind the weights, NaN until it is
+    settled before the optimizer step). What stays is the fewest whole groups within the budget;
+    the ledger's bytes add up; losses and weights are bitwise those of a trainer never offloaded."""
+    path = make_model(tmp_path / "m", seed=5)
+    plain, t = make_trainer(path, micro=4), make_trainer(path, micro=4)
+    t.parks_on_cpu = True
+    batch = fixed_batch()
+    for _ in range(3):
+        a, b = one_step(t, batch), one_step(plain, batch)
+        assert {k: v for k, v in a.items() if k != "train_tokens_per_s"} == {
+            k: v for k, v in b.items() if k != "train_tokens_per_s"
+        }
+        weights, optim = _state(t)
+        budget = {
+            "nothing": 0,
+            "the weights": _bytes(weights),
+            "a byte less than the weights": _bytes(weights) - 1,
+            "everything": _bytes(weights) + _bytes(optim),
+        }[keep]
+        total = _bytes(weights) + _bytes(optim)
+        t.stage_offload(budget)
+        t.offload(budget)
+        park = t._park
+        assert park is not None
+        # What moved: the optimizer state first (whole), then the policy's weights (whole).
+        moves_optim = keep != "everything"
+        moves_weights = keep in ("nothing", "a byte less than the weights")
+        assert all((o.untyped_storage().nbytes() == 0) == moves_optim for o in optim)
+        assert all((w.untyped_storage().nbytes() == 0) == moves_weights for w in weights)
+        # The ledger adds up: what the storages still hold is what was kept, the rest is in the buffer.
+        on_host = storage_bytes([*weights, *optim], set())["host"]
+        assert on_host == park.kept <= budget
+        assert park.total == total and park.kept + sum(p.nbytes for p in park.parked) == total
+        assert park.buffer is not None and park.buffer.numel() >= total - park.kept
+        assert t.offloaded == (keep != "everything")
+        t.onload()
+        # Weights back at once; the optimizer state behind them, settled before the optimizer step.
+        assert all(w.untyped_storage().nbytes() > 0 for w in weights)
+        assert park.unsettled == moves_optim
+    for (name, a), (_, b) in zip(plain.export_weights(), t.export_weights(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_optimizer_state_read_before_it_is_settled_shows(tmp_path, monkeypatch):
+    """The control of the test above: without the settle before the optimizer step, the step reads
+    the NaN bytes of the state still on its way back, and the weights show it."""
+    path = make_model(tmp_path / "m", seed=5)
+    t = make_trainer(path, micro=4)
+    t.parks_on_cpu = True
+    batch = fixed_batch()
+    one_step(t, batch)
+    weights, _ = _state(t)
+    t.stage_offload(_bytes(weights))
+    t.offload(_bytes(weights))
+    t.onload()
+    monkeypatch.setattr(FSDPTrainer, "_settle", lambda self: None)
+    one_step(t, batch)
+    assert any(not torch.isfinite(w).all() for _, w in t.export_weights())
+
+
+def test_a_snapshot_or_checkpoint_between_the_onload_and_the_step_reads_the_settled_state(tmp_path):
+    """The optimizer state that comes back late is settled by whatever reads it before the step."""
+    path = make_model(tmp_path / "m", seed=5)
+    plain, t = make_trainer(path, micro=4), make_trainer(path, micro=4)
+    t.parks_on_cpu = True
+    batch = fixed_batch()
+    one_step(plain, batch), one_step(t, batch)
+    weights, _ = _state(t)
+    t.stage_offload(_bytes(weights))
+    t.offload(_bytes(weights))
+    t.onload()
+    _, optim = t.distributed_state_dict()
+    _, want = plain.distributed_state_dict()
+    for k, st in want["state"].items():
+        for name, v in st.items():
+            assert torch.equal(optim["state"][k][name], v), (k, name)
+    assert not t._park.unsettled
+
+
+def test_the_budget_follows_what_each_rollout_left_free():
+    """Nothing stays until a rollout is measured; then what the rollout left free, less the
+    headroom, is added to what was kept; a rollout that took more shrinks it; never below 0."""
+    gib = 2**30
+    r = Residency(headroom=2 * gib)
+    assert r.keep == 0
+    assert r.observe(free=10 * gib, kept=0) == 8 * gib  # the next rollout ends 2 GiB short of the device's end
+    assert r.observe(free=2 * gib, kept=8 * gib) == 8 * gib  # (steady)
+    assert r.observe(free=1 * gib, kept=8 * gib) == 7 * gib  # the engine took 1 GiB more
+    assert r.observe(free=0, kept=1 * gib) == 0
