@@ -376,6 +376,7 @@ def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
     noop = engine_options(parse(["--model-path", "/m", "--skip-tokenizer-init", "--sleep-on-idle"]))
     assert noop == plain and (plain["device"], plain["cuda_graphs"]) == ("cpu", True)
     assert engine_options(parse(["--model-path", "/m", "--base-gpu-id", "3"]))["device"] == "cpu"  # (CUDA only)
+    assert plain["overlap"] and not engine_options(parse(["--model", "/m", "--disable-overlap-schedule"]))["overlap"]
 
 
 @pytest.mark.parametrize(

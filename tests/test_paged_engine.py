@@ -176,6 +176,35 @@ def test_overlapped_steps_end_with_the_rows(engines):
     assert paged.decoder.stats["decode_steps"] - before == 8  # (the prefill samples the first token)
 
 
+def test_the_serial_schedule_samples_exactly_what_the_overlapped_one_does(engines, model):
+    """--disable-overlap-schedule (each step read before the next is queued: bench.engine's
+    baseline for the host time per step) changes when the host reads, nothing it samples: tokens,
+    finish reasons equal, log-probs to float rounding (a row that ends leaves the batch one step
+    sooner here, so later steps' matmuls have other shapes), rows that stop early included."""
+    _, paged = engines
+    serial = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, overlap=False)
+    try:
+        prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 30, [5, 6]]
+        for params in (
+            SamplingParams(max_new_tokens=20, temperature=0.0),
+            SamplingParams(
+                max_new_tokens=16, temperature=1.0, n=3, sampling_seed=7, stop_token_ids=[*range(0, 200, 3)]
+            ),
+            SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=1, min_new_tokens=6, stop_token_ids=[17]),
+        ):
+            a, b = run(paged, prompts, params), run(serial, prompts, params)
+            assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], params
+            for x, y in zip(a, b):
+                assert logprobs(y) == pytest.approx(logprobs(x), abs=1e-5)
+            assert [x["meta_info"]["finish_reason"] for x in a] == [y["meta_info"]["finish_reason"] for y in b]
+        # Each step read before the next: no step is queued past the rows' end (9 tokens: 8 decode steps).
+        before = serial.decoder.stats["decode_steps"]
+        run(serial, [[1, 2, 3]], SamplingParams(max_new_tokens=9, temperature=1.0, sampling_seed=1, ignore_eos=True))
+        assert serial.decoder.stats["decode_steps"] - before == 8
+    finally:
+        serial.shutdown()
+
+
 def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     """Continuous batching: a short request sent while a long one decodes joins it, finishes
     first (it does not wait for the long one's batch), and every sample is what it is alone."""

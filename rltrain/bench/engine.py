@@ -11,7 +11,13 @@ is built locally (no downloads). Every engine gets the same prompts and sampling
 (temperature 1, fixed output length); the baseline is transformers' own batched `generate` with
 its static KV cache on the same model and device in the same run (the baseline each engine is
 compared with). `embedded` is the embedded engine as configured by default (on CUDA its paged,
-graph-replayed path), `embedded-hf` the same engine on transformers' own cache (`--decode hf`).
+graph-replayed path), `embedded-hf` the same engine on transformers' own cache (`--decode hf`),
+`embedded-paged` the paged path whatever the device (on the CPU: torch attention, no graphs),
+`embedded-serial` the paged path with its overlap off (`--disable-overlap-schedule`: each step's
+tokens read before the next step is queued). For the embedded engines the scheduler's host time
+per decode step is printed from the engine's own counters (queuing a step, reading its tokens,
+rebuilding the batch, admitting requests, and the time the host waited for the device): with the
+overlap the host's share hides behind the device's step, without it the two add up.
 On CUDA the decode memory-bandwidth limit of the workload is computed from the model and the
 device's copy bandwidth measured in the same run (`rltrain.bench.limits`).
 Then each engine's release/resume latency, as the loop does it (every region, after a pause),
@@ -102,6 +108,32 @@ def _engine_side(log: Path) -> float | None:
     return float(found[-1]) if found else None
 
 
+# The paged scheduler's counters (paged.py's stats) per decode step, and their columns.
+HOST_PARTS = {
+    "step": "step",
+    "launch_s": "queue",
+    "collect_s": "read",
+    "batch_state_s": "rebuild",
+    "admit_s": "admit",
+    "wait_s": "wait dev",
+}
+
+
+def _decode_stats(client: EngineClient) -> dict[str, float] | None:
+    """The embedded engine's paged-path counters (None: another engine, or its plain path)."""
+    stats = client.server_info().get("decode_stats")
+    return dict(stats) if stats else None
+
+
+def _per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds per decode step of each of HOST_PARTS between two readings (step: the serve
+    loop's wall time over its decode steps, prefills included)."""
+    steps = max(after["decode_steps"] - before["decode_steps"], 1)
+    per = {k: (after[k] - before[k]) / steps for k in HOST_PARTS if k != "step"}
+    per["step"] = (after["serve_s"] - before["serve_s"]) / steps
+    return per
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -133,6 +165,8 @@ def _start(
         cfg.extra_args = shlex.split(a.sglang_args)
     if kind in ("embedded-hf", "embedded-paged"):
         cfg.extra_args = ["--decode", kind.removeprefix("embedded-")]
+    if kind == "embedded-serial":
+        cfg.extra_args = ["--decode", "paged", "--disable-overlap-schedule"]
     if kind.startswith("embedded"):
         cfg.extra_args = [*cfg.extra_args, *shlex.split(getattr(a, "engine_args", ""))]
     if kind == "sglang" and device == "cpu":
@@ -201,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         dest="engines",
         nargs="+",
         default=["embedded", "sglang"],
-        choices=["embedded", "embedded-hf", "sglang"],
+        choices=["embedded", "embedded-hf", "embedded-paged", "embedded-serial", "sglang"],
     )
     ap.add_argument("--shape", default=None, choices=sorted(QWEN3_SHAPES), help="a Qwen3 shape (bench.models)")
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
@@ -245,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ]
         release_rows = []
+        host_rows: list[tuple[str, dict[str, float]]] = []
         for kind in a.engines:
             if kind == "sglang":
                 import importlib.util
@@ -254,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             proc, client = _start(kind, model, device, dtype_name, Path(tmp), a.prompts, a)
             try:
+                before = _decode_stats(client)
                 tps, failed = engine_rollout(client, prompts, a.new_tokens, a.repeats)
+                if before is not None:
+                    host_rows.append((kind, _per_step(before, _decode_stats(client) or before)))
                 rows.append((f"{kind} engine over HTTP", tps, failed))
                 inside = _engine_side(Path(tmp) / f"{kind}.log")
                 if inside is not None:  # the embedded engine's scheduler, from its log
@@ -280,6 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:44s} {tps:10.0f} {tps / base:9.2f} {share} {failed:7d}")
     if limit is not None:
         print(f"{'decode limit (same run)':44s} {limit.tokens_per_s:10.0f}   {limit.describe()}")
+    if host_rows:
+        print(f"\n{'scheduler, ms per decode step':44s} " + " ".join(f"{h:>9s}" for h in HOST_PARTS.values()))
+        for kind, per in host_rows:
+            print(f"{kind:44s} " + " ".join(f"{per[k] * 1e3:9.3f}" for k in HOST_PARTS))
     mem = "device MiB used (NVML, whole GPU)" if a.device.startswith("cuda") else "engine RSS MiB"
     for kind, t_rel, t_res, before, after, resumed in release_rows:
         print(

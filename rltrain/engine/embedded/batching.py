@@ -1,6 +1,6 @@
 """The paged path's runner: continuous batching over the paged decoder (paged.py).
 
-    batcher = ContinuousBatcher(decoder, generator, token_hash, eos_ids, deterministic)
+    batcher = ContinuousBatcher(decoder, generator, token_hash, eos_ids, deterministic, overlap)
     batcher.serve(take, can_run, running, abort, weight_version)   # until nothing runs or waits
 
 **Admission.** Queued requests are admitted whole and in order, while they fit: the batch's rows
@@ -15,6 +15,8 @@ Sampling runs after each step, batched, in one pass over the logits on CUDA (sam
 
 **Overlap.** Step t+1 is queued (its input tokens are step t's samples, on the device) before the
 host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
+`overlap=False` (SGLang's --disable-overlap-schedule) reads each step before queuing the next:
+the same tokens, with the host's work between the device's steps (bench.engine compares them).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class ContinuousBatcher:
         token_hash: Callable[[int], torch.Tensor | None],
         eos_ids: set[int],
         deterministic: bool = False,
+        overlap: bool = True,
     ):
         self.decoder = decoder
         self.device = decoder.device
@@ -91,6 +94,7 @@ class ContinuousBatcher:
         self.token_hash = token_hash
         self.eos_ids = eos_ids
         self.deterministic = deterministic
+        self.overlap = overlap
         self.stats = decoder.stats  # (tokens are counted here, the forwards in the decoder)
         self.waiting: deque[GenRequest] = deque()
 
@@ -238,7 +242,7 @@ class ContinuousBatcher:
             self.stats["launch_s"] += time.perf_counter() - t_launch
             settle()  # the step before it, read while this one runs
             pending = launched
-            if self.deterministic or state["shaper"].hold:
+            if self.deterministic or state["shaper"].hold or not self.overlap:
                 settle()
 
     def _launch(self, seqs: list[_Seq], state: dict[str, Any]) -> _Launched:

@@ -78,6 +78,7 @@ class EmbeddedEngine:
         compile: bool = False,
         memory_saver: bool = False,
         weight_version: str = "default",
+        overlap: bool = True,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -128,7 +129,9 @@ class EmbeddedEngine:
         self.scorer = SequenceScorer(self.model, self.device, self.saver, graphs=cuda_graphs)  # the syncs' probe
         paged = None
         if self.decoder is not None:
-            paged = ContinuousBatcher(self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic)
+            paged = ContinuousBatcher(
+                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap
+            )
         plain = PlainRunner(self.model, self.device, self._generator, self.token_hash, self.eos_ids)
         self.scheduler = Scheduler(
             self.state, self.config.vocab_size, self.context_length, max_batch_size, deterministic, plain, paged

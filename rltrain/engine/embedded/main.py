@@ -7,8 +7,9 @@ The command line takes SGLang's spelling of every flag the two share (sglang 0.5
 other: --model, --random-seed, --max-running-requests, --enable-deterministic-inference,
 --enable-weights-cpu-backup, --tensor-parallel-size, --expert-parallel-size / --ep,
 --base-gpu-id (with --device cuda), --disable-decode-cuda-graph, --cuda-graph-backend-decode,
---weight-version, --api-key, --dtype half / float, --log-level in lower case; --skip-tokenizer-init
-and --sleep-on-idle are accepted and change nothing here. Any other flag is an error.
+--weight-version, --api-key, --disable-overlap-schedule, --dtype half / float, --log-level in lower
+case; --skip-tokenizer-init and --sleep-on-idle are accepted and change nothing here. Any other
+flag is an error.
 """
 
 from __future__ import annotations
@@ -145,6 +146,12 @@ def parser() -> argparse.ArgumentParser:
         help="CUDA: weights, KV cache and graphs' memory through torch_memory_saver (SGLang's flag): released "
         "and resumed at the same addresses, so captured graphs are kept (saver.py)",
     )
+    ap.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="the paged path reads each decode step's tokens before queuing the next (SGLang's flag): the host's "
+        "per-step work then runs between the device's steps instead of beside them",
+    )
     ap.add_argument("--weight-version", default="default", help="the weights' version until an update sets one")
     ap.add_argument(
         "--api-key",
@@ -196,6 +203,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "compile": args.enable_torch_compile,
         "memory_saver": args.enable_memory_saver,
         "weight_version": args.weight_version,
+        "overlap": not args.disable_overlap_schedule,
     }
 
 
