@@ -222,12 +222,14 @@ def _stopped(cfg: Config, world: World, step: int, checkpoint: Path | None, reas
         )
 
 
-def _to_training(phase: Phase, parts: RunParts, world: World) -> None:
+def _to_training(phase: Phase, parts: RunParts, world: World, after_rollout: bool = True) -> None:
     """From rollout to training: the engine lets go of its memory, the world comes up, the
-    trainer comes back onto the device."""
+    trainer comes back onto the device. `after_rollout`: a rollout just ended (not an engine
+    restart's resend, whose fresh engine has not generated: its free memory sizes nothing)."""
     with phase("engine_release"):
         parts.sync.probe_answered()  # the engines' answers to a ridden probe are in before they let go
-        parts.cycle.rollout_done()  # (fit: what the rollout left free sizes what the trainer keeps)
+        if after_rollout:
+            parts.cycle.rollout_done()  # (fit: what the rollout left free sizes what the trainer keeps)
         parts.engine.release_memory()
     with phase("world_rebuild"):
         world.rebuild()
@@ -271,6 +273,6 @@ def _send_weights_again(parts: RunParts, world: World, version: str | None) -> N
         return
     assert version is not None
     untimed: Phase = lambda name: contextlib.nullcontext()  # noqa: E731 (timed as "engine_restart")
-    _to_training(untimed, parts, world)
+    _to_training(untimed, parts, world, after_rollout=False)
     _to_rollout(untimed, parts, world, version, ride=True)  # the step's training follows
     log.info("engine restarted: weight version %s sent again", version)

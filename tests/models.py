@@ -54,6 +54,20 @@ def make_model(
     return path
 
 
+def random_batch(vocab: int = 8192, rows: int = 8, length: int = 32, seed: int = 0):
+    """A train batch of random tokens, every position in the loss, random advantages (the GPU
+    tests' trainer steps)."""
+    from rltrain.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    return TrainBatch(
+        torch.randint(1, vocab, (rows, length), generator=g),
+        torch.ones(rows, length, dtype=torch.long),
+        torch.ones(rows, length),
+        advantages=torch.randn(rows, length, generator=g),
+    )
+
+
 def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy continuation of each prompt (the reference)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

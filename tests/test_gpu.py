@@ -113,8 +113,7 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
 
 
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
-    from models import make_model
-    from rltrain.batch import TrainBatch
+    from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.pinned import pinned_host_bytes
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -124,13 +123,7 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     base_alloc = torch.cuda.memory_allocated()
     t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
     t.create()
-    B, L = 8, 32
-    batch = TrainBatch(
-        torch.randint(1, 8192, (B, L)),
-        torch.ones(B, L, dtype=torch.long),
-        torch.ones(B, L),
-        advantages=torch.randn(B, L),
-    )
+    batch = random_batch()
     batch.old_logp, _ = t.logprobs(batch)
     t.train_step(batch)
     held = torch.cuda.memory_allocated() - base_alloc
@@ -176,8 +169,7 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     that never offloads (one H200: NCCL refuses two ranks on one device)."""
     from torch.distributed.tensor import DTensor
 
-    from models import make_model
-    from rltrain.batch import TrainBatch
+    from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -185,14 +177,7 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
-    B, L = 8, 32
-    g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(
-        torch.randint(1, 8192, (B, L), generator=g),
-        torch.ones(B, L, dtype=torch.long),
-        torch.ones(B, L),
-        advantages=torch.randn(B, L, generator=g),
-    )
+    batch = random_batch()
     world = World(backend="nccl", timeout=60)
     # Bitwise comparison below: deterministic kernels (embedding backward uses atomics otherwise;
     # cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8, set by the GPU run's environment).
@@ -237,8 +222,7 @@ def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies
     side stream right after the step), the weights stay; what moved goes back to the driver (the
     allocator keeps no more than the budget); the state comes back with the optimizer state behind
     the weights, settled before the step; three steps bitwise those of a trainer never offloaded."""
-    from models import make_model
-    from rltrain.batch import TrainBatch
+    from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -246,14 +230,7 @@ def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
-    B, L = 8, 32
-    g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(
-        torch.randint(1, 8192, (B, L), generator=g),
-        torch.ones(B, L, dtype=torch.long),
-        torch.ones(B, L),
-        advantages=torch.randn(B, L, generator=g),
-    )
+    batch = random_batch()
     world = World(backend="nccl", timeout=60)
     torch.use_deterministic_algorithms(True, warn_only=False)
     try:

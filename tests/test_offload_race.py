@@ -19,8 +19,7 @@ def test_offload_after_the_teardown_won_the_race_still_frees_the_gathered_parame
     reshards for); the teardown finishes before the offload (the race's one outcome, made certain here): the
     offload must still free them, not park them beside the shards, leave no trainer tensor on the
     GPU, and bring the trainer back on the rebuilt world with the same weights."""
-    from models import make_model
-    from rltrain.batch import TrainBatch
+    from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
     from rltrain.trainer.fsdp import FSDPTrainer
@@ -28,14 +27,7 @@ def test_offload_after_the_teardown_won_the_race_still_frees_the_gathered_parame
     for k in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
-    B, L = 8, 32
-    g = torch.Generator().manual_seed(0)
-    batch = TrainBatch(
-        torch.randint(1, 8192, (B, L), generator=g),
-        torch.ones(B, L, dtype=torch.long),
-        torch.ones(B, L),
-        advantages=torch.randn(B, L, generator=g),
-    )
+    batch = random_batch()
     world = World(backend="nccl", timeout=60)
     try:
         torch.cuda.synchronize()

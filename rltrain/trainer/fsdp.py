@@ -274,16 +274,21 @@ class FSDPTrainer:
         bytes stay (None: nothing), and start the optimizer state's copy out, which then runs
         beside the checkpoint and the sync; `offload` finishes it. At the onload that state comes
         back behind the weights, beside the log-probs and the forward and backward."""
-        if not self._parks() or self.offloaded:
-            return
-        keep = None if self._keep_refused else keep
+        if self._parks() and not self.offloaded:
+            self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1)
+
+    def _to_park(self) -> HostPark:
+        """The park, its late copies settled, the modules resharded: what is there is what moves.
+        The root keeps its gathered parameters after a forward without backward. Resharding is
+        local (a no-op on a plain module), so it is not decided from `dist.is_initialized()`,
+        which the world's background teardown (runtime/world.py) may be flipping right now."""
         for module in (self.model, self.ref_model):
             if module is not None:
                 reshard(module)
         if self._park is None:
             self._park = HostPark(self.device.type)
-        self._settle()
-        self._park.stage(self._groups(), keep, ahead=1)
+        self._park.settle()
+        return self._park
 
     def offload(self, keep: int | None = None) -> None:
         """Params and optimizer state (and the reference) to pinned host memory, and every GPU
@@ -295,23 +300,15 @@ class FSDPTrainer:
         if not self._parks() or self.offloaded:
             return
         keep = None if self._keep_refused else keep
-        # The root keeps its gathered parameters after a forward without backward. Resharding is
-        # local (a no-op on a plain module), so it is not decided from `dist.is_initialized()`,
-        # which the world's background teardown (runtime/world.py) may be flipping right now.
-        for module in (self.model, self.ref_model):
-            if module is not None:
-                reshard(module)
         with timed(self.timings, "offload: copy to host", self.device):
-            if self._park is None:
-                self._park = HostPark(self.device.type)
-            if self._park.staged:
-                self._park.park()
+            park = self._to_park()
+            if park.staged:
+                park.park()
             else:
-                self._settle()
-                self._park.park(self._groups(), keep)
+                park.park(self._groups(), keep)
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
-        if self.device.type == "cuda" and self._park.kept:
+        if self.device.type == "cuda" and park.kept:
             self._check_returned()
 
     def _check_returned(self) -> None:
