@@ -428,6 +428,33 @@ def test_cuda_decode_kernel_matches_the_reference(dtype, new):
     assert torch.equal(k.double(), kd) and torch.equal(v.double(), vd)
 
 
+def test_compiled_blocks_in_decode_and_extend_prefills_generate_what_eager_blocks_do(model_a):
+    """--enable-torch-compile: the blocks compiled for decode steps (inside CUDA graphs) and for
+    prefills, whole and extending a prompt the prefix cache holds (a later turn's): greedy tokens
+    equal the eager engine's in fp32, log-probs to float rounding."""
+    from rltrain.engine.embedded.engine import EmbeddedEngine
+
+    eager = EmbeddedEngine(str(model_a), device="cuda", dtype="float32", decode="paged")
+    compiled = EmbeddedEngine(str(model_a), device="cuda", dtype="float32", decode="paged", compile=True)
+    try:
+        assert compiled.decoder is not None and compiled.decoder.compiled
+        greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        prompts = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64]
+        for turn in range(2):  # the second turn extends each first turn's cached prompt and answer
+            a = eager.submit(prompts, greedy, True).result(timeout=300)
+            b = compiled.submit(prompts, greedy, True).result(timeout=300)
+            assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], turn
+            for x, y in zip(a, b):
+                la = [t[0] for t in x["meta_info"]["output_token_logprobs"]]
+                lb = [t[0] for t in y["meta_info"]["output_token_logprobs"]]
+                assert lb == pytest.approx(la, abs=1e-4)
+            prompts = [p + x["output_ids"] + [11, 12, 13] for p, x in zip(prompts, a)]
+        assert compiled.decoder.stats["prefills"] >= 2
+    finally:
+        eager.shutdown()
+        compiled.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
     """The paged path on the GPU (CUDA graphs replayed, Triton decode attention, continuous

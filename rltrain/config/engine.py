@@ -15,8 +15,8 @@ class EmbeddedEngineConfig:
     through `engine.extra_args`."""
 
     max_batch_size: int = 256  # sequences decoded together
-    # On CUDA: the decode step's transformer blocks torch.compiled (fused norms, rotary and
-    # activations; start-up pays the compilation once).
+    # On CUDA: the transformer blocks of decode steps and prefills torch.compiled (fused norms,
+    # rotary and activations; start-up pays the compilation once).
     compile: bool = True
     # On CUDA: the weights, KV cache and CUDA graphs' memory through
     # torch_memory_saver (SGLang's --enable-memory-saver; SGLang on CUDA always has it), so they

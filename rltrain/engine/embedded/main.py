@@ -138,7 +138,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--enable-torch-compile",
         action="store_true",
-        help="paged decode with the transformer blocks torch.compiled (as SGLang's flag; compiles at start-up)",
+        help="paged decode and prefill with the transformer blocks torch.compiled (as SGLang's flag; compiles at "
+        "start-up)",
     )
     ap.add_argument(
         "--enable-memory-saver",

@@ -22,9 +22,11 @@ engine for this path). At start-up a probe checks the path against transformers'
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -209,10 +211,12 @@ class PagedDecoder:
         self.pool_tokens = pool_tokens
         self.mem_fraction = mem_fraction
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
-        # Decode steps run the transformer blocks torch.compiled (dynamic batch size: one graph
-        # serves every bucket): inductor fuses the norms, rotary and activation around the
-        # matmuls, which eager runs as ~20 small kernels per block. The attention and the cache
-        # writes stay eager between the compiled halves of a block.
+        # Decode steps and prefills run the transformer blocks torch.compiled (dynamic shapes: one
+        # graph serves every decode bucket, one every prefill's packed length): inductor fuses the
+        # norms, rotary and activation around the matmuls, which eager runs as ~20 small kernels
+        # per block, each queued by the host (a multi-turn rollout's extend prefills were
+        # host-bound). The attention and the cache writes stay eager between the compiled halves
+        # of a block.
         if compile:  # (the blocks pass their layer index to the cache: one graph for all of them)
             internals.get("torch._dynamo.config").allow_unspec_int_on_nn_module = True
         blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -286,8 +290,19 @@ class PagedDecoder:
 
     @property
     def compiled(self) -> bool:
-        """Whether decode steps run the transformer blocks torch.compiled."""
+        """Whether decode steps and prefills run the transformer blocks torch.compiled."""
         return bool(self._compiled)
+
+    @contextlib.contextmanager
+    def _blocks_compiled(self) -> Iterator[None]:
+        """Inside, the transformer blocks run their compiled forwards (where `compile`)."""
+        for block, _, compiled in self._compiled:
+            block.forward = compiled
+        try:
+            yield
+        finally:
+            for block, plain, _ in self._compiled:
+                block.forward = plain
 
     @property
     def kv_bytes(self) -> int:
@@ -369,22 +384,18 @@ class PagedDecoder:
             table = tensor([tables[i][:pages] for i in group])
             extends.append(_Extends(tensor(index), table, mask[:, None], tensor(valid)))
         step = _Step(self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends)
-        logits = self._forward(
-            step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
-        )
+        with self._blocks_compiled():
+            logits = self._forward(
+                step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
+            )
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += len(ids)
         return logits[0].float()
 
     def _decode_eager(self, g: StepGraph, n: int) -> torch.Tensor:
         step = _Step(self.pool, g.table[:n], g.lens[:n])  # type: ignore[arg-type]
-        for block, _, compiled in self._compiled:
-            block.forward = compiled
-        try:
+        with self._blocks_compiled():
             return self._forward(step, input_ids=g.ids[:n], position_ids=g.pos[:n])[:, -1]
-        finally:
-            for block, plain, _ in self._compiled:
-                block.forward = plain
 
     def decode(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """One decode step of rows [B] (their last token, its position, their page tables): their
