@@ -428,10 +428,39 @@ def test_cuda_decode_kernel_matches_the_reference(dtype, new):
     assert torch.equal(k.double(), kd) and torch.equal(v.double(), vd)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_extend_kernel_compiled_reads_the_pages_like_the_reference(dtype):
+    """The paged extend kernel compiled for the GPU against its torch reference: rows of new
+    queries after 0 to 70 cached keys, GQA groups of 2 (Qwen3-1.7B's) and 8, bf16 and fp32."""
+    from rltrain.kernels.extend_attention import paged_extend_attention, reference_paged_extend_attention
+
+    for groups in (2, 8):
+        g = torch.Generator(device="cuda").manual_seed(groups)
+        kvh, D, P, pool = 4, 128, 16, 64
+        k, v = (torch.randn(pool, kvh, P, D, generator=g, device="cuda").to(dtype) for _ in range(2))
+        rows = [(0, 33), (70, 33), (15, 1), (16, 40), (33, 0)]
+        pages = torch.randperm(pool - 1, generator=g, device="cuda") + 1
+        table = pages[: len(rows) * 8].view(len(rows), 8).int()
+        starts = [sum(n for _, n in rows[:r]) for r in range(len(rows))]
+        T = sum(n for _, n in rows)
+        q = torch.randn(kvh * groups, T, D, generator=g, device="cuda").to(dtype).transpose(0, 1)
+        args = [
+            table,
+            *(
+                torch.tensor(x, dtype=torch.int32, device="cuda")
+                for x in (starts, [n for _, n in rows], [c for c, _ in rows])
+            ),
+        ]
+        out = paged_extend_attention(q, k, v, *args, D**-0.5, max(n for _, n in rows), impl="triton")
+        ref = reference_paged_extend_attention(q.float(), k.float(), v.float(), *args, D**-0.5)
+        torch.testing.assert_close(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
 def test_compiled_blocks_in_decode_and_extend_prefills_generate_what_eager_blocks_do(model_a):
     """--enable-torch-compile: the blocks compiled for decode steps (inside CUDA graphs) and for
-    prefills, whole and extending a prompt the prefix cache holds (a later turn's): greedy tokens
-    equal the eager engine's in fp32, log-probs to float rounding."""
+    prefills, whole and extending a prompt the prefix cache holds (a later turn's, its attention
+    the extend kernel reading the pages in place): greedy tokens equal the eager engine's, which
+    prefills the later turn whole, in fp32; log-probs to float rounding."""
     from rltrain.engine.embedded.engine import EmbeddedEngine
 
     eager = EmbeddedEngine(str(model_a), device="cuda", dtype="float32", decode="paged")
@@ -440,9 +469,12 @@ def test_compiled_blocks_in_decode_and_extend_prefills_generate_what_eager_block
         assert compiled.decoder is not None and compiled.decoder.compiled
         greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
         prompts = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64]
+        assert eager.decoder.extend_impl == compiled.decoder.extend_impl == "triton"  # (it built and agreed)
         for turn in range(2):  # the second turn extends each first turn's cached prompt and answer
+            eager.flush_cache()  # (prefilled whole: the extend kernel's reading of the pages against none)
             a = eager.submit(prompts, greedy, True).result(timeout=300)
             b = compiled.submit(prompts, greedy, True).result(timeout=300)
+            assert [y["meta_info"]["cached_tokens"] > 0 for y in b] == [turn > 0] * len(prompts)
             assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], turn
             for x, y in zip(a, b):
                 la = [t[0] for t in x["meta_info"]["output_token_logprobs"]]

@@ -24,6 +24,7 @@ from rltrain.engine.embedded.engine import EmbeddedEngine
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE
 from rltrain.generation import SamplingParams
 from rltrain.kernels.decode_attention import paged_decode_attention, reference_paged_decode_attention
+from rltrain.kernels.extend_attention import paged_extend_attention, reference_paged_extend_attention
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,47 @@ def test_decode_kernel_reads_each_row_to_its_length_like_the_reference(groups, p
         for h in range(H):
             w = torch.softmax(q[b, h] @ kk[h // groups].T * D**-0.5, -1)
             assert torch.allclose(ref[b, h], w @ vv[h // groups], atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_extend_kernel_reads_each_rows_pages_causally_like_the_reference(groups):
+    """The Triton extend kernel (interpreted) against the torch reference, and the reference
+    against attention over exactly the row's keys: rows of new queries after cached keys (a page
+    boundary inside and across), one of more than a block of queries, one with no cached key, one
+    with no query at all; the rows' queries packed after a whole prompt's, which stays unwritten."""
+    torch.manual_seed(groups)
+    kvh, D, P = 2, 32, 16
+    H = kvh * groups
+    # (cached keys, new queries) per row
+    rows = [(5, 3), (16, 20), (0, 7), (33, 1), (9, 0)]
+    pool = 20
+    k, v = torch.randn(pool, kvh, P, D), torch.randn(pool, kvh, P, D)
+    order = (torch.randperm(pool - 1) + 1).tolist()
+    table = torch.zeros(len(rows), 4, dtype=torch.int32)
+    for r, (c, n) in enumerate(rows):
+        for j in range(-(-(c + n) // P)):
+            table[r, j] = order.pop()
+    whole = 6  # a whole prompt's queries first in the pack
+    starts = [whole + sum(n for _, n in rows[:r]) for r in range(len(rows))]
+    T = whole + sum(n for _, n in rows)
+    q = torch.randn(H, T, D).transpose(0, 1)  # [T, H, D] as the prefill holds it: tokens not outermost
+    args = (
+        table,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([n for _, n in rows], dtype=torch.int32),
+        torch.tensor([c for c, _ in rows], dtype=torch.int32),
+        D**-0.5,
+    )
+    out = paged_extend_attention(q, k, v, *args, max(n for _, n in rows), impl="triton")
+    ref = reference_paged_extend_attention(q, k, v, *args)
+    assert torch.allclose(out[whole:], ref[whole:], atol=1e-5)
+    for r, (c, n) in enumerate(rows):
+        keys = torch.cat([k[int(p)] for p in table[r, : -(-(c + n) // P)]], dim=1)
+        vals = torch.cat([v[int(p)] for p in table[r, : -(-(c + n) // P)]], dim=1)
+        for i in range(n):
+            for h in range(H):
+                w = torch.softmax(q[starts[r] + i, h] @ keys[h // groups, : c + i + 1].T * D**-0.5, -1)
+                assert torch.allclose(ref[starts[r] + i, h], w @ vals[h // groups, : c + i + 1], atol=1e-5)
 
 
 def test_paged_path_samples_what_the_plain_path_does(engines):
@@ -422,14 +464,20 @@ def test_fused_weights_keep_their_names_through_updates_release_and_resume(engin
     assert ids(paged) == before
 
 
-def test_a_prompt_that_extends_a_finished_row_is_served_its_keys_and_samples_what_a_fresh_prefill_would(engines):
+@pytest.mark.parametrize("extend", ["torch", "triton"])
+def test_a_prompt_that_extends_a_finished_row_is_served_its_keys_and_samples_what_a_fresh_prefill_would(
+    engines, extend, monkeypatch
+):
     """A multi-turn trajectory's next turn (the last turn's prompt and output, then an
     observation) finds the finished row's pages in the prefix cache: only the tokens after its
     last sampled one are prefilled (SGLang's `cached_tokens` says how many were not), two
     branches of one prefix in one request each get it (the row's last page taken over by one,
     copied for the other), a prompt's n samples share it, and everything sampled is what a fresh
-    prefill samples, greedy what transformers' own forward continues."""
+    prefill samples, greedy what transformers' own forward continues. The extending prompts'
+    attention both ways: their pages gathered for SDPA (the CPU's) and the extend kernel reading
+    them in place (CUDA's; interpreted here)."""
     _, paged = engines
+    monkeypatch.setattr(paged.decoder, "extend_impl", extend)
     paged.flush_cache()
     greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     first = [(5 * i + 1) % 250 + 4 for i in range(70)]

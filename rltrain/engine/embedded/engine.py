@@ -165,7 +165,7 @@ class EmbeddedEngine:
                 self.saver,
             )
             try:
-                diff = decoder.verify()
+                diff = _verify(decoder)
                 log.info(
                     "paged decode (CUDA graphs %s, compiled blocks %s): probe within %.2g of transformers",
                     decoder.cuda_graphs,
@@ -316,3 +316,21 @@ def _alias_groups(model: torch.nn.Module) -> list[list[str]]:
     for n, p in model.named_parameters(remove_duplicate=False):
         by_ptr.setdefault(p.data_ptr(), []).append(n)
     return [names for names in by_ptr.values() if len(names) > 1]
+
+
+def _verify(decoder: PagedDecoder) -> float:
+    """The paged path's start-up probe (`PagedDecoder.verify`). Where the extend kernel does not
+    build or agree on this device, extending prompts attend over gathered pages instead, said
+    loudly (tests/test_gpu.py asserts the kernel is the one in use)."""
+    if decoder.extend_impl == "triton":
+        try:
+            return decoder.verify()
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to build or to agree here, whatever it raises
+            log.warning(
+                "the paged extend kernel failed the start-up probe (%s: %s): prompts that extend cached keys "
+                "attend over their pages gathered instead (slower)",
+                type(e).__name__,
+                e,
+            )
+            decoder.extend_impl = "torch"
+    return decoder.verify()

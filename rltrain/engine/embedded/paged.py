@@ -13,11 +13,14 @@ around them (admission, continuous batching, sampling) is batching.py's.
 transformers' attention interface to `_paged_attention` (registered under its own name). Prefill
 packs every admitted prompt into one sequence (no padding), writes the prompts' keys and values
 into their pages (the cache object the model updates) and runs causal attention per group of
-equal-length prompts; decode runs `paged_decode_attention` (kernels/), which stores each row's
-new key and value in its last slot and reads the row's pages up to its length, in one kernel per
-layer. Each layer's q/k/v and gate/up projections run as one GEMM each (fused.py, set up by the
-engine for this path). At start-up a probe checks the path against transformers' plain forward
-(`verify`); a model whose attention does not go through the interface fails it.
+equal-length prompts; prompts that extend keys already in their pages (a later turn, a
+prefix-cache hit) attend through `paged_extend_attention` on CUDA, which reads every one's keys
+in its pages in one kernel per layer (elsewhere their pages are gathered for SDPA). Decode runs
+`paged_decode_attention` (kernels/), which stores each row's new key and value in its last slot
+and reads the row's pages up to its length, in one kernel per layer. Each layer's q/k/v and
+gate/up projections run as one GEMM each (fused.py, set up by the engine for this path). At
+start-up a probe checks the path against transformers' plain forward (`verify`); a model whose
+attention does not go through the interface fails it.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from rltrain.engine.embedded.kv_pool import PAGE_SIZE, KVPool, head_dim_of, pool
 from rltrain.engine.embedded.prefix_cache import PrefixCache
 from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
+from rltrain.kernels.extend_attention import paged_extend_attention
 from rltrain.runtime import internals
 
 log = logging.getLogger("rltrain.engine.embedded")
@@ -77,6 +81,21 @@ class _Extends:
 
 
 @dataclass
+class _ExtendRows:
+    """Prompts that extend cached keys, for the extend kernel (kernels/extend_attention.py), which
+    reads their keys in their pages: [rows] int32 tensors of where each one's new tokens start in
+    the packed sequence, how many there are and how many keys were cached before them; its pages
+    (`table`, padded with page 0); the most new tokens of any; and where the first one's start."""
+
+    table: torch.Tensor
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    ctx_len: torch.Tensor
+    max_q_len: int
+    begin: int
+
+
+@dataclass
 class _Step:
     """What one forward's attention and cache read. Decode: each row's page table and length
     (the attention kernel writes the new key and value at the row's last slot). Prefill: the
@@ -91,6 +110,7 @@ class _Step:
     offset: torch.Tensor | None = None
     groups: list[tuple[int, int, int]] | None = None
     extends: list[_Extends] = field(default_factory=list)
+    extend_rows: _ExtendRows | None = None  # (instead of `extends`: the kernel's)
 
 
 _current = threading.local()  # the running forward's _Step (each engine's scheduler is its own thread)
@@ -160,6 +180,21 @@ def _prefill_attention(
         qs, ks, vs = (x[0, :, start:end].unflatten(1, (count, length)).transpose(0, 1) for x in (q, k, v))
         o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         outs.append(o.transpose(1, 2).reshape(count * length, H, D))
+    if step.extend_rows is not None:  # read in place by the extend kernel, every prompt at once
+        x = step.extend_rows
+        o = paged_extend_attention(
+            q[0].transpose(0, 1),
+            step.pool.k[layer],
+            step.pool.v[layer],
+            x.table,
+            x.q_start,
+            x.q_len,
+            x.ctx_len,
+            scale,
+            x.max_q_len,
+            impl="triton",
+        )
+        outs.append(o[x.begin :])
     # prompts extending cached keys: their new tokens against their pages' keys (the new ones
     # written there by the cache above), one SDPA per group of equal page counts. The G query
     # heads of a key head are folded into its rows of queries (no GQA: the memory-efficient
@@ -211,6 +246,11 @@ class PagedDecoder:
         self.pool_tokens = pool_tokens
         self.mem_fraction = mem_fraction
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        # How a prefill's prompts that extend cached keys attend: "triton", the extend kernel
+        # reading their keys in their pages, all at once (CUDA); "torch", their pages' keys gathered
+        # for one SDPA per group of equal page counts (the CPU; the tests also run the kernel on
+        # the CPU, interpreted).
+        self.extend_impl = "triton" if device.type == "cuda" else "torch"
         # Decode steps and prefills run the transformer blocks torch.compiled (dynamic shapes: one
         # graph serves every decode bucket, one every prefill's packed length): inductor fuses the
         # norms, rotary and activation around the matmuls, which eager runs as ~20 small kernels
@@ -346,8 +386,20 @@ class PagedDecoder:
         pos: list[int] = []
         page: list[int] = []
         offset: list[int] = []
-        groups: list[tuple[int, int, int]] = []
         last = [0] * len(prompts)
+
+        def pack(i: int) -> int:
+            """Prompt i's tokens from its first uncached one onto the packed sequence (their
+            positions and key slots too); where they begin there."""
+            first, n, s0 = len(ids), len(prompts[i]), starts[i]
+            ids.extend(prompts[i][s0:])
+            pos.extend(range(s0, n))
+            page.extend(tables[i][t // P] for t in range(s0, n))
+            offset.extend(t % P for t in range(s0, n))
+            last[i] = len(ids) - 1
+            return first
+
+        groups: list[tuple[int, int, int]] = []
         for i in whole:
             n = len(prompts[i])
             if groups and groups[-1][2] == n:
@@ -355,14 +407,25 @@ class PagedDecoder:
                 groups[-1] = (s, c + 1, n)
             else:
                 groups.append((len(ids), 1, n))
-            ids += prompts[i]
-            pos += range(n)
-            page += [tables[i][t // P] for t in range(n)]
-            offset += [t % P for t in range(n)]
-            last[i] = len(ids) - 1
+            pack(i)
         dev = self.device
         tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        extends = []
+        extends: list[_Extends] = []
+        rows: _ExtendRows | None = None
+        if extending and self.extend_impl == "triton":  # every extending prompt at once, read in its pages
+            begin = len(ids)
+            firsts = [pack(i) for i in extending]
+            width = max(-(-len(prompts[i]) // P) for i in extending)
+            int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+            rows = _ExtendRows(
+                int32([tables[i][:width] + [0] * (width - len(tables[i][:width])) for i in extending]),
+                int32(firsts),
+                int32([len(prompts[i]) - starts[i] for i in extending]),
+                int32([starts[i] for i in extending]),
+                max(len(prompts[i]) - starts[i] for i in extending),
+                begin,
+            )
+            extending = []
         for _, members in itertools.groupby(extending, key=lambda i: -(-len(prompts[i]) // P)):
             group = list(members)
             width = max(len(prompts[i]) - starts[i] for i in group)
@@ -370,12 +433,7 @@ class PagedDecoder:
             pages = -(-len(prompts[group[0]]) // P)
             for b, i in enumerate(group):
                 n, s0 = len(prompts[i]), starts[i]
-                first = len(ids)
-                ids += prompts[i][s0:]
-                pos += range(s0, n)
-                page += [tables[i][t // P] for t in range(s0, n)]
-                offset += [t % P for t in range(s0, n)]
-                last[i] = len(ids) - 1
+                first = pack(i)
                 index.append([first + min(r, n - s0 - 1) for r in range(width)])
                 mask_rows.append([s0 + min(r, n - s0 - 1) for r in range(width)])  # each query's position
                 valid += [b * width + r for r in range(n - s0)]
@@ -383,7 +441,9 @@ class PagedDecoder:
             mask = keys[None, None, :] <= tensor(mask_rows)[:, :, None]  # [count, Lq, keys]
             table = tensor([tables[i][:pages] for i in group])
             extends.append(_Extends(tensor(index), table, mask[:, None], tensor(valid)))
-        step = _Step(self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends)
+        step = _Step(
+            self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends, extend_rows=rows
+        )
         with self._blocks_compiled():
             logits = self._forward(
                 step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
