@@ -122,3 +122,35 @@ def test_the_budget_follows_what_each_rollout_left_free():
     assert r.observe(free=2 * gib, kept=8 * gib) == 8 * gib  # (steady)
     assert r.observe(free=1 * gib, kept=8 * gib) == 7 * gib  # the engine took 1 GiB more
     assert r.observe(free=0, kept=1 * gib) == 0
+
+
+def test_a_kept_part_that_strands_freed_memory_in_the_allocator_makes_everything_move(tmp_path, monkeypatch, caplog):
+    """Where the caching allocator holds more freed bytes than STRANDED_BYTES after an offload
+    that kept part of the state (segments shared with what stayed: the engines cannot have them),
+    the rest moves too, said once, and the state comes back whole. Below it, nothing changes. (The
+    allocator's counters are set here: on the GPU tests/test_gpu.py checks a real offload strands
+    nothing.)"""
+    from rltrain.trainer import host_park
+    from rltrain.trainer.host_park import STRANDED_BYTES, HostPark, leaving_order
+
+    path = make_model(tmp_path / "m", seed=5)
+    t = make_trainer(path, micro=4)
+    one_step(t, fixed_batch())
+    weights, optim = _state(t)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    groups = leaving_order(t.model, t.ref_model, t.optimizer)
+    park = HostPark("cpu")
+    park.park(groups, keep=_bytes(weights))
+    device = torch.device("cuda", 0)
+    for stranded, moves in ((STRANDED_BYTES, False), (STRANDED_BYTES + 1, True)):
+        monkeypatch.setattr(host_park.torch.cuda, "memory_reserved", lambda d, s=stranded: (3 << 30) + s)
+        monkeypatch.setattr(host_park.torch.cuda, "memory_allocated", lambda d: 3 << 30)
+        monkeypatch.setattr(host_park, "free_cuda_caches", lambda: None)
+        with caplog.at_level("WARNING", logger="rltrain.trainer"):
+            assert park.all_if_stranded(groups, device) == moves
+        assert all((w.untyped_storage().nbytes() == 0) == moves for w in weights)
+        assert all(o.untyped_storage().nbytes() == 0 for o in optim)
+    assert sum("stay with the caching allocator" in r.getMessage() for r in caplog.records) == 1
+    park.unpark()
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(v, before[k]), k

@@ -43,7 +43,7 @@ from rltrain.runtime.ledger import HeldTensors
 from rltrain.runtime.memory import free_cuda_caches
 from rltrain.trainer import rl_update
 from rltrain.trainer.causal_lm import LogprobHead, compile_blocks, outside_graphs
-from rltrain.trainer.host_park import HostPark
+from rltrain.trainer.host_park import HostPark, leaving_order
 from rltrain.trainer.rl_update import LogProbs
 from rltrain.trainer.sharding import (
     capture,
@@ -51,8 +51,8 @@ from rltrain.trainer.sharding import (
     free_storage,
     full_tensor,
     full_tensors,
+    gather_chunks,
     load,
-    local,
     one_unit,
     rebind,
     reshard,
@@ -65,8 +65,6 @@ from rltrain.weights.names import checkpoint_specs, module_weights, to_checkpoin
 
 log = logging.getLogger("rltrain.trainer")
 
-# An offload that keeps part of the state: freed bytes the allocator may keep in segments shared with it.
-STRANDED_BYTES = 512 << 20
 GATHER_BYTES = 1 << 30  # whole tensors gathered at once by export_weights: above a sync bucket (512 MiB)
 # On the CPU a gather's staging buffer is fresh pages, dear per byte, and a gloo call is dear per
 # call: chunks this small keep the pages few and still gather a small model in one call.
@@ -259,14 +257,7 @@ class FSDPTrainer:
         return (self.device.type == "cuda" or self.parks_on_cpu) and not self.released
 
     def _groups(self) -> list[list[torch.Tensor]]:
-        """The state in the order it leaves the device: the optimizer state (read by the optimizer
-        step only), the reference's weights (by the reference log-probs), the policy's last."""
-        policy, reference = held((self.model,), None), held((self.ref_model,), None)["weights"]
-        weights = {local(t).untyped_storage().data_ptr() for t in (*policy["weights"], *reference)}
-        # (the optimizer's parameter groups hold the policy's weights: those leave with them)
-        optim = held((), self.optimizer)["optimizer"]
-        state = [t for t in optim if local(t).untyped_storage().data_ptr() not in weights]
-        return [state, reference, policy["weights"] + policy["grads"]]
+        return leaving_order(self.model, self.ref_model, self.optimizer)
 
     def stage_offload(self, keep: int | None = None) -> None:
         """Begin the offload right after the optimizer step: choose what moves (the optimizer
@@ -308,27 +299,8 @@ class FSDPTrainer:
                 park.park(self._groups(), keep)
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
-        if self.device.type == "cuda" and park.kept:
-            self._check_returned()
-
-    def _check_returned(self) -> None:
-        """An offload that kept part of the state: the freed bytes the caching allocator could not
-        hand back (in segments that also hold kept state) are not the engines'. Past
-        `STRANDED_BYTES`, the rest moves too, and every offload after it moves everything."""
-        assert self._park is not None
-        stranded = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if stranded <= STRANDED_BYTES:
-            return
-        self._keep_refused = True
-        log.warning(
-            "trainer: %.2f GiB freed by the offload stay with the caching allocator (segments shared with the "
-            "%.2f GiB of state kept on the device): the whole state moves at every offload from now on",
-            stranded / 2**30,
-            self._park.kept / 2**30,
-        )
-        self._park.unpark()
-        self._park.park(self._groups())
-        free_cuda_caches()
+        if self.device.type == "cuda" and park.kept and park.all_if_stranded(self._groups(), self.device):
+            self._keep_refused = True  # (said once: every offload from now on moves everything)
 
     def _settle(self) -> None:
         """The optimizer state that came back behind the weights is there for what runs next."""
@@ -556,7 +528,7 @@ class FSDPTrainer:
                 yield src, tensors[src].detach()
             return
         budget = GATHER_BYTES if self.device.type == "cuda" else GATHER_BYTES_CPU
-        for chunk in _gather_chunks(sources, tensors, budget):
+        for chunk in gather_chunks(sources, tensors, budget):
             with torch.no_grad():
                 fulls = full_tensors([tensors[src] for src in chunk])
             for src in chunk:
@@ -616,22 +588,3 @@ class FSDPTrainer:
     def restore_snapshot(self, snap: Snapshot) -> None:
         """Re-create a released trainer from `snapshot()`, sharded over the current group."""
         self._rebuild(snap)
-
-
-def _gather_chunks(
-    sources: list[str], tensors: dict[str, torch.Tensor], budget: int = GATHER_BYTES
-) -> Iterator[list[str]]:
-    """`sources` in order, in runs of at most `budget` bytes of whole tensors (one tensor at least,
-    so budget 0 gives one run per tensor): the same runs on every rank, from the global shapes."""
-    run: list[str] = []
-    size = 0
-    for src in sources:
-        t = tensors[src]
-        nbytes = t.numel() * t.element_size()
-        if run and size + nbytes > budget:
-            yield run
-            run, size = [], 0
-        run.append(src)
-        size += nbytes
-    if run:
-        yield run

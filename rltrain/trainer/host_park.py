@@ -32,6 +32,7 @@ then they hold NaN bytes, so a step that reads that state before `settle` shows 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -39,8 +40,31 @@ from typing import NamedTuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from rltrain.runtime.memory import round_up
+from rltrain.runtime.memory import free_cuda_caches, round_up
 from rltrain.runtime.pinned import PinnedArena
+from rltrain.trainer.state import held
+
+log = logging.getLogger("rltrain.trainer")
+
+# An offload that kept part of the state: freed bytes the caching allocator may keep (in segments
+# shared with what stayed) before the rest moves too.
+STRANDED_BYTES = 512 << 20
+
+
+def leaving_order(
+    model: torch.nn.Module | None, reference: torch.nn.Module | None, optimizer: object
+) -> list[list[torch.Tensor]]:
+    """A trainer's state in the order it leaves the device: the optimizer state (read by the
+    optimizer step only), the reference's weights (by the reference log-probs), the policy's last."""
+    policy, ref = held((model,), None), held((reference,), None)["weights"]
+    weights = {_local(t).untyped_storage().data_ptr() for t in (*policy["weights"], *ref)}
+    # (the optimizer's parameter groups hold the policy's weights: those leave with them)
+    state = [t for t in held((), optimizer)["optimizer"] if _local(t).untyped_storage().data_ptr() not in weights]
+    return [state, ref, policy["weights"] + policy["grads"]]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Parked(NamedTuple):
@@ -92,7 +116,7 @@ class HostPark:
         seen: set[int] = set()
         for g, tensors in enumerate(groups):
             for t in tensors:
-                s = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()
+                s = _local(t).untyped_storage()
                 if s.device.type != self.device_type or s.nbytes() == 0 or not s.resizable():
                     continue
                 if s.data_ptr() not in seen:
@@ -205,6 +229,24 @@ class HostPark:
             assert buffer is not None
             self._copy_in(self._late, buffer)
             self._late = []
+
+    def all_if_stranded(self, groups: Sequence[list[torch.Tensor]], device: torch.device) -> bool:
+        """After an offload that kept part of the state: where the caching allocator holds more
+        than `STRANDED_BYTES` freed bytes it could not hand back to the driver (in segments shared
+        with what stayed: not the engines'), the rest of `groups` moves too, said once. Whether it did."""
+        stranded = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        if stranded <= STRANDED_BYTES:
+            return False
+        log.warning(
+            "trainer: %.2f GiB freed by the offload stay with the caching allocator (segments shared with the "
+            "%.2f GiB of state kept on the device): the whole state moves at every offload from now on",
+            stranded / 2**30,
+            self.kept / 2**30,
+        )
+        self.unpark()
+        self.park(groups)
+        free_cuda_caches()
+        return True
 
     def drain(self) -> None:
         """Every copy in flight done (before the storages or this object, with its buffer, go)."""

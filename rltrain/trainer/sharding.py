@@ -14,6 +14,7 @@ Offload keeps the modules and empties their storages into page-locked host memor
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any, TypeGuard
 
 import torch
@@ -335,3 +336,20 @@ def rebind(model: torch.nn.Module, group: dist.ProcessGroup) -> str | None:
     if broken:  # cannot be undone: the old group is gone
         raise RuntimeError(f"rebind: {len(broken)} FSDP2 groups or meshes still resolve to the destroyed group")
     return None
+
+
+def gather_chunks(sources: list[str], tensors: dict[str, torch.Tensor], budget: int) -> Iterator[list[str]]:
+    """`sources` in order, in runs of at most `budget` bytes of whole tensors (one tensor at least,
+    so budget 0 gives one run per tensor): the same runs on every rank, from the global shapes."""
+    run: list[str] = []
+    size = 0
+    for src in sources:
+        t = tensors[src]
+        nbytes = t.numel() * t.element_size()
+        if run and size + nbytes > budget:
+            yield run
+            run, size = [], 0
+        run.append(src)
+        size += nbytes
+    if run:
+        yield run
