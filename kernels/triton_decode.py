@@ -28,6 +28,47 @@ def interpreted() -> bool:
 
 
 @triton.jit
+def page_step(
+    q: tl.tensor,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    page_base: tl.tensor,
+    n: tl.tensor,
+    d: tl.tensor,
+    stride_kn: tl.tensor,
+    kmask: tl.tensor,
+    visible: tl.tensor,
+    m: tl.tensor,
+    s_sum: tl.tensor,
+    acc: tl.tensor,
+    scale: tl.tensor,
+    IEEE: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """One page of an online softmax, shared by the decode and extend kernels: the page's keys and
+    values at `page_base` (the page's offset plus the KV head's) where `kmask` (its tokens held),
+    the scores of the tile of queries `q` [rows, D] by tl.dot, `visible` [rows, P] keeping the
+    ones each query sees, and the running maximum `m`, sum `s_sum` and weighted values `acc`
+    [rows, D] (float32) carried on. Returns the new (m, s_sum, acc)."""
+    base = page_base + n[:, None] * stride_kn + d[None, :]
+    k = tl.load(k_ptr + base, mask=kmask[:, None], other=0.0)
+    v = tl.load(v_ptr + base, mask=kmask[:, None], other=0.0)  # (issued with the keys)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    s_sum = s_sum * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, s_sum, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -88,25 +129,23 @@ def _paged_decode_kernel(
         hi = MAX_PAGES * P
     for start in tl.range(0, hi, P, num_stages=STAGES):
         page = tl.load(table_ptr + b * stride_tb + start // P).to(tl.int64)
-        cols = start + n
-        nmask = cols < length
-        base = page * stride_kp + kvh * stride_kh + n[:, None] * stride_kn + d[None, :]
-        k = tl.load(k_ptr + base, mask=nmask[:, None], other=0.0)
-        v = tl.load(v_ptr + base, mask=nmask[:, None], other=0.0)  # (issued with the keys)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        s_sum = s_sum * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        nmask = start + n < length
+        m, s_sum, acc = page_step(
+            q,
+            k_ptr,
+            v_ptr,
+            page * stride_kp + kvh * stride_kh,
+            n,
+            d,
+            stride_kn,
+            nmask,
+            nmask[None, :],
+            m,
+            s_sum,
+            acc,
+            scale,
+            IEEE,
+        )
     out = acc / s_sum[:, None]
     tl.store(
         out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],

@@ -4,8 +4,9 @@ One program per (row, KV head, block of BLOCK_T query tokens): its BLOCK_T x G q
 H / KVH query heads of that KV head, for each token) are one tile of rows, loaded once; it walks
 the row's pages in order up to its last query's position, one page of P keys per iteration:
 scores by tl.dot, the causal mask (a key at or before the query's position), an online softmax in
-float32, and the weighted values by a second tl.dot. Each key and value is read once per block of
-queries, from its page: nothing is gathered.
+float32, and the weighted values by a second tl.dot (`triton_decode.page_step`, the decode
+kernel's step too). Each key and value is read once per block of queries, from its page: nothing
+is gathered.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import STAGES, interpreted
+from .triton_decode import STAGES, interpreted, page_step
 
 BLOCK_T = 16  # query tokens per program
 
@@ -78,24 +79,24 @@ def _paged_extend_kernel(
         page = tl.load(table_ptr + r * stride_tb + start // P).to(tl.int64)
         cols = start + n
         kmask = cols < length
-        base = page * stride_kp + kvh * stride_kh + n[:, None] * stride_kn + d[None, :]
-        k = tl.load(k_ptr + base, mask=kmask[:, None], other=0.0)
-        v = tl.load(v_ptr + base, mask=kmask[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
         # Key 0 is at or before every query: a row's maximum is finite from the first page on.
-        s = tl.where(kmask[None, :] & (cols[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        visible = kmask[None, :] & (cols[None, :] <= pos[:, None])
+        m_i, l_i, acc = page_step(
+            q,
+            k_ptr,
+            v_ptr,
+            page * stride_kp + kvh * stride_kh,
+            n,
+            d,
+            stride_kn,
+            kmask,
+            visible,
+            m_i,
+            l_i,
+            acc,
+            scale,
+            IEEE,
+        )
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
