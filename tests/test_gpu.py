@@ -221,7 +221,10 @@ def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies
     """loop.offload_trainer=fit's trainer side: the optimizer state leaves (its copy out begun on a
     side stream right after the step), the weights stay; what moved goes back to the driver (the
     allocator keeps no more than the budget); the state comes back with the optimizer state behind
-    the weights, settled before the step; three steps bitwise those of a trainer never offloaded."""
+    the weights, the onload (re-bind included) waiting for its own stream only, never for the
+    whole device (which would wait for those copies too: the e2e run of 2026-12-05 measured its
+    onload at the optimizer state's copy time), settled before the step; three steps bitwise
+    those of a trainer never offloaded."""
     from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.world import World
@@ -263,8 +266,13 @@ def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies
             # What moved went back to the driver: the allocator's reserve fell by about the optimizer state.
             assert reserved - torch.cuda.memory_reserved() >= 2 * weights - (8 << 20)
             world.rebuild()
+            waits: list[object] = []  # device-wide waits in the onload: they would wait for the late copies too
+            device_wide = torch.cuda.synchronize
+            monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (waits.append(a), device_wide(*a))[1])
             parked.onload()
+            monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
             assert parked._park.unsettled  # the optimizer state still on its way (settled at the step)
+            assert not waits, "the onload waited for the whole device: the optimizer state's copies did not overlap"
         got = {k: v.detach().cpu() for k, v in parked.export_weights()}
         assert set(got) == set(want)
         for k in got:

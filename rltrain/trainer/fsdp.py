@@ -328,12 +328,14 @@ class FSDPTrainer:
             with timed(self.timings, "onload: copy to device", self.device, stream_only=overlap):
                 self._park.unpark(overlap)
             self.timings["onload: allocate"] = self._park.allocate_s
+        # What is timed from here on waits for the caller's stream only while those copies run.
+        beside = self._park is not None and self._park.copying
         if not self._stale():
             return
         group = current_group()
         assert group is not None  # (stale: sharded, so under torch.distributed)
         if self.rebinds:
-            with timed(self.timings, "onload: re-bind to the new group", self.device):
+            with timed(self.timings, "onload: re-bind to the new group", self.device, stream_only=beside):
                 why = self._rebind(group)
             if why is None:
                 self._group = group

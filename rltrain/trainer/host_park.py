@@ -98,6 +98,11 @@ class HostPark:
         return self._arena.buffer
 
     @property
+    def copying(self) -> bool:
+        """Whether copies run on the side stream now (out: staged; in: not yet settled)."""
+        return self._out_done is not None or self._in_done is not None
+
+    @property
     def unsettled(self) -> bool:
         """Whether storages came back whose copies `settle` has not yet waited for."""
         return bool(self._late) or self._in_done is not None

@@ -79,9 +79,14 @@ def held(
 @contextlib.contextmanager
 def timed(timings: dict[str, float], what: str, device: torch.device, stream_only: bool = False) -> Iterator[None]:
     """Seconds of a part of offload/onload, device work included, into `timings[what]`.
-    `stream_only`: the work the current stream waits for, not what a side stream goes on with."""
+    `stream_only`: the work the current stream waits for, before and after, not what a side
+    stream goes on with (a device-wide wait would make copies meant to run beside the forward
+    part of the onload)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        if stream_only:
+            torch.cuda.current_stream(device).synchronize()
+        else:
+            torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     yield
     if device.type == "cuda":
