@@ -375,17 +375,20 @@ def report(
             f"{'trainer onload/offload parts':>28s} "
             + ", ".join(f"{k} {mean(lambda r, k=k: r.get(k, 0.0)):.3f}s" for k in parts)
         )
+    kept = 0.0  # GiB of trainer state kept on the device on purpose (fit)
     if any("offload_kept_gib" in r for r in steady):  # loop.offload_trainer=fit
         kept, went = (mean(lambda r, k=k: r.get(k, 0.0)) for k in ("offload_kept_gib", "offload_moved_gib"))
         lines.append(f"{'trainer state kept / moved':>28s} {kept:8.2f} / {went:.2f} GiB  (loop.offload_trainer=fit)")
     mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
+    beyond = held - kept  # (fit: what it holds beyond what it chose to keep)
     engine_held = max(_engine_gib(m["train"], context=False) for m in mem)
     ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
     ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
     lines += [
-        f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB), "
-        f"{'meets' if held <= 1 else 'misses'} <= 1 GiB (most of any rank)",
+        f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB)"
+        + (f", of it {kept:.2f} GiB kept on purpose (fit); the rest" if kept else ",")
+        + f" {'meets' if beyond <= 1 else 'misses'} <= 1 GiB (most of any rank)",
         f"{'engine GPU while training':>28s} {engine_held:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB; "
         "SGLang: every other process on the GPU, contexts included), "
         f"{'meets' if engine_held <= 1 else 'misses'} <= 1 GiB",

@@ -134,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     path = build(root / "model", a.shape, device)
     vocab = QWEN3_SHAPES[a.shape].vocab
     tflops = matmul_tflops(device)
+    lengths = f"{a.prompt} + {response[0]}-{response[1]}" if response else f"{a.seq}"
     print(
         f"# rltrain.bench.trainers  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  "
-        f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {a.seq} tokens  micro-batch {a.micro}  bf16"
+        f"{torch.cuda.get_device_name()}  shape {a.shape}  {a.samples} x {lengths} tokens  micro-batch {a.micro}  bf16"
     )
     print(f"# limits: bf16 matmul {tflops:.0f} TFLOP/s (8192^3); pinned copy measured per backend below")
     runs = []
