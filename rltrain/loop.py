@@ -258,7 +258,9 @@ def _to_rollout(
         parts.cycle.put_away()
     stats.update(parts.cycle.figures)
     with phase("engine_resume_kv"):
-        world.wait_destroyed()  # NCCL memory is back before the KV cache takes it
+        # NCCL memory is back before the KV cache takes it: the part of the background teardown
+        # the put-away did not cover (with offload_trainer=fit, most of it) is waited for here.
+        stats["world_destroy_wait_s"] = world.wait_destroyed()
         parts.engine.resume_kv()
     with phase("sync_probe"):
         stats.update(parts.sync.probe_engines())  # the engines awake: do they score as the trainer does?
