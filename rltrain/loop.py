@@ -260,7 +260,9 @@ def _to_rollout(
     with phase("engine_resume_kv"):
         # NCCL memory is back before the KV cache takes it: the part of the background teardown
         # the put-away did not cover (with offload_trainer=fit, most of it) is waited for here.
-        stats["world_destroy_wait_s"] = world.wait_destroyed()
+        waited = world.wait_destroyed()
+        if world.backend == "nccl":  # (a figure of the GPU's switches, as the trainer's onload/offload parts)
+            stats["world_destroy_wait_s"] = waited
         parts.engine.resume_kv()
     with phase("sync_probe"):
         stats.update(parts.sync.probe_engines())  # the engines awake: do they score as the trainer does?

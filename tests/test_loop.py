@@ -75,8 +75,6 @@ def test_quickstart_steps_end_to_end(tmp_path, mode):
         ):
             assert key in row, key
         assert {"rollout", "train", "sync", "world_rebuild", "engine_release"} <= set(row["time"])
-        if mode == "colocated":  # the KV cache's wait for the world's background teardown, a part of its phase
-            assert 0 <= row["world_destroy_wait_s"] <= row["time"]["engine_resume_kv"]
         waited, scored = row["rollout_time"]["generate_s"], row["rollout_time"]["score_s"]
         assert 0 < waited < row["time"]["rollout"] and 0 < scored < row["time"]["rollout"]
         # The memory ledger after every phase: the trainer's tensors, this rank's RSS, and the
@@ -134,7 +132,6 @@ def test_on_the_cpu_each_switch_costs_what_it_frees_and_every_sync_is_still_veri
         assert 0 <= row["logp_diff_engine_trainer"] < 1e-3  # measured in the training forward
         for switch in ("world_rebuild", "world_destroy", "trainer_onload", "engine_release", "engine_resume_kv"):
             assert row["time"][switch] < 0.005, (switch, row["time"])
-        assert 0 <= row["world_destroy_wait_s"] <= row["time"]["engine_resume_kv"]
         assert row["time"]["logprobs"] < row["time"]["train"]  # no separate old-log-prob pass
     assert not (tmp_path / "quickstart" / "weights").exists() or not list(
         (tmp_path / "quickstart" / "weights").iterdir()
