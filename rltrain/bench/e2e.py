@@ -375,12 +375,12 @@ def report(
             f"{'trainer onload/offload parts':>28s} "
             + ", ".join(f"{k} {mean(lambda r, k=k: r.get(k, 0.0)):.3f}s" for k in parts)
         )
-    kept = 0.0  # GiB of trainer state kept on the device on purpose (fit)
     if any("world_destroy_wait_s" in r for r in steady):
         lines.append(
             f"{'engine_resume_kv waits':>28s} {mean(lambda r: r.get('world_destroy_wait_s', 0.0)):13.3f}s  for the "
             "world's NCCL teardown (in the background since world_destroy) before the KV cache maps"
         )
+    kept = 0.0  # GiB of trainer state kept on the device on purpose (fit)
     if any("offload_kept_gib" in r for r in steady):  # loop.offload_trainer=fit
         kept, went = (mean(lambda r, k=k: r.get(k, 0.0)) for k in ("offload_kept_gib", "offload_moved_gib"))
         lines.append(f"{'trainer state kept / moved':>28s} {kept:8.2f} / {went:.2f} GiB  (loop.offload_trainer=fit)")
