@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -112,10 +110,31 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
         cuda_native.client.update_weights_from_disk(str(model_a), weight_version="default")
 
 
+@pytest.mark.parametrize("kind", ["register", "hugepage", "driver"])
+def test_every_kind_of_page_locked_buffer_holds_its_footprint_copies_both_ways_and_goes(kind):
+    import gc
+
+    from rltrain.runtime.pinned import footprint, pinned_empty, pinned_host_bytes
+
+    before = pinned_host_bytes()
+    buf = pinned_empty((64 << 20) + 100, kind)
+    assert buf.numel() == (64 << 20) + 100 and buf.is_pinned()
+    assert pinned_host_bytes() - before == footprint(buf.numel(), kind)
+    src = torch.randint(0, 255, (buf.numel(),), dtype=torch.uint8, device="cuda")
+    buf.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(buf, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src)
+    del buf
+    gc.collect()
+    assert pinned_host_bytes() == before
+
+
 def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
-    from rltrain.runtime.pinned import pinned_host_bytes
+    from rltrain.runtime.pinned import footprint, pinned_host_bytes
     from rltrain.trainer.fsdp import FSDPTrainer
 
     path = make_model(tmp_path / "m", seed=3, vocab=8192, hidden=512, layers=2)
@@ -150,7 +169,7 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     buf = t._park.buffer
     parked = sum(n for *_, n in t._park.parked)
     assert buf.is_pinned() and parked <= buf.numel() <= parked + 512 * len(t._park.parked)
-    assert pinned_host_bytes() == -(-buf.numel() // mmap.PAGESIZE) * mmap.PAGESIZE
+    assert pinned_host_bytes() == footprint(buf.numel())
     assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == torch_pinned
     del buf
     t.onload()

@@ -154,3 +154,47 @@ def test_a_kept_part_that_strands_freed_memory_in_the_allocator_makes_everything
     park.unpark()
     for k, v in t.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_storages_back_to_back_on_both_sides_move_as_one_copy_and_only_those():
+    """`runs`: storages that lie back to back on the device (here: host memory carved from one
+    block, as a group comes back from the allocator) and in the host buffer go as one copy; a gap
+    on either side splits the run; every byte arrives where it belongs, both ways."""
+    import ctypes
+
+    from rltrain.trainer.host_park import HostPark, Parked, runs
+
+    block = torch.arange(4096, dtype=torch.int32).view(torch.uint8)  # 16 KiB, "the device"
+    base = block.data_ptr()
+
+    def carved(start: int, nbytes: int) -> torch.UntypedStorage:
+        mem = (ctypes.c_uint8 * nbytes).from_address(base + start)
+        return torch.frombuffer(mem, dtype=torch.uint8).untyped_storage()
+
+    # (device start, bytes, host offset): a, b, c back to back on both sides; d after a device gap;
+    # e after d on the device but after a gap in the host buffer; f after e on both.
+    layout = [
+        (0, 1024, 0),
+        (1024, 512, 1024),
+        (1536, 2048, 1536),
+        (4096, 1024, 3584),
+        (5120, 512, 5120),
+        (5632, 512, 5632),
+    ]
+    parked = [Parked(carved(d, n), o, 0, n) for d, n, o in layout]
+    spans = [(offset, nbytes) for _, offset, nbytes in runs(parked)]
+    assert spans == [(0, 3584), (3584, 1024), (5120, 1024)]
+
+    park = HostPark("cpu")
+    host = torch.zeros(8192, dtype=torch.uint8)
+    expected = block.clone()
+    park._copy_out(parked, host)
+    assert park.copies_out == 3
+    for d, n, o in layout:
+        assert torch.equal(host[o : o + n], expected[d : d + n])
+    block.zero_()
+    park._copy_in(parked, host)
+    assert park.copies_in == 3
+    for d, n, _ in layout:
+        assert torch.equal(block[d : d + n], expected[d : d + n])
+    assert torch.count_nonzero(block[3584:4096]) == 0  # the gap on the device is left alone

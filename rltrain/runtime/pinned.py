@@ -18,7 +18,9 @@ tensor on the buffer is gone. Every page-locked buffer rltrain keeps comes from 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -30,17 +32,48 @@ from rltrain.runtime.memory import round_up
 _registered: dict[int, int] = {}  # address -> bytes, of the host buffers `pinned_empty` page-locked
 
 
-def pinned_empty(nbytes: int) -> torch.Tensor:
+# How `pinned_empty` gets its page-locked memory (`RLTRAIN_PINNED` picks one, for benchmarks):
+#   register  anonymous memory in 4 KiB pages, registered with the driver (cudaHostRegister)
+#   hugepage  the same in 2 MiB transparent huge pages where the kernel gives them (madvise):
+#             fewer translations for the device's DMA to walk
+#   driver    the driver's own allocation (cudaHostAlloc, what torch's pinned allocator calls),
+#             exactly the size asked for
+KINDS = ("register", "hugepage", "driver")
+HUGE_PAGE = 2 << 20
+
+
+def default_kind() -> str:
+    kind = os.environ.get("RLTRAIN_PINNED", "register")
+    if kind not in KINDS:
+        raise ValueError(f"RLTRAIN_PINNED={kind!r}: expected one of {', '.join(KINDS)}")
+    return kind
+
+
+def pinned_empty(nbytes: int, kind: str | None = None) -> torch.Tensor:
     """A uint8 host tensor of `nbytes`, page-locked, holding no more than the whole pages it needs.
 
     torch's `pin_memory=True` rounds every allocation up to a power of two and keeps it cached
     once freed: an offload then holds up to twice its size in page-locked memory, plus every
     earlier, smaller buffer. This maps anonymous memory and registers it with the CUDA
-    driver (what `cudaHostAlloc` does, without the rounding); the registration and the mapping go
-    when the last tensor on the buffer is gone."""
-    size = round_up(max(nbytes, 1), mmap.PAGESIZE)
-    mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
-    buf = torch.frombuffer(mem, dtype=torch.uint8)
+    driver (what `cudaHostAlloc` does, without the rounding), or asks the driver for exactly
+    `nbytes` (`kind`, see `KINDS`); the registration and the memory go when the last tensor on
+    the buffer is gone."""
+    kind = kind or default_kind()
+    if kind == "driver":
+        return _driver_alloc(nbytes)
+    page = HUGE_PAGE if kind == "hugepage" else mmap.PAGESIZE
+    size = round_up(max(nbytes, 1), page)
+    if kind == "hugepage":
+        # Mapped one huge page larger, to start the buffer on a huge-page boundary; the pages
+        # are made when the driver pins them, after the advice.
+        mem = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mem.madvise(mmap.MADV_HUGEPAGE)
+        whole = torch.frombuffer(mem, dtype=torch.uint8)
+        skip = -whole.data_ptr() % HUGE_PAGE
+        buf = whole[skip : skip + size]
+    else:
+        mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
+        buf = torch.frombuffer(mem, dtype=torch.uint8)
     addr = buf.data_ptr()
     err = int(torch.cuda.cudart().cudaHostRegister(addr, size, 0))
     if err:
@@ -53,22 +86,63 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return buf[:nbytes]
 
 
+def _driver_alloc(nbytes: int) -> torch.Tensor:
+    lib = _cudart()
+    ptr = ctypes.c_void_p()
+    size = max(nbytes, 1)
+    err = lib.cudaHostAlloc(ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_uint(0))
+    if err or not ptr.value:
+        raise RuntimeError(
+            f"cannot page-lock {size / 2**30:.2f} GiB of host memory: cudaHostAlloc returned error {err}"
+        )
+    mem = (ctypes.c_uint8 * size).from_address(ptr.value)
+    _registered[ptr.value] = size
+    weakref.finalize(mem, _free_host, lib, ptr.value)
+    return torch.frombuffer(mem, dtype=torch.uint8)[:nbytes]
+
+
+def footprint(nbytes: int, kind: str | None = None) -> int:
+    """The page-locked bytes `pinned_empty(nbytes, kind)` holds."""
+    kind = kind or default_kind()
+    if kind == "driver":
+        return max(nbytes, 1)
+    return round_up(max(nbytes, 1), HUGE_PAGE if kind == "hugepage" else mmap.PAGESIZE)
+
+
+def _cudart() -> ctypes.CDLL:
+    """The CUDA runtime torch loaded (its path from this process's mappings)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "libcudart.so" in line:
+                lib = ctypes.CDLL(line.split()[-1])
+                lib.cudaHostAlloc.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint]
+                lib.cudaFreeHost.argtypes = [ctypes.c_void_p]
+                return lib
+    raise RuntimeError("the CUDA runtime library (libcudart) is not loaded in this process")
+
+
+def _free_host(lib: ctypes.CDLL, addr: int) -> None:
+    _registered.pop(addr, None)
+    lib.cudaFreeHost(ctypes.c_void_p(addr))
+
+
 class PinnedArena:
     """One `pinned_empty` buffer, reused while it is large enough and replaced (the old one let go
     first: never both page-locked at once) when a larger one is asked for. Pieces are carved at
-    `ALIGN`-byte offsets. `pin=False`: plain host memory (for state that lives on the CPU)."""
+    `ALIGN`-byte offsets. `pin=False`: plain host memory (for state that lives on the CPU); `kind`:
+    how it is page-locked (`KINDS`; None: `RLTRAIN_PINNED`'s)."""
 
     ALIGN = 512
 
-    def __init__(self, pin: bool = True) -> None:
+    def __init__(self, pin: bool = True, kind: str | None = None) -> None:
         self.buffer: torch.Tensor | None = None
-        self.pin = pin
+        self.pin, self.kind = pin, kind
 
     def reserve(self, nbytes: int) -> torch.Tensor:
         """The buffer, at least `nbytes` long (its old contents are not kept when it grows)."""
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = None
-            self.buffer = pinned_empty(nbytes) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
+            self.buffer = pinned_empty(nbytes, self.kind) if self.pin else torch.empty(nbytes, dtype=torch.uint8)
         return self.buffer
 
     @classmethod

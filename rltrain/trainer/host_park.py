@@ -32,9 +32,10 @@ then they hold NaN bytes, so a step that reads that state before `settle` shows 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,7 @@ log = logging.getLogger("rltrain.trainer")
 # An offload that kept part of the state: freed bytes the caching allocator may keep (in segments
 # shared with what stayed) before the rest moves too.
 STRANDED_BYTES = 512 << 20
+LARGE = 1 << 20  # the caching allocator's large pool: requests from 1 MiB
 
 
 def leaving_order(
@@ -77,15 +79,17 @@ class Parked(NamedTuple):
 class HostPark:
     """One module's state in and out of host memory (see the module's docstring)."""
 
-    def __init__(self, device_type: str = "cuda") -> None:
+    def __init__(self, device_type: str = "cuda", pinned: str | None = None) -> None:
         self.device_type = device_type
-        self._arena = PinnedArena(pin=device_type == "cuda")
+        self._arena = PinnedArena(pin=device_type == "cuda", kind=pinned)
         self.parked: list[Parked] = []  # on the host now, freed on the device
         self.staged: list[Parked] = []  # chosen to move at the next `park`, still on the device
         self.ahead = 0  # the groups that went early, and come back late
         self.kept = 0  # bytes of the last `stage`'s storages that stay on the device
         self.total = 0  # bytes of the last `stage`'s storages
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
+        self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
+        self.copies_in = 0  # and the last onload
         self._early: list[Parked] = []  # staged, copy out begun
         self._late: list[Parked] = []  # re-allocated, copy back not yet waited for (CPU: not yet made)
         self._out_done: torch.cuda.Event | None = None
@@ -127,6 +131,10 @@ class HostPark:
                 if s.data_ptr() not in seen:
                     seen.add(s.data_ptr())
                     found.append((g, s))
+        # Within a group the allocator's large pool's storages (>= 1 MiB) first, the small pool's
+        # after: each pool carves a group's storages in order out of one block (see `unpark`), and
+        # the host buffer is laid out in the same order, so runs of them move as one copy.
+        found.sort(key=lambda gs: (gs[0], gs[1].nbytes() < LARGE))
         self.total = sum(s.nbytes() for _, s in found)
         must = self.total if keep is None else max(self.total - keep, 0)
         chosen: list[Parked] = []
@@ -140,7 +148,7 @@ class HostPark:
         self.kept = self.total - moved
         # Grown when the state grew (the first offload, before any step, parks no Adam state).
         buffer = self._arena.reserve(offset)
-        self.staged, self.ahead = chosen, ahead
+        self.staged, self.ahead, self.copies_out = chosen, ahead, 0
         self._early = [p for p in chosen if p.group < ahead]
         if not self._early:
             return
@@ -183,10 +191,10 @@ class HostPark:
         instead of one per storage (hundreds, for a model with Adam)."""
         if not self.parked:
             return
-        t0 = time.perf_counter()
+        t0, self.copies_in = time.perf_counter(), 0
         for g in sorted({p.group for p in self.parked}):
             group = [p for p in self.parked if p.group == g]
-            large = [p.nbytes for p in group if p.nbytes >= 1 << 20]  # the allocator's large pool (>= 1 MiB)
+            large = [p.nbytes for p in group if p.nbytes >= LARGE]
             if large and self.device_type == "cuda":
                 # Each request is rounded up to 512 bytes, as the allocator rounds it.
                 block = torch.empty(
@@ -266,13 +274,49 @@ class HostPark:
         return self._stream
 
     def _copy_out(self, parked: list[Parked], buffer: torch.Tensor) -> None:
-        for p in parked:
-            buffer[p.offset : p.offset + p.nbytes].copy_(_bytes(p.storage), non_blocking=self.device_type == "cuda")
+        for device, offset, nbytes in runs(parked):
+            buffer[offset : offset + nbytes].copy_(device, non_blocking=self.device_type == "cuda")
+            self.copies_out += 1
 
     def _copy_in(self, parked: list[Parked], buffer: torch.Tensor) -> None:
-        for p in parked:
-            _bytes(p.storage).copy_(buffer[p.offset : p.offset + p.nbytes], non_blocking=self.device_type == "cuda")
+        for device, offset, nbytes in runs(parked):
+            device.copy_(buffer[offset : offset + nbytes], non_blocking=self.device_type == "cuda")
+            self.copies_in += 1
+
+
+def runs(parked: Sequence[Parked]) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """`parked` as copies: (device bytes, host offset, bytes), one per run of storages that lie
+    back to back both on the device and in the host buffer (no byte between them on either side)."""
+    i = 0
+    while i < len(parked):
+        j, start = i + 1, parked[i].storage.data_ptr()
+        while (
+            j < len(parked)
+            and parked[j].storage.data_ptr() == parked[j - 1].storage.data_ptr() + parked[j - 1].nbytes
+            and parked[j].offset == parked[j - 1].offset + parked[j - 1].nbytes
+        ):
+            j += 1
+        if j == i + 1:
+            yield _bytes(parked[i].storage), parked[i].offset, parked[i].nbytes
+        else:
+            nbytes = parked[j - 1].offset + parked[j - 1].nbytes - parked[i].offset
+            yield device_span(start, nbytes, parked[i].storage.device), parked[i].offset, nbytes
+        i = j
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def device_span(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over `nbytes` of memory at `address` it does not own (storages that lie back
+    to back, held by the caller while it is used)."""
+    if device.type == "cuda":
+        interface = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+        return torch.as_tensor(_CudaArray(interface), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+class _CudaArray:
+    def __init__(self, interface: dict[str, object]) -> None:
+        self.__cuda_array_interface__ = interface
