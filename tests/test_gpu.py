@@ -110,6 +110,29 @@ def test_cuda_ipc_reused_buffers_are_mapped_once_and_read_afresh(cuda_native, mo
         cuda_native.client.update_weights_from_disk(str(model_a), weight_version="default")
 
 
+def test_storages_in_separate_allocations_that_meet_move_apart_and_come_back_whole():
+    """Tensors of 12 MiB each get an allocation of the driver each, often one right after the
+    other in the address space: `runs` must not copy across the boundary (the driver refuses:
+    invalid argument). Those of one group's onload block move as one copy. Values come back."""
+    from rltrain.trainer.host_park import HostPark
+
+    torch.cuda.empty_cache()
+    tensors = [torch.randn(3 << 20, device="cuda") for _ in range(16)]  # 12 MiB each
+    expected = [t.clone() for t in tensors]
+    park = HostPark("cuda")
+    park.park([tensors])
+    assert park.copies_out == 16  # one per allocation, though they meet
+    torch.cuda.empty_cache()
+    park.unpark()
+    torch.cuda.synchronize()
+    assert park.copies_in < 16  # carved out of one block now
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    park.park([tensors])
+    assert park.copies_out == park.copies_in
+    park.unpark()
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+
+
 @pytest.mark.parametrize("kind", ["register", "hugepage", "driver"])
 def test_every_kind_of_page_locked_buffer_holds_its_footprint_copies_both_ways_and_goes(kind):
     import gc

@@ -11,8 +11,11 @@ reference) it measures, in GB/s, both ways:
   one copy     the whole state's bytes as one device block, one copy: the limit
   park/unpark  `HostPark` as the trainer runs it: storages that lie back to back on both sides
                copied as one (`host_park.runs`; the copies it took in brackets), the device
-               allocations made afresh on each onload
-  per storage  the same storages, one copy each (how the trainer copied before `runs`)
+               allocations made afresh on each onload (the caching allocator emptied between):
+               each group's fresh block written by a kernel first (`HostPark.touch`, the
+               default), or not, or not and one second after the memory was freed
+  per storage  the same storages, one copy each (how the trainer copied before `runs`), into
+               memory written before
 
 Each figure is the median of `--repeats` cycles after a first one (the first offload copies from
 the allocation order of the model's build, not from an onload's). GPU only.
@@ -64,25 +67,32 @@ def one_copy(host: torch.Tensor, device: torch.Tensor, repeats: int) -> tuple[fl
 
 
 def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict[str, float]:
-    """The trainer's path: seconds of park / unpark and of per-storage copies, and copy counts."""
+    """The trainer's path: seconds of park and of unpark (its fresh blocks written first by a
+    kernel, or not, or not and after a pause), of per-storage copies, and copy counts."""
     moments = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes for _ in range(2)]
     weights = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in sizes]
     park = HostPark("cuda", pinned=kind)
     park.park([moments, weights])
     torch.cuda.empty_cache()
     park.unpark()  # (the first cycle: from the build's allocation order)
-    out, back, copies = [], [], (0, 0)
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        park.park([moments, weights])
-        out.append(time.perf_counter() - t0)  # (park waits for every copy)
-        torch.cuda.empty_cache()
-        t0 = time.perf_counter()
-        park.unpark()
-        torch.cuda.synchronize()
-        back.append(time.perf_counter() - t0 - park.allocate_s)
-        copies = (park.copies_out, park.copies_in)
+    result: dict[str, float] = {}
+    for variant in ("touch", "plain", "pause"):
+        out, back = [], []
+        park.touch = variant == "touch"
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            park.park([moments, weights])
+            out.append(time.perf_counter() - t0)  # (park waits for every copy)
+            torch.cuda.empty_cache()
+            if variant == "pause":
+                time.sleep(1.0)
+            t0 = time.perf_counter()
+            park.unpark()
+            torch.cuda.synchronize()
+            back.append(time.perf_counter() - t0 - park.allocate_s)
+        result[f"park_{variant}"], result[f"unpark_{variant}"] = statistics.median(out), statistics.median(back)
+        result["copies_out"], result["copies_in"] = park.copies_out, park.copies_in
     buf = park.buffer
     assert buf is not None
     storages = [(_bytes(p.storage), p.offset) for p in _layout(park, [moments, weights])]
@@ -95,15 +105,7 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
         for d, o in storages:
             d.copy_(buf[o : o + d.numel()], non_blocking=True)
 
-    result = {
-        "park": statistics.median(out),
-        "unpark": statistics.median(back),
-        "copies_out": copies[0],
-        "copies_in": copies[1],
-        "storages": len(storages),
-        "each_out": _median_s(each_out, repeats),
-        "each_in": _median_s(each_in, repeats),
-    }
+    result.update(storages=len(storages), each_out=_median_s(each_out, repeats), each_in=_median_s(each_in, repeats))
     return result
 
 
@@ -140,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         f"h->d {total / ref_in / GB:.1f} GB/s"
     )
     print(
-        "| pinned | one copy d->h | one copy h->d | park d->h [copies] | unpark h->d [copies] "
-        "| per storage d->h [copies] | per storage h->d |"
+        "| pinned | one copy d->h | one copy h->d | park d->h [copies] | unpark h->d, blocks written first "
+        "[copies] | unpark, not written | unpark, not written, 1 s after the free | per storage d->h [copies] "
+        "| per storage h->d |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def cell(seconds: float, limit: float, copies: float | None = None) -> str:
         note = "" if copies is None else f" [{copies:.0f}]"
@@ -161,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = [
             cell(out, ref_out),
             cell(back, ref_in),
-            cell(r["park"], ref_out, r["copies_out"]),
-            cell(r["unpark"], ref_in, r["copies_in"]),
+            cell(r["park_touch"], ref_out, r["copies_out"]),
+            cell(r["unpark_touch"], ref_in, r["copies_in"]),
+            cell(r["unpark_plain"], ref_in),
+            cell(r["unpark_pause"], ref_in),
             cell(r["each_out"], ref_out, r["storages"]),
             cell(r["each_in"], ref_in),
         ]

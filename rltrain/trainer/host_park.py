@@ -33,7 +33,9 @@ then they hold NaN bytes, so a step that reads that state before `settle` shows 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -88,6 +90,9 @@ class HostPark:
         self.kept = 0  # bytes of the last `stage`'s storages that stay on the device
         self.total = 0  # bytes of the last `stage`'s storages
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
+        # Write each group's fresh block on the device once before the copies into it (a kernel
+        # at the memory's rate) instead of leaving its first touch to the copy engine.
+        self.touch = os.environ.get("RLTRAIN_ONLOAD_TOUCH", "1") == "1"
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
         self.copies_in = 0  # and the last onload
         self._early: list[Parked] = []  # staged, copy out begun
@@ -200,6 +205,8 @@ class HostPark:
                 block = torch.empty(
                     sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=group[0].storage.device
                 )
+                if self.touch:
+                    block.zero_()  # (queued first on the stream the copies follow)
                 del block
             for p in group:
                 p.storage.resize_(p.nbytes)
@@ -286,7 +293,10 @@ class HostPark:
 
 def runs(parked: Sequence[Parked]) -> Iterator[tuple[torch.Tensor, int, int]]:
     """`parked` as copies: (device bytes, host offset, bytes), one per run of storages that lie
-    back to back both on the device and in the host buffer (no byte between them on either side)."""
+    back to back both on the device and in the host buffer (no byte between them on either side)
+    and, on a GPU, in one allocation of the driver (a copy may not cross from one into the next,
+    even where their addresses meet)."""
+    bases = [_allocation(p.storage) for p in parked]
     i = 0
     while i < len(parked):
         j, start = i + 1, parked[i].storage.data_ptr()
@@ -294,6 +304,7 @@ def runs(parked: Sequence[Parked]) -> Iterator[tuple[torch.Tensor, int, int]]:
             j < len(parked)
             and parked[j].storage.data_ptr() == parked[j - 1].storage.data_ptr() + parked[j - 1].nbytes
             and parked[j].offset == parked[j - 1].offset + parked[j - 1].nbytes
+            and bases[j] == bases[i]
         ):
             j += 1
         if j == i + 1:
@@ -302,6 +313,24 @@ def runs(parked: Sequence[Parked]) -> Iterator[tuple[torch.Tensor, int, int]]:
             nbytes = parked[j - 1].offset + parked[j - 1].nbytes - parked[i].offset
             yield device_span(start, nbytes, parked[i].storage.device), parked[i].offset, nbytes
         i = j
+
+
+def _allocation(storage: torch.UntypedStorage) -> int:
+    """Where the driver's allocation that holds `storage` starts (a CUDA storage; 0 elsewhere)."""
+    if storage.device.type != "cuda":
+        return 0
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    err = _libcuda().cuMemGetAddressRange_v2(
+        ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(storage.data_ptr())
+    )
+    if err:
+        raise RuntimeError(f"cuMemGetAddressRange failed ({err}) for a storage at {storage.data_ptr():#x}")
+    return base.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
