@@ -75,6 +75,18 @@ class Residency:
         return self.keep
 
 
+# Device bytes the engines' KV cache must leave free where it maps beside NCCL memory a teardown
+# still holds (`TrainerCycle.room_for`).
+KV_ROOM_MARGIN = 1 << 30
+
+
+def kv_room(free: int, kept: int, now: int, communicators: int) -> int:
+    """Bytes the device has free once the engines' KV cache is back while `communicators` bytes of
+    NCCL are still held: the last rollout ended with `free` bytes unused while the trainer held
+    `kept` on the device, and the trainer holds `now` (the engines take back what they held then)."""
+    return free - (now - kept) - communicators
+
+
 class TrainerCycle:
     """The trainer through the loop's steps, as `BetweenSteps` says."""
 
@@ -92,6 +104,8 @@ class TrainerCycle:
         self.colocate = colocate
         self.residency = residency if between is BetweenSteps.OFFLOAD else None
         self._said: int | None = None  # fit: the budget last logged
+        # (free bytes, the trainer's bytes on the device) at the last rollout's end, until `room_for` reads it
+        self._rollout_end: tuple[int, int] | None = None
         self._total = 0  # fit: bytes of the state at the last offload
         # For the step's row: the parts of the last onload and offload, seconds (the trainer's
         # timings), and with fit the state they kept and moved, GiB.
@@ -132,11 +146,15 @@ class TrainerCycle:
             self.trainer.stage_offload(self.residency.keep)
 
     def rollout_done(self) -> None:
-        """fit: what the rollout left free on the device, before the engines let go of anything."""
-        if self.residency is None or self.trainer.device.type != "cuda":
+        """What the rollout left free on the device, before the engines let go of anything (fit:
+        it sizes what the next put-away keeps; `room_for` reads it)."""
+        if self.trainer.device.type != "cuda":
             return
         free, _ = torch.cuda.mem_get_info(self.trainer.device)
-        keep = min(self.residency.observe(free, self._on_device()), self._total)
+        self._rollout_end = (free, self._on_device())
+        if self.residency is None:
+            return
+        keep = min(self.residency.observe(*self._rollout_end), self._total)
         if self._said is None or abs(keep - self._said) >= GIB:  # the first budget, and each that changes
             log.info(
                 "trainer: keeps %.2f GiB of its %.2f GiB state on the device while the engines roll out "
@@ -147,6 +165,14 @@ class TrainerCycle:
                 self.residency.headroom / GIB,
             )
             self._said = keep
+
+    def room_for(self, communicators: int) -> bool:
+        """Whether the engines' KV cache fits on this rank's device beside `communicators` bytes
+        of NCCL that a teardown still holds, with `KV_ROOM_MARGIN` to spare: measured against the
+        last rollout's end, once (an engine restart's resend, with no rollout before it, and the
+        first step find no measure: False)."""
+        end, self._rollout_end = self._rollout_end, None
+        return end is not None and kv_room(*end, self._on_device(), communicators) >= KV_ROOM_MARGIN
 
     def _on_device(self) -> int:
         """Bytes of the trainer's state (weights, gradients, optimizer state) on the device now."""

@@ -259,8 +259,10 @@ def _to_rollout(
     stats.update(parts.cycle.figures)
     with phase("engine_resume_kv"):
         # NCCL memory is back before the KV cache takes it: the part of the background teardown
-        # the put-away did not cover (with offload_trainer=fit, most of it) is waited for here.
-        waited = world.wait_destroyed()
+        # the put-away did not cover (with offload_trainer=fit, most of it) is waited for here —
+        # unless the last rollout ended with room for that memory too (then the next rebuild joins it).
+        room = parts.cycle.room_for(world.communicator_bytes())
+        waited = 0.0 if room else world.wait_destroyed()
         if world.backend == "nccl":  # (a figure of the GPU's switches, as the trainer's onload/offload parts)
             stats["world_destroy_wait_s"] = waited
         parts.engine.resume_kv()

@@ -124,6 +124,45 @@ def test_the_budget_follows_what_each_rollout_left_free():
     assert r.observe(free=0, kept=1 * gib) == 0
 
 
+def test_the_kv_cache_maps_beside_a_running_teardown_only_where_the_last_rollout_left_room(monkeypatch):
+    """engine_resume_kv waits for the world's NCCL teardown unless the last rollout ended with
+    room for the communicators' memory too, beside what the trainer holds now (fit keeps more
+    after a roomy rollout: that counts), KV_ROOM_MARGIN to spare; each measure is read once (an
+    engine restart's resend, with no rollout before it, waits), and none is taken off GPU."""
+    from types import SimpleNamespace
+
+    import rltrain.between_steps as between_steps
+    from rltrain.between_steps import KV_ROOM_MARGIN, BetweenSteps, TrainerCycle, kv_room
+
+    gib = 2**30
+    assert kv_room(free=4 * gib, kept=3 * gib, now=3 * gib, communicators=gib // 2) == 3.5 * gib
+    assert kv_room(free=4 * gib, kept=3 * gib, now=6 * gib, communicators=gib // 2) == gib // 2  # kept 3 GiB more
+
+    held = {"now": 3 * gib}
+    trainer = SimpleNamespace(device=torch.device("cuda", 0))
+    cycle = TrainerCycle(trainer, None, BetweenSteps.OFFLOAD, True, 1, ())  # type: ignore[arg-type]
+    monkeypatch.setattr(cycle, "_on_device", lambda: held["now"])
+    free = {"bytes": 4 * gib}
+    monkeypatch.setattr(between_steps.torch.cuda, "mem_get_info", lambda device: (free["bytes"], 80 * gib))
+
+    assert not cycle.room_for(gib // 2)  # the first step: nothing measured
+    cycle.rollout_done()
+    assert cycle.room_for(gib // 2)
+    assert not cycle.room_for(gib // 2)  # read once
+    cycle.rollout_done()
+    held["now"] = 6 * gib  # the put-away kept 3 GiB more than the rollout had beside it
+    assert not cycle.room_for(gib // 2)
+    free["bytes"], held["now"] = gib // 2 + KV_ROOM_MARGIN, 3 * gib
+    cycle.rollout_done()
+    assert cycle.room_for(gib // 2)  # exactly the margin left
+    cycle.rollout_done()
+    assert not cycle.room_for(gib // 2 + 1)
+
+    cpu = TrainerCycle(SimpleNamespace(device=torch.device("cpu")), None, BetweenSteps.OFFLOAD, True, 1, ())  # type: ignore[arg-type]
+    cpu.rollout_done()
+    assert not cpu.room_for(0)
+
+
 def test_a_kept_part_that_strands_freed_memory_in_the_allocator_makes_everything_move(tmp_path, monkeypatch, caplog):
     """Where the caching allocator holds more freed bytes than STRANDED_BYTES after an offload
     that kept part of the state (segments shared with what stayed: the engines cannot have them),

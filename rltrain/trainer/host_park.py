@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -90,9 +89,6 @@ class HostPark:
         self.kept = 0  # bytes of the last `stage`'s storages that stay on the device
         self.total = 0  # bytes of the last `stage`'s storages
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
-        # Write each group's fresh block on the device once before the copies into it (a kernel
-        # at the memory's rate) instead of leaving its first touch to the copy engine.
-        self.touch = os.environ.get("RLTRAIN_ONLOAD_TOUCH", "1") == "1"
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
         self.copies_in = 0  # and the last onload
         self._early: list[Parked] = []  # staged, copy out begun
@@ -205,8 +201,6 @@ class HostPark:
                 block = torch.empty(
                     sum(round_up(n, 512) for n in large), dtype=torch.uint8, device=group[0].storage.device
                 )
-                if self.touch:
-                    block.zero_()  # (queued first on the stream the copies follow)
                 del block
             for p in group:
                 p.storage.resize_(p.nbytes)
