@@ -10,9 +10,11 @@ goes on: `rollout.continue_after_length`), each answered by an
 observation of O random token ids (an environment of this module), all N in flight at once as the
 rollout runs them. The reference, in the same run: the same N prompts sampled single-turn for
 T x K tokens each (the same sampled tokens). Reported: sampled tokens/s and turns/s of both, the
-share (goal >= 70%), and the tokens the engine prefilled per turn (the prompt tokens it was sent
-less those its prefix cache served: SGLang's `cached_tokens`) against the ideal, the observation's
-O tokens and the previous turn's last token (goal <= 1.1x).
+share (goal >= 70%), over how long each turn's requests went out and came back (a spread
+desynchronises the rows: the engine admits them in waves), and the tokens the engine prefilled
+per turn (the prompt tokens it was sent less those its prefix cache served: SGLang's
+`cached_tokens`) against the ideal, the observation's O tokens and the previous turn's last
+token (goal <= 1.1x).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import random
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -127,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             trajectories = turns.run(counted, prompts, positions, turn)
             multi_s = time.perf_counter() - t0
+            counted.start = t0
             s2 = _engine_stats(client)
             rows.append((single_s, once, multi_s, trajectories, counted, (s0, s1, s2)))
         single_s, once, multi_s, trajectories, counted, marks = rows[-1]
@@ -146,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'turns/s':>28s} {n / single_s:12.1f} {n_turns / multi_s:12.1f}")
         share = (sampled / multi_s) / (single_tokens / single_s)
         print(f"multi-turn tokens/s = {share:.0%} of single-turn (goal >= 70%)")
+        print("each turn's requests, from the multi-turn rollout's start (their spread desynchronises the rows):")
+        print("\n".join(counted.spread(counted.start)))
         print(
             f"prefilled per later turn: {prefilled:.1f} tokens (sent {sent:.1f}, from the prefix cache {cached:.1f}); "
             f"ideal {ideal} (the observation + the last sampled token): {prefilled / ideal:.2f}x (goal <= 1.1x)"
@@ -189,11 +195,15 @@ def _engine_stats(client: EngineClient) -> dict | None:
 
 
 class _Counting:
-    """The engine client, keeping each turn's prompt length and the part of it its prefix cache served."""
+    """The engine client, keeping each turn's prompt length and the part of it its prefix cache
+    served, and when each turn's request went out and came back."""
 
     def __init__(self, client: EngineClient):
         self.client = client
         self.calls: list[tuple[int, int]] = []  # (prompt tokens, cached)
+        self.times: dict[int, list[tuple[float, float]]] = {}  # prompt tokens -> (sent, answered), perf_counter
+        self.start = 0.0  # when the rollout began
+        self._lock = threading.Lock()
 
     def generate(
         self,
@@ -202,9 +212,28 @@ class _Counting:
         return_logprob: bool = True,
         positions: list[int] | None = None,
     ) -> list[Completion]:
+        t0 = time.perf_counter()
         out = self.client.generate(input_ids, params, return_logprob, positions)
-        self.calls += [(len(ids), c.cached_tokens) for ids, c in zip(input_ids, out)]
+        t1 = time.perf_counter()
+        with self._lock:
+            self.calls += [(len(ids), c.cached_tokens) for ids, c in zip(input_ids, out)]
+            for ids in input_ids:
+                self.times.setdefault(len(ids), []).append((t0, t1))
         return out
+
+    def spread(self, start: float) -> list[str]:
+        """Per turn (its prompt length: every trajectory's turn k has the same one here), over how
+        long its requests went out and their answers came back, from the rollout's start."""
+        lines = []
+        for k, length in enumerate(sorted(self.times), 1):
+            sent = sorted(t0 - start for t0, _ in self.times[length])
+            back = sorted(t1 - start for _, t1 in self.times[length])
+            lines.append(
+                f"{'turn ' + str(k):>28s} sent {sent[0]:6.3f} .. {sent[-1]:6.3f} s "
+                f"(median {sent[len(sent) // 2]:.3f}), "
+                f"answered {back[0]:6.3f} .. {back[-1]:6.3f} s"
+            )
+        return lines
 
 
 if __name__ == "__main__":
