@@ -3,6 +3,7 @@
     python -m rltrain.bench.multiturn                                   # CPU: a small model, embedded engine
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's H200 figure
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
+    python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 
 A Qwen3-shaped model with random weights (bench.models) on one engine. The workload: N
 trajectories of T turns, each turn exactly K sampled tokens (ignore_eos; a turn cut at its length
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from rltrain.bench.engine import _start
-from rltrain.bench.models import QWEN3_SHAPES, build
+from rltrain.bench.models import QWEN3_SHAPES, build, build_model
 from rltrain.config import RolloutConfig
 from rltrain.engine.client import EngineClient
 from rltrain.generation import Completion, SamplingParams
@@ -38,6 +39,7 @@ from rltrain.rollout.env import EnvStep
 from rltrain.rollout.multiturn import MultiTurn
 
 VOCAB = 1000  # token ids drawn for prompts and observations: 10 .. VOCAB (or the model's vocabulary)
+TINY_HIDDEN, TINY_VOCAB = 64, 1000  # --shape tiny
 
 
 class RandomObservations:
@@ -66,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument(
-        "--shape", default=None, choices=sorted(QWEN3_SHAPES), help="default: 1.7b on CUDA, 0.6b cut to 2 layers on CPU"
+        "--shape",
+        default=None,
+        choices=[*sorted(QWEN3_SHAPES), "tiny"],
+        help="default: 1.7b on CUDA, 0.6b cut to 2 layers on CPU; tiny: a Qwen2 of width 64 and 1,000 tokens "
+        "(the device's work next to nothing: what is left is the host's, the engine's and the rollout's, per turn)",
     )
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument(
@@ -94,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     path = root / f"model_{shape}_{layers}"
     dtype = torch.bfloat16 if cuda else torch.float32
     if not (path / "config.json").exists():
-        build(path, shape, torch.device(a.device), dtype, layers)
-    vocab = min(VOCAB, QWEN3_SHAPES[shape].vocab)
+        if shape == "tiny":
+            build_model(path, TINY_HIDDEN, layers or 1, TINY_VOCAB, dtype)
+        else:
+            build(path, shape, torch.device(a.device), dtype, layers)
+    vocab = min(VOCAB, TINY_VOCAB if shape == "tiny" else QWEN3_SHAPES[shape].vocab)
     print(
         f"# rltrain.bench.multiturn  {time.strftime('%Y-%m-%d')}  torch {torch.__version__}  {a.device}  "
         f"{a.engine}  {shape} ({layers or 'all'} layers)  {n} trajectories x {a.turns} turns x {a.tokens} sampled "
