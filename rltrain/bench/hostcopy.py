@@ -76,6 +76,7 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
     torch.cuda.empty_cache()
     park.unpark()  # (the first cycle: from the build's allocation order)
     result: dict[str, float] = {}
+    layout: list[Parked] = []  # where each storage sits in the host buffer
     for variant in ("now", "pause"):
         out, back = [], []
         for _ in range(repeats):
@@ -83,6 +84,7 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
             t0 = time.perf_counter()
             park.park([moments, weights])
             out.append(time.perf_counter() - t0)  # (park waits for every copy)
+            layout = list(park.parked)
             torch.cuda.empty_cache()
             if variant == "pause":
                 time.sleep(1.0)
@@ -94,7 +96,7 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
         result["copies_out"], result["copies_in"] = park.copies_out, park.copies_in
     buf = park.buffer
     assert buf is not None
-    storages = [(_bytes(p.storage), p.offset) for p in _layout(park, [moments, weights])]
+    storages = [(_bytes(p.storage), p.offset) for p in layout]
 
     def each_out() -> None:
         for d, o in storages:
@@ -106,14 +108,6 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
 
     result.update(storages=len(storages), each_out=_median_s(each_out, repeats), each_in=_median_s(each_in, repeats))
     return result
-
-
-def _layout(park: HostPark, groups: list[list[torch.Tensor]]) -> list[Parked]:
-    """Where each storage goes in the host buffer (a `stage` with nothing copied early)."""
-    park.stage(groups)
-    layout = park.staged
-    park.staged = []
-    return layout
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         share = (sampled / multi_s) / (single_tokens / single_s)
         print(f"multi-turn tokens/s = {share:.0%} of single-turn (goal >= 70%)")
         print("each turn's requests, from the multi-turn rollout's start (their spread desynchronises the rows):")
-        print("\n".join(counted.spread(counted.start)))
+        print("\n".join(counted.spread()))
         print(
             f"prefilled per later turn: {prefilled:.1f} tokens (sent {sent:.1f}, from the prefix cache {cached:.1f}); "
             f"ideal {ideal} (the observation + the last sampled token): {prefilled / ideal:.2f}x (goal <= 1.1x)"
@@ -230,10 +230,10 @@ class _Counting:
                 self.times.setdefault(len(ids), []).append((t0, t1))
         return out
 
-    def spread(self, start: float) -> list[str]:
+    def spread(self) -> list[str]:
         """Per turn (its prompt length: every trajectory's turn k has the same one here), over how
-        long its requests went out and their answers came back, from the rollout's start."""
-        lines = []
+        long its requests went out and their answers came back, from the rollout's `start`."""
+        start, lines = self.start, []
         for k, length in enumerate(sorted(self.times), 1):
             sent = sorted(t0 - start for t0, _ in self.times[length])
             back = sorted(t1 - start for _, t1 in self.times[length])
