@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("rows", "tokens per decode step", "12.1f"),
                 ("admits", "admission tries", "12.0f"),
                 ("serve_s", "seconds generating", "12.2f"),
+                ("serve_off_cpu_s", "of it off a CPU (locks, cores)", "12.2f"),
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),
                 ("prefill_launch_s", "queuing prefill forwards", "12.2f"),
                 ("prefill_wait_s", "waiting for prefills", "12.2f"),
@@ -185,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 ("wait_s", "of it waiting for the device", "12.2f"),
                 ("collect_s", "of it reading steps, answering", "12.2f"),
             ):
-                vals = [p["tokens"] / max(p["decode_steps"], 1) if key == "rows" else p[key] for p in phases]
+                for p in phases:
+                    p["rows"] = p["tokens"] / max(p["decode_steps"], 1)
+                    p["serve_off_cpu_s"] = p["serve_s"] - p.get("serve_cpu_s", p["serve_s"])
+                vals = [p[key] for p in phases]
                 print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))
         print(f"failed: {failed}")
         return 1 if failed else 0

@@ -113,7 +113,7 @@ class ContinuousBatcher:
         If anything fails, every request in flight or waiting gets the exception."""
         remaining: dict[int, list[Any]] = {}  # id(request) -> [its rows, how many still run]
         self.decoder.graphs.last_rows = 0
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             self._serve(take, can_run, running, abort, weight_version, remaining)
         except BaseException as e:
@@ -128,6 +128,7 @@ class ContinuousBatcher:
                 raise
         finally:
             self.stats["serve_s"] += time.perf_counter() - t0
+            self.stats["serve_cpu_s"] += time.thread_time() - cpu0
 
     def _serve(
         self,

@@ -296,6 +296,10 @@ class PagedDecoder:
             "wait_s": 0.0,
             "collect_s": 0.0,
             "serve_s": 0.0,  # seconds generating (batching.py's serve)
+            # of them, the scheduler thread on a CPU (a device wait spins on it: counted); the
+            # rest it was blocked: mostly waiting for the interpreter lock, which the HTTP
+            # handler threads of its process hold between its Python statements
+            "serve_cpu_s": 0.0,
         }
         self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
 
