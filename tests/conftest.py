@@ -70,6 +70,8 @@ def model_b(tmp_path_factory) -> Path:
 def engine_config(kind: str, **kw) -> EngineConfig:
     """`kw`: EngineConfig's keys, and the embedded engine's own (EmbeddedEngineConfig) beside them."""
     own = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(EmbeddedEngineConfig)] if k in kw}
+    if kind == "embedded-split":  # the embedded engine with its HTTP in a process of its own (split.py)
+        kind, own["separate_http_process"] = "embedded", True
     kw = {"backend": kind, "device": "cpu", "dtype": "float32", "startup_timeout_s": 180, **kw}
     cfg = EngineConfig(**kw, embedded=EmbeddedEngineConfig(**own))
     if kind == "sglang":
@@ -143,14 +145,20 @@ def embedded_server(model_a, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def embedded_split_server(model_a, tmp_path_factory):
+    yield from _served("embedded-split", model_a, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def sglang_server(model_a, tmp_path_factory):
     yield from _served("sglang", model_a, tmp_path_factory)
 
 
-@pytest.fixture(params=["embedded", "sglang"])
+@pytest.fixture(params=["embedded", "embedded-split", "sglang"])
 def server(request):
-    """A live engine serving model A: the embedded engine, and real SGLang on CPU."""
-    return request.getfixturevalue(f"{request.param}_server")
+    """A live engine serving model A: the embedded engine, the same with its HTTP in a process of
+    its own (`--separate-http-process`), and real SGLang on CPU."""
+    return request.getfixturevalue(f"{request.param.replace('-', '_')}_server")
 
 
 @pytest.fixture(scope="module")

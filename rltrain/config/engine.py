@@ -28,6 +28,10 @@ class EmbeddedEngineConfig:
     # safe (engine/forked.py: no CUDA, no other thread in the rank), else a new interpreter;
     # exec: always a new interpreter. SGLang and engines on GPUs always start as new programs.
     start: Literal["auto", "exec"] = "auto"
+    # HTTP (framing, JSON, the API key) in the engine's process, the model and its scheduler in a
+    # child process of it, as SGLang splits its server (engine/embedded/split.py): the scheduler
+    # then does not share the interpreter lock with the threads answering HTTP requests.
+    separate_http_process: bool = False
 
     def check(self) -> None:
         if self.max_batch_size < 1:

@@ -146,6 +146,8 @@ def server_command(
                 cmd.append("--enable-torch-compile")
             if memory_saver_on(cfg):
                 cmd.append(saver.FLAG)
+        if cfg.embedded.separate_http_process:
+            cmd.append("--separate-http-process")
         if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/embedded/receiver.py)
             cmd += ["--tp-size", str(tp_size)]
         if cfg.deterministic:

@@ -128,14 +128,21 @@ class EngineProcess:
         return self.proc.poll() is None
 
     def rss(self) -> int | None:
-        """The server process's resident memory (bytes; None once it is gone). Read after every
+        """The server's resident memory (bytes; None once it is gone): its process's and its
+        children's (the embedded engine's with `--separate-http-process`). Read after every
         phase: the process handle is made once."""
         try:
             if self._ps is None:
                 self._ps = psutil.Process(self.proc.pid)
-            return int(self._ps.memory_info().rss)
+            total = int(self._ps.memory_info().rss)
         except psutil.Error:
             return None
+        for child in self._ps.children(recursive=True):
+            try:
+                total += int(child.memory_info().rss)
+            except psutil.Error:  # (gone meanwhile)
+                pass
+        return total
 
     def listens_on(self, port: int) -> bool | None:
         """Whether this engine's process, or one of its children, listens on TCP `port`: that

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -65,6 +66,25 @@ def dumps(payload: Any) -> bytes:
         return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
     except TypeError:
         return json.dumps(payload).encode()
+
+
+def answer(route: Callable[[], tuple[int, Any]], method: str, path: str) -> tuple[int, Any]:
+    """`route()`'s (status, payload), or the error it raised as one: a `BadRequest`, an engine state
+    that refuses the request or a bad value is a 400 with its message, anything else a 500 with its
+    type and message (the trace goes to the log)."""
+    try:
+        return route()
+    except (BadRequest, EngineStateError, ValueError, KeyError, FileNotFoundError) as err:
+        msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        return int(HTTPStatus.BAD_REQUEST), {
+            "success": False,
+            "message": msg,
+            "error": {"message": msg, "type": type(err).__name__},
+        }
+    except Exception as err:  # noqa: BLE001 - the client gets the reason, the log the trace
+        log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
+        msg = f"{type(err).__name__}: {err}"
+        return int(HTTPStatus.INTERNAL_SERVER_ERROR), {"success": False, "message": msg, "error": {"message": msg}}
 
 
 def make_handler(server: Routes, max_body: int = MAX_BODY_BYTES) -> type[BaseHTTPRequestHandler]:
@@ -154,30 +174,19 @@ def make_handler(server: Routes, max_body: int = MAX_BODY_BYTES) -> type[BaseHTT
                 msg = "missing or wrong API key: send Authorization: Bearer <engine.api_key>"
                 self._send(int(HTTPStatus.UNAUTHORIZED), {"success": False, "message": msg, "error": {"message": msg}})
                 return
-            try:
+
+            def route() -> tuple[int, Any]:
                 if method == "GET":
-                    status, payload = server.get(path)
-                else:
-                    try:
-                        body = json.loads(raw) if raw.strip() else {}
-                    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                        raise BadRequest(f"request body is not JSON: {err}") from None
-                    if not isinstance(body, dict):
-                        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
-                    status, payload = server.post(path, body)
-            except (BadRequest, EngineStateError, ValueError, KeyError, FileNotFoundError) as err:
-                msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-                status, payload = (
-                    HTTPStatus.BAD_REQUEST,
-                    {"success": False, "message": msg, "error": {"message": msg, "type": type(err).__name__}},
-                )
-            except Exception as err:  # noqa: BLE001 - the client gets the reason, the log the trace
-                log.error("%s %s failed:\n%s", method, path, traceback.format_exc())
-                msg = f"{type(err).__name__}: {err}"
-                status, payload = (
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                    {"success": False, "message": msg, "error": {"message": msg}},
-                )
+                    return server.get(path)
+                try:
+                    body = json.loads(raw) if raw.strip() else {}
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    raise BadRequest(f"request body is not JSON: {err}") from None
+                if not isinstance(body, dict):
+                    raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+                return server.post(path, body)
+
+            status, payload = answer(route, method, path)
             self._send(int(status), payload)
             log.debug("%s %s handled in %.2f ms", method, path, (time.perf_counter() - t0) * 1e3)
 

@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 from rltrain.engine.embedded.engine import EmbeddedEngine
 from rltrain.engine.embedded.http import MAX_BODY_BYTES, EngineHTTPServer, make_handler
 from rltrain.engine.embedded.server import EmbeddedServer
+from rltrain.engine.embedded.split import EngineChild
 from rltrain.runtime.net import allow_open_files
 
 log = logging.getLogger("rltrain.engine.embedded")
@@ -153,6 +154,13 @@ def parser() -> argparse.ArgumentParser:
         help="the paged path reads each decode step's tokens before queuing the next (SGLang's flag): the host's "
         "per-step work then runs between the device's steps instead of beside them",
     )
+    ap.add_argument(
+        "--separate-http-process",
+        action="store_true",
+        help="HTTP (framing, JSON, the API key) in this process, the engine and its scheduler in a child process, "
+        "as SGLang splits its server: the scheduler does not share the interpreter lock with the HTTP handler "
+        "threads (split.py)",
+    )
     ap.add_argument("--weight-version", default="default", help="the weights' version until an update sets one")
     ap.add_argument(
         "--api-key",
@@ -236,30 +244,50 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     allow_open_files(OPEN_FILES)  # a connection each: a multi-turn rollout's trajectories, every rank's
     t0 = time.perf_counter()
-    engine = EmbeddedEngine(args.model_path, **engine_options(args))
     api_key = os.environ.pop(API_KEY_VARIABLE, "") or args.api_key  # every endpoint needs it when set
-    httpd = EngineHTTPServer(
-        (args.host, args.port),
-        make_handler(EmbeddedServer(engine, weights_roots=args.weights_root, api_key=api_key), args.max_body_mb << 20),
-    )
+    options = {"model_path": args.model_path, **engine_options(args)}
+    server_options = {"weights_roots": args.weights_root, "api_key": api_key}
+    child: EngineChild | None = None
+    if args.separate_http_process:
+        child = EngineChild.start(options, server_options, args.log_level)
+        routes: Any = child
+        engine: Any = None
+        where = f"{options['device']}, engine process {child.proc.pid}"
+    else:
+        engine = EmbeddedEngine(**options)
+        routes = EmbeddedServer(engine, **server_options)
+        where = f"{engine.device}, {engine.dtype}"
+    httpd = EngineHTTPServer((args.host, args.port), make_handler(routes, args.max_body_mb << 20))
+    exit_code = 0
+    if child is not None:
+
+        def engine_gone() -> None:
+            nonlocal exit_code
+            if child.dead is not None and child.proc.exitcode != 0:
+                exit_code = 1
+                threading.Thread(target=httpd.shutdown, daemon=True).start()
+
+        child.on_death = engine_gone
     for sig in (signal.SIGINT, signal.SIGTERM):
         # Started by rltrain's launcher SIGTERM is ignored (the job's stop signal is for its
         # ranks, which stop this server with SIGINT): kept so.
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, lambda *_: threading.Thread(target=httpd.shutdown, daemon=True).start())
     log.info(
-        "serving %s on http://%s:%d (%s, %s) after %.1fs",
+        "serving %s on http://%s:%d (%s) after %.1fs",
         args.model_path,
         args.host,
         httpd.server_address[1],
-        engine.device,
-        engine.dtype,
+        where,
         time.perf_counter() - t0,
     )
     gc.freeze()  # (the model's and the libraries' objects: no full collection walks them again)
     try:
         httpd.serve_forever(poll_interval=0.2)
     finally:
-        engine.shutdown()
+        if child is not None:
+            child.close()
+        else:
+            engine.shutdown()
         httpd.server_close()
-    return 0
+    return exit_code

@@ -12,6 +12,7 @@ over tensor payloads and weight-update groups are opened by receiver.py's `Paylo
 from __future__ import annotations
 
 import hmac
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,27 @@ class EmbeddedServer:
 
     def authorized(self, header: str | None) -> bool:
         return not self.api_key or hmac.compare_digest(header or "", f"Bearer {self.api_key}")
+
+    def generate_async(self, body: dict[str, Any]) -> Future | None:
+        """/generate without a thread waiting for it: the future of its answer, or None where the
+        answer needs work after the samples (the prompt's log-probs: `post`). Raises what `post`
+        would for a bad request."""
+        e = self.engine
+        req = parse_generate(body, Limits(e.config.vocab_size, e.context_length, e.max_batch_size))
+        if req.return_logprob and req.logprob_start_len >= 0:
+            return None
+        samples = e.submit(req.prompts, req.params, req.return_logprob, req.ids, req.logprob_values)
+        answer: Future = Future()
+
+        def done(f: Future) -> None:
+            err = f.exception()
+            if err is not None:
+                answer.set_exception(err)
+            else:
+                answer.set_result(f.result()[0] if req.single else f.result())
+
+        samples.add_done_callback(done)
+        return answer
 
     def _generate(self, body: dict[str, Any]) -> Any:
         """SGLang's /generate, every field checked before anything is queued (`requests.py`)."""
