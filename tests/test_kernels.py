@@ -256,3 +256,21 @@ def test_checksum_sums_of_many_tensors_in_one_launch_equal_the_definition():
     }
     with pytest.raises(ValueError, match="4-byte aligned"):
         multi_block_sums([torch.zeros(9, dtype=torch.bfloat16)[1:]], integrity.BLOCK)
+
+
+@pytest.mark.parametrize("nbytes", [3, 4 * 4096 + 8, 3 * 4 * 4096 - 2])
+def test_a_kernels_copy_writes_every_byte_of_the_source_and_nothing_past_it(nbytes):
+    """kernels/triton_copy.py: the SMs' copy (on a GPU from page-locked host memory, read over the
+    bus), words where the size allows, bytes where it does not; a size mismatch is refused."""
+    from rltrain.kernels.triton_copy import sm_copy
+
+    g = torch.Generator().manual_seed(nbytes)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    if DEV == "cuda":
+        src = src.pin_memory()
+    dst = torch.zeros(nbytes + 8, dtype=torch.uint8, device=DEV)
+    sm_copy(dst[:nbytes], src, block=1024)
+    assert torch.equal(dst[:nbytes].cpu(), src.cpu())
+    assert not dst[nbytes:].any(), "the copy wrote past its end"
+    with pytest.raises(ValueError, match="bytes into"):
+        sm_copy(dst, src)

@@ -19,6 +19,13 @@ reference) it measures, in GB/s, both ways:
 
 Each figure is the median of `--repeats` cycles after a first one (the first offload copies from
 the allocation order of the model's build, not from an onload's). GPU only.
+
+With `--after-free [GIB]` it then copies the state's bytes host -> device into a fresh block right
+after GIB (default: all the GPU can spare) were written and handed back to the driver, as the
+loop's onload follows the engine's release, and one second later: by a copy engine (torch's
+`copy_`) and by a kernel (`rltrain.kernels.triton_copy.sm_copy`, the SMs reading the pinned
+buffer over the bus). In the loop the onload runs at 51% of the limit on an H200 after a 113 GiB
+release; this tells whether the copy engines are what is slow then.
 """
 
 from __future__ import annotations
@@ -110,11 +117,57 @@ def parked(sizes: list[int], kind: str, repeats: int, dev: torch.device) -> dict
     return result
 
 
+def after_free(total: int, free_bytes: int, repeats: int, dev: torch.device) -> dict[str, float]:
+    """Seconds of one host -> device copy of `total` bytes into a fresh block, right after
+    `free_bytes` were written and handed back to the driver ("now") and one second later
+    ("pause"), by a copy engine ("engine") and by a kernel ("kernel")."""
+    from rltrain.kernels.triton_copy import sm_copy  # noqa: PLC0415 - Triton on CUDA
+
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    warm = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    sm_copy(warm, host[: 1 << 20])  # (compiled once, outside the timing)
+    del warm
+    result: dict[str, float] = {}
+    for via in ("engine", "kernel"):
+        for when in ("now", "pause"):
+            times = []
+            for _ in range(repeats):
+                big = torch.empty(free_bytes, dtype=torch.uint8, device=dev)
+                big.fill_(1)  # its pages written, as the engine's KV cache's
+                torch.cuda.synchronize()
+                del big
+                torch.cuda.empty_cache()  # handed back to the driver
+                if when == "pause":
+                    time.sleep(1.0)
+                block = torch.empty(total, dtype=torch.uint8, device=dev)
+                t0 = time.perf_counter()
+                if via == "engine":
+                    block.copy_(host, non_blocking=True)
+                else:
+                    sm_copy(block, host)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+                del block
+                torch.cuda.empty_cache()
+            result[f"{via}_{when}"] = statistics.median(times)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="1.7b", choices=sorted(QWEN3_SHAPES))
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--after-free",
+        type=float,
+        nargs="?",
+        const=-1.0,
+        default=None,
+        metavar="GIB",
+        help="then the state's onload right after GIB of device memory were freed (no value: all the GPU can "
+        "spare), by a copy engine and by a kernel",
+    )
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench.hostcopy: needs a GPU (page-locked host memory and a copy engine)", file=sys.stderr)
@@ -164,6 +217,20 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(f"| {kind} | {' | '.join(cells)} |")
     print("(shares: of torch's pinned one copy, measured above in the same run)")
+    if a.after_free is not None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        spare = torch.cuda.mem_get_info(dev)[0] - total - (2 << 30)
+        free_bytes = spare if a.after_free < 0 else min(int(a.after_free * 2**30), spare)
+        r = after_free(total, free_bytes, a.repeats, dev)
+        print(
+            f"\n| h->d of {total / 2**30:.2f} GiB into a fresh block "
+            f"| right after {free_bytes / 2**30:.1f} GiB were freed | 1 s later |"
+        )
+        print("|---|---|---|")
+        print(f"| copy engine (`copy_`) | {cell(r['engine_now'], ref_in)} | {cell(r['engine_pause'], ref_in)} |")
+        print(f"| kernel (`sm_copy`) | {cell(r['kernel_now'], ref_in)} | {cell(r['kernel_pause'], ref_in)} |")
+        print("(shares: of torch's pinned one copy h->d above)")
     return 0
 
 
