@@ -261,11 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = 0
     if child is not None:
 
-        def engine_gone() -> None:
+        def engine_gone() -> None:  # (its requests answered 503: the launcher sees the server gone too)
             nonlocal exit_code
-            if child.dead is not None and child.proc.exitcode != 0:
-                exit_code = 1
-                threading.Thread(target=httpd.shutdown, daemon=True).start()
+            exit_code = 1
+            threading.Thread(target=httpd.shutdown, daemon=True).start()
 
         child.on_death = engine_gone
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -69,7 +69,8 @@ class EngineChild:
         self._pending: dict[int, list[Any]] = {}  # id -> [event, (status, payload)]
         self._ids = itertools.count()
         self.dead: str | None = None
-        self.on_death: Callable[[], None] = lambda: None
+        self.on_death: Callable[[], None] = lambda: None  # the child gone by itself (not by `close`)
+        self._closing = False
         self._reader = threading.Thread(target=self._read, name="rltrain-engine-answers", daemon=True)
         self._reader.start()
 
@@ -147,12 +148,13 @@ class EngineChild:
                 slot[1] = _error(HTTPStatus.SERVICE_UNAVAILABLE, self.dead)
                 slot[0].set()
             self._pending.clear()
-        if code != 0:
+        if not self._closing:
             log.error("%s", self.dead)
-        self.on_death()
+            self.on_death()
 
     def close(self) -> None:
         """Stop the child: its engine shuts down (STOP_TIMEOUT_S, then it is killed)."""
+        self._closing = True
         try:
             with self._send_lock:
                 self._conn.send(None)
