@@ -241,10 +241,12 @@ class _Counting:
         for k, length in enumerate(sorted(self.times), 1):
             sent = sorted(t0 - start for t0, _ in self.times[length])
             back = sorted(t1 - start for _, t1 in self.times[length])
+            q = len(back) // 10
             lines.append(
                 f"{'turn ' + str(k):>28s} sent {sent[0]:6.3f} .. {sent[-1]:6.3f} s "
                 f"(median {sent[len(sent) // 2]:.3f}), "
-                f"answered {back[0]:6.3f} .. {back[-1]:6.3f} s"
+                f"answered {back[0]:6.3f} .. {back[-1]:6.3f} s "
+                f"(deciles 1 / 5 / 9: {back[q]:.3f} / {back[len(back) // 2]:.3f} / {back[-1 - q]:.3f})"
             )
         return lines
 
