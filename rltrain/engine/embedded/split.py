@@ -123,8 +123,11 @@ class EngineChild:
         try:
             with self._send_lock:
                 self._conn.send((rid, method, path, body))
-        except (OSError, EOFError, ValueError) as e:  # (the child gone: the reader fails every request)
-            log.debug("sending %s %s to the engine process: %s", method, path, e)
+        except (OSError, EOFError, ValueError) as e:
+            with self._lock:
+                mine = self._pending.pop(rid, None)  # (None: the reader has failed it, the child gone)
+            if mine is not None:
+                return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"the request did not reach the engine process: {e}")
         slot[0].wait()  # (answered by the child, or by the reader when the child is gone)
         return slot[1]
 
