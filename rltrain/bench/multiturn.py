@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("prefill_launch_s", "queuing prefill forwards", "12.2f"),
                 ("prefill_wait_s", "waiting for prefills", "12.2f"),
                 ("batch_state_s", "of it batch state rebuilt", "12.2f"),
+                ("subset_s", "  or cut to the rows going on", "12.2f"),
                 ("launch_s", "of it queuing decode steps", "12.2f"),
                 ("wait_s", "of it waiting for the device", "12.2f"),
                 ("collect_s", "of it reading steps, answering", "12.2f"),
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p in phases:
                     p["rows"] = p["tokens"] / max(p["decode_steps"], 1)
                     p["serve_off_cpu_s"] = p["serve_s"] - p.get("serve_cpu_s", p["serve_s"])
-                vals = [p[key] for p in phases]
+                vals = [p.get(key, 0.0) for p in phases]
                 print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))
         print(f"failed: {failed}")
         return 1 if failed else 0

@@ -174,7 +174,9 @@ class ContinuousBatcher:
                 freed = True
                 seqs = [seqs[b] for b in keep]
                 if state:
+                    t_subset = time.perf_counter()
                     self._subset(state, seqs, keep)
+                    self.stats["subset_s"] += time.perf_counter() - t_subset
 
         while True:
             while not running.is_set():

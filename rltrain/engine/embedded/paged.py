@@ -289,6 +289,7 @@ class PagedDecoder:
             "prefill_launch_s": 0.0,
             "prefill_wait_s": 0.0,
             "batch_state_s": 0.0,
+            "subset_s": 0.0,  # the batch's device state cut to the rows that go on (rows finished)
             # host seconds queuing decode steps, waiting for a decode step's tokens (the
             # device's time the host could not hide), and the rest of reading a step's tokens
             # (rows appended, finished rows cached and answered; prefills' first tokens too)
