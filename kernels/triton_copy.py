@@ -9,7 +9,8 @@ Why (#52, `bench.hostcopy --after-free`): the trainer's onload copies right afte
 handed back tens of GiB run well below the pinned copy rate (51% on an H200 whose engine released
 113 GiB; the same copy one second later runs at the full rate). If the driver's work on the freed
 memory occupies the copy engines, a kernel's copy is not behind it. The benchmark measures both
-ways right after a large free and at rest; nothing in the loop uses this copy until it does.
+ways right after a large free and at rest; the trainer's onload copies this way where
+`RLTRAIN_ONLOAD_COPY=kernel` (trainer/host_park.py; a copy engine by default).
 
 Each program copies BLOCK int32 words (bytes where the size is not a multiple of 4).
 """

@@ -134,6 +134,24 @@ def test_storages_in_separate_allocations_that_meet_move_apart_and_come_back_who
 
 
 @pytest.mark.parametrize("kind", ["register", "hugepage", "driver"])
+def test_an_onload_copied_by_a_kernel_brings_back_every_byte_from_each_kind_of_buffer(kind):
+    """`HostPark(onload="kernel")`: the SMs read the page-locked buffer (each kind) over the bus
+    (kernels/triton_copy.py); sizes off a multiple of 4 bytes too. Values come back bitwise."""
+    from rltrain.trainer.host_park import HostPark
+
+    torch.cuda.empty_cache()
+    tensors = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in (3 << 20, 1001, 7, 1 << 16)]
+    expected = [t.clone() for t in tensors]
+    park = HostPark("cuda", pinned=kind, onload="kernel")
+    for _ in range(2):
+        park.park([tensors])
+        torch.cuda.empty_cache()
+        park.unpark()
+        torch.cuda.synchronize()
+        assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+
+
+@pytest.mark.parametrize("kind", ["register", "hugepage", "driver"])
 def test_every_kind_of_page_locked_buffer_holds_its_footprint_copies_both_ways_and_goes(kind):
     import gc
 

@@ -237,3 +237,21 @@ def test_storages_back_to_back_on_both_sides_move_as_one_copy_and_only_those():
     for d, n, _ in layout:
         assert torch.equal(block[d : d + n], expected[d : d + n])
     assert torch.count_nonzero(block[3584:4096]) == 0  # the gap on the device is left alone
+
+
+def test_the_onload_copy_is_chosen_by_name_and_a_wrong_name_is_refused(monkeypatch):
+    """HostPark's onload copy: a copy engine by default, the SMs by `onload="kernel"` or
+    RLTRAIN_ONLOAD_COPY (bench.hostcopy compares them; test_gpu.py runs the kernel's)."""
+    from rltrain.trainer.host_park import HostPark
+
+    assert HostPark("cpu").onload == "engine"
+    monkeypatch.setenv("RLTRAIN_ONLOAD_COPY", "kernel")
+    assert HostPark("cpu").onload == "kernel"
+    with pytest.raises(ValueError, match="expected one of engine, kernel"):
+        HostPark("cpu", onload="dma")
+    # on the CPU the kernel path is not taken: the state comes back as it went
+    t = torch.arange(10, dtype=torch.float32)
+    park = HostPark("cpu")
+    park.park([[t]])
+    park.unpark()
+    assert torch.equal(t, torch.arange(10, dtype=torch.float32))

@@ -25,7 +25,8 @@ after GIB (default: all the GPU can spare) were written and handed back to the d
 loop's onload follows the engine's release, and one second later: by a copy engine (torch's
 `copy_`) and by a kernel (`rltrain.kernels.triton_copy.sm_copy`, the SMs reading the pinned
 buffer over the bus). In the loop the onload runs at 51% of the limit on an H200 after a 113 GiB
-release; this tells whether the copy engines are what is slow then.
+release; this tells whether the copy engines are what is slow then. The loop's onload copies
+by kernel with `RLTRAIN_ONLOAD_COPY=kernel` (e.g. in front of `python -m rltrain.bench.e2e`).
 """
 
 from __future__ import annotations

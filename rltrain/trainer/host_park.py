@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -52,6 +53,10 @@ log = logging.getLogger("rltrain.trainer")
 # shared with what stayed) before the rest moves too.
 STRANDED_BYTES = 512 << 20
 LARGE = 1 << 20  # the caching allocator's large pool: requests from 1 MiB
+# Who copies the state back onto the device: a copy engine (`copy_`, the default), or the SMs
+# reading the pinned buffer over the bus (kernels/triton_copy.py; `bench.hostcopy --after-free`
+# compares them right after the engine's memory was freed, where the copy engines run slow).
+ONLOAD_COPIES = ("engine", "kernel")
 
 
 def leaving_order(
@@ -80,8 +85,12 @@ class Parked(NamedTuple):
 class HostPark:
     """One module's state in and out of host memory (see the module's docstring)."""
 
-    def __init__(self, device_type: str = "cuda", pinned: str | None = None) -> None:
+    def __init__(self, device_type: str = "cuda", pinned: str | None = None, onload: str | None = None) -> None:
         self.device_type = device_type
+        # How the onload copies (`ONLOAD_COPIES`; None: `RLTRAIN_ONLOAD_COPY`'s, for benchmarks)
+        self.onload = onload or os.environ.get("RLTRAIN_ONLOAD_COPY", "engine")
+        if self.onload not in ONLOAD_COPIES:
+            raise ValueError(f"onload copy {self.onload!r}: expected one of {', '.join(ONLOAD_COPIES)}")
         self._arena = PinnedArena(pin=device_type == "cuda", kind=pinned)
         self.parked: list[Parked] = []  # on the host now, freed on the device
         self.staged: list[Parked] = []  # chosen to move at the next `park`, still on the device
@@ -280,8 +289,14 @@ class HostPark:
             self.copies_out += 1
 
     def _copy_in(self, parked: list[Parked], buffer: torch.Tensor) -> None:
+        by_kernel = self.onload == "kernel" and self.device_type == "cuda"
+        if by_kernel:
+            from rltrain.kernels.triton_copy import sm_copy  # noqa: PLC0415 - Triton on CUDA
         for device, offset, nbytes in runs(parked):
-            device.copy_(buffer[offset : offset + nbytes], non_blocking=self.device_type == "cuda")
+            if by_kernel:
+                sm_copy(device, buffer[offset : offset + nbytes])
+            else:
+                device.copy_(buffer[offset : offset + nbytes], non_blocking=self.device_type == "cuda")
             self.copies_in += 1
 
 
