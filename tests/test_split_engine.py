@@ -61,6 +61,40 @@ def test_a_request_in_flight_when_the_engine_process_dies_is_answered_503_and_th
         srv.process.stop()
 
 
+def test_requests_in_flight_hold_threads_in_the_http_process_not_in_the_engines(model_a, tmp_path):
+    """What the split is for: 32 generations waiting in the engine (generation paused) add no
+    thread to the engine's process (its reader queues each; no thread waits for one), while the
+    HTTP process holds a handler thread per connection; then every one is answered."""
+    srv = start_engine("embedded-split", model_a, tmp_path)
+    try:
+        front = psutil.Process(srv.process.proc.pid)
+        child = _engine_child(front)
+        url = srv.process.url
+        assert _post(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}})[0] == 200
+        engine_threads, front_threads = child.num_threads(), front.num_threads()
+        assert _post(url, "/pause_generation", {"mode": "in_place"})[0] == 200
+        got: list = []
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+        waiting = [threading.Thread(target=lambda: got.append(_post(url, "/generate", body))) for _ in range(32)]
+        for t in waiting:
+            t.start()
+        deadline = time.monotonic() + 30
+        while front.num_threads() < front_threads + 32 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        assert not got, "a request was answered while generation was paused"
+        assert front.num_threads() >= front_threads + 32, "the HTTP process did not take the connections"
+        assert child.num_threads() <= engine_threads + 2, (child.num_threads(), engine_threads)
+        assert _post(url, "/continue_generation", {})[0] == 200
+        for t in waiting:
+            t.join(60)
+        assert len(got) == 32 and all(status == 200 for status, _ in got), got[:3]
+        assert len({tuple(p["output_ids"]) for _, p in got}) == 1  # greedy: the same answer each time
+    finally:
+        srv.client.close()
+        srv.process.stop()
+
+
 def test_the_engine_process_exits_when_the_http_process_is_killed(model_a, tmp_path):
     srv = start_engine("embedded-split", model_a, tmp_path)
     try:
