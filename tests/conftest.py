@@ -178,17 +178,22 @@ def embedded(big_model, tmp_path_factory):
 
 @contextlib.contextmanager
 def answering_server(
-    answer: Callable[[bytes], tuple[int, bytes]], idle_timeout_s: float | None = None
+    answer: Callable[[bytes], tuple[int, bytes]],
+    idle_timeout_s: float | None = None,
+    paths: list[str] | None = None,
 ) -> Iterator[EngineClient]:
     """A real HTTP/1.1 server on loopback answering every POST with `answer(body)` -> (status,
     JSON bytes), as an engine would, and a client talking to it (no retries). `idle_timeout_s`:
-    the server closes a keep-alive connection idle this long."""
+    the server closes a keep-alive connection idle this long; `paths`: each POST's path (with
+    its query) is appended to it."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = idle_timeout_s
 
         def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            if paths is not None:
+                paths.append(self.path)
             status, out = answer(self.rfile.read(int(self.headers.get("Content-Length", 0))))
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

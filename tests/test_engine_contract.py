@@ -202,6 +202,15 @@ def test_flush_cache(server):
     assert greedy(server.client)
 
 
+def test_a_flush_that_waits_for_the_engine_to_be_idle_is_taken(server):
+    """SGLang's deferred flush (`/flush_cache?timeout=`), which the client sends after an update
+    whose flush was refused for a request just answered (transport.py's NOT_FLUSHED): both
+    servers take it and flush an idle engine."""
+    greedy(server.client)
+    resp = server.client._request("POST", "/flush_cache?timeout=5")
+    assert resp.status_code == 200
+
+
 def test_concurrent_clients_get_their_own_results(server):
     prompts = [[(7 * i + k) % 200 + 1 for k in range(1 + i % 5)] for i in range(24)]
     expected = greedy(server.client, prompts)

@@ -1006,3 +1006,41 @@ def test_weights_checker_capability_is_asked_with_an_action_no_engine_knows(stat
             assert client.has_weights_checker() is has
     assert [a["action"] for a in asked] == ["rltrain-capability-check"]
     assert asked[0]["action"] not in ("checksum", "snapshot", "reset_tensors", "compare")  # SGLang's own
+
+
+@pytest.mark.parametrize("how", ["400", "success-false"])
+@pytest.mark.parametrize("flush", [200, 400])
+def test_an_update_whose_flush_sglang_refused_for_a_request_just_answered_flushes_once_idle(how, flush):
+    """SGLang fails a weight update whose cache flush it refused while its scheduler still counts
+    a request it has just answered (seen in CI: the probe's score, then the update at once): the
+    weights are updated. The client asks for SGLang's deferred flush (/flush_cache?timeout=) and
+    the update succeeds; if that flush fails too, the error says both. Disk and tensor updates."""
+    import json
+
+    from rltrain.engine.client import EngineError
+
+    refused = (
+        "Weights were updated, but the cache was not flushed because requests are still running or "
+        "queued. Retract or finish them, then call /flush_cache."
+    )
+
+    def answer(body: bytes) -> tuple[int, bytes]:
+        if not body or body == b"null":  # the flush
+            return flush, (b"Cache flushed." if flush == 200 else b"Timed out waiting for idle state.")
+        reply = {"success": False, "message": refused}
+        return (400 if how == "400" else 200), json.dumps(reply).encode()
+
+    for call in (
+        lambda c: c.update_weights_from_disk("/m", weight_version="v1"),
+        lambda c: c.update_weights_from_tensor(["payload"], flush_cache=True),
+    ):
+        paths: list[str] = []
+        with answering_server(answer, paths=paths) as client:
+            if flush == 200:
+                out = call(client)
+                assert out["success"] is True and "flushed once the engine was idle" in out["message"]
+            else:
+                with pytest.raises(EngineError, match="the flush after it.*failed too.*Timed out waiting"):
+                    call(client)
+        assert paths[0].startswith("/update_weights_from_") and paths[1].startswith("/flush_cache?timeout=")
+        assert len(paths) == 2

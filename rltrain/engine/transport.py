@@ -35,6 +35,14 @@ class EngineError(RuntimeError):
         super().__init__(f"engine {endpoint} failed ({where}): {message}")
 
 
+# SGLang fails a weight update whose radix-cache flush it refused because its scheduler still
+# counts a request as running, which it does for a moment after answering it (the overlap
+# scheduler processes a batch's results an iteration later): the weights are updated, the call
+# fails. Its deferred flush (/flush_cache?timeout=) waits for the scheduler to go idle.
+NOT_FLUSHED = "cache was not flushed because requests are still running or queued"
+LATE_FLUSH_WAIT_S = 10.0
+
+
 class EngineTransport:
     """Requests to one engine server at `url` (module doc); `EngineClient` is its API."""
 
@@ -171,11 +179,29 @@ class EngineTransport:
     def _lean_post(self, endpoint: str, body: dict[str, Any]) -> Any:
         """`_lean_call` of a weight-update style endpoint ({"success": bool, "message": str})."""
         status, payload = self._lean_call(endpoint, body)
+        failed = status >= 400 or (isinstance(payload, dict) and payload.get("success") is False)
+        if failed and NOT_FLUSHED in (message := error_message(payload)):
+            return self._flush_late(endpoint, message)
         if status >= 400:
             raise EngineError(endpoint, error_message(payload), status)
-        if isinstance(payload, dict) and payload.get("success") is False:
+        if failed:
             raise EngineError(endpoint, payload.get("message", "success=false"))
         return payload if isinstance(payload, dict) else {"message": payload}
+
+    def _flush_late(self, endpoint: str, message: str) -> dict[str, Any]:
+        """`endpoint` updated the weights but SGLang refused the flush after it (NOT_FLUSHED): the
+        flush again, SGLang waiting up to LATE_FLUSH_WAIT_S for its scheduler to go idle. The
+        update's answer if it goes through; else an EngineError naming both."""
+        log.info(
+            "engine %s: %s; flushing once the engine is idle (at most %.0f s)", endpoint, message, LATE_FLUSH_WAIT_S
+        )
+        try:
+            self._request("POST", f"/flush_cache?timeout={LATE_FLUSH_WAIT_S:g}")
+        except EngineError as e:
+            raise EngineError(
+                endpoint, f"{message}; the flush after it, waiting up to {LATE_FLUSH_WAIT_S:g} s, failed too: {e}"
+            ) from None
+        return {"success": True, "message": f"{message} (flushed once the engine was idle)"}
 
     def _lean_generate(self, body: dict[str, Any]) -> Any:
         """/generate through `_lean_call`, its transport failures retried as `_request` retries
@@ -202,9 +228,17 @@ class EngineTransport:
 
     def _checked(self, endpoint: str, body: Any) -> dict[str, Any]:
         """Weight-update style endpoints answer {"success": bool, "message": str}."""
-        data = self._post(endpoint, body)
+        try:
+            data = self._post(endpoint, body)
+        except EngineError as e:
+            if e.status is not None and NOT_FLUSHED in str(e):
+                return self._flush_late(endpoint, str(e))
+            raise
         if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(endpoint, data.get("message", "success=false"))
+            message = data.get("message", "success=false")
+            if NOT_FLUSHED in message:
+                return self._flush_late(endpoint, message)
+            raise EngineError(endpoint, message)
         return data if isinstance(data, dict) else {"message": data}
 
     def close(self) -> None:
