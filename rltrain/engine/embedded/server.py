@@ -30,6 +30,11 @@ from rltrain.engine.embedded.state import EngineStateError
 from rltrain.generation import SamplingParams
 
 
+def key_matches(api_key: str, header: str | None) -> bool:
+    """Whether an Authorization header carries the engine's API key (any header, where it has none)."""
+    return not api_key or hmac.compare_digest(header or "", f"Bearer {api_key}")
+
+
 class EmbeddedServer:
     """Routes SGLang endpoints to a `EmbeddedEngine`."""
 
@@ -176,7 +181,7 @@ class EmbeddedServer:
         return str(real)
 
     def authorized(self, header: str | None) -> bool:
-        return not self.api_key or hmac.compare_digest(header or "", f"Bearer {self.api_key}")
+        return key_matches(self.api_key, header)
 
     def generate_async(self, body: dict[str, Any]) -> Future | None:
         """/generate without a thread waiting for it: the future of its answer, or None where the

@@ -27,7 +27,6 @@ exits.
 from __future__ import annotations
 
 import faulthandler
-import hmac
 import itertools
 import logging
 import multiprocessing as mp
@@ -44,6 +43,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import psutil
+
+from rltrain.engine.embedded.server import key_matches
 
 log = logging.getLogger("rltrain.engine.embedded")
 
@@ -101,7 +102,7 @@ class EngineChild:
     # ------------------------------------------------------------------ routes
 
     def authorized(self, header: str | None) -> bool:
-        return not self.api_key or hmac.compare_digest(header or "", f"Bearer {self.api_key}")
+        return key_matches(self.api_key, header)
 
     def get(self, path: str) -> tuple[int, Any]:
         status, payload = self._call("GET", path, None)
