@@ -3,8 +3,10 @@
     KEEP          it stays on the device                       loop.offload_trainer=false (auto: when
                                                                not colocated)
     OFFLOAD       weights and optimizer state to host memory,  loop.offload_trainer=true (auto: when
-                  modules kept, onloaded next step             colocated); =fit: only what the engines'
-                                                               rollout needs (`Residency`)
+                  modules kept, onloaded next step             colocated, and on GPUs (fsdp) only where
+                                                               the last rollout left no room for the
+                                                               whole state); =fit: only what the
+                                                               engines' rollout needs (`Residency`)
     RELEASE_DISK  dropped whole after the step's verified      release.train=true, release.source=disk
                   checkpoint, re-created from it next step
     RELEASE_HOST  dropped whole after a host-memory snapshot,  release.train=true, release.source=host
@@ -59,19 +61,30 @@ class BetweenSteps(enum.Enum):
 
 @dataclass
 class Residency:
-    """loop.offload_trainer=fit: how many bytes of its state the trainer keeps on the device while
-    the engines roll out. Measured, not assumed: a rollout ends with `free` bytes of the device
-    unused while `kept` bytes of the trainer's state sit beside the engine (its KV pool, its CUDA
-    graphs and the peak its allocator still caches all taken). The next put-away keeps
-    `kept + free - headroom` (never below 0), so the next rollout ends `headroom` short of the
-    device's end; a rollout that took more shrinks it. Until a rollout is measured, nothing stays."""
+    """How many bytes of its state the trainer keeps on the device while the engines roll out
+    (loop.offload_trainer=fit, and auto with the fsdp backend). Measured, not assumed: a rollout
+    ends with `free` bytes of the device unused while `kept` bytes of the trainer's state sit
+    beside the engine (its KV pool, its CUDA graphs and the peak its allocator still caches all
+    taken). The next put-away may keep `kept + free - headroom` (never below 0), so the next
+    rollout ends `headroom` short of the device's end; a rollout that took more shrinks it.
+    `whole` (auto): the whole state stays where that budget holds it, else all of it moves (no
+    part kept, no copy beside training: measured slower than one bulk copy each way when part
+    must move, docs/loop.md). Until a rollout is measured, nothing stays."""
 
     headroom: int
     keep: int = 0
+    whole: bool = False
 
-    def observe(self, free: int, kept: int) -> int:
-        """The budget after a rollout that ended with `free` bytes unused and `kept` kept; returns it."""
-        self.keep = max(kept + free - self.headroom, 0)
+    def observe(self, free: int, kept: int, total: int | None = None) -> int:
+        """What the next put-away keeps after a rollout that ended with `free` bytes unused and
+        `kept` kept, of a state of `total` bytes (None: the budget itself); returns it."""
+        budget = max(kept + free - self.headroom, 0)
+        if total is None:
+            self.keep = budget
+        elif self.whole:
+            self.keep = total if budget >= total else 0
+        else:
+            self.keep = min(budget, total)
         return self.keep
 
 
@@ -139,10 +152,11 @@ class TrainerCycle:
     def after_train(self) -> None:
         """The train step's activation cache back to the device before the engine's weights,
         when the trainer leaves the device after the step anyway; with fit, the offload begun
-        (the optimizer state's copy out, beside the checkpoint and the sync)."""
+        (the optimizer state's copy out, beside the checkpoint and the sync; auto's all-or-none
+        offload is one bulk copy at the put-away)."""
         if self.colocate and self.between.leaves_device:
             self.trainer.trim()
-        if self.residency is not None:
+        if self.residency is not None and not self.residency.whole:
             self.trainer.stage_offload(self.residency.keep)
 
     def rollout_done(self) -> None:
@@ -154,13 +168,14 @@ class TrainerCycle:
         self._rollout_end = (free, self._on_device())
         if self.residency is None:
             return
-        keep = min(self.residency.observe(*self._rollout_end), self._total)
+        keep = self.residency.observe(*self._rollout_end, self._total)
         if self._said is None or abs(keep - self._said) >= GIB:  # the first budget, and each that changes
             log.info(
                 "trainer: keeps %.2f GiB of its %.2f GiB state on the device while the engines roll out "
-                "(loop.offload_trainer=fit: the last rollout ended with %.2f GiB free, headroom %.2f GiB)",
+                "(loop.offload_trainer=%s: the last rollout ended with %.2f GiB free, headroom %.2f GiB)",
                 keep / GIB,
                 self._total / GIB,
+                "auto, all of it or none" if self.residency.whole else "fit",
                 free / GIB,
                 self.residency.headroom / GIB,
             )
@@ -180,14 +195,14 @@ class TrainerCycle:
         return storage_bytes([*held["weights"], *held["grads"], *held["optimizer"]], set())["device"]
 
     def _offload(self) -> None:
-        """Offload (with fit: within the budget), and what stayed and what moved."""
+        """Offload (with a `Residency`: within its budget), and what stayed and what moved."""
         for name in [n for n in self.trainer.timings if n.startswith("offload: ")]:
             del self.trainer.timings[name]  # (the parts of this offload only)
         if self.residency is None or self.trainer.device.type != "cuda":
             self.trainer.offload()
         else:
             self._total = max(self._on_device(), self._total)  # (an offloaded trainer: the last size)
-            self.trainer.offload(self.residency.keep)
+            self.trainer.offload(self.residency.keep or None)  # (0: nothing stays)
             kept = self._on_device()
             self.figures.update(offload_kept_gib=kept / GIB, offload_moved_gib=(self._total - kept) / GIB)
         self.figures.update(_parts(self.trainer.timings, "offload"))

@@ -18,6 +18,7 @@ from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
 from rltrain.engine.command import check_engine, resolve_backend, resolve_device
 from rltrain.engine.launcher import NodeEngine
 from rltrain.engine.layout import EngineLayout
+from rltrain.engine.pool import pool_tokens
 from rltrain.engine.process import EngineCrashed
 from rltrain.history import Finished, HistoryError
 from rltrain.interfaces import Trainer, World
@@ -178,6 +179,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         colocate=cfg.loop.colocate,
         vocab_size=model_cfg.vocab_size,
         meanwhile=create_trainer if overlap else None,
+        pool=lambda layout: pool_tokens(cfg, layout, world.world_size),
     )
     # The engines serve model.path as each loaded it: what the sync's probe is calibrated against.
     start = probe_at_start(cfg, world, [engine.client], engine.layout, prompts[0].input_ids)
@@ -204,7 +206,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         cfg.loop.colocate,
         cfg.checkpoint.interval,
         (cfg.loop.steps, cfg.loop.stop_after),
-        Residency(int(cfg.loop.offload_headroom_gib * GIB)) if cfg.loop.offload_trainer == "fit" else None,
+        residency(cfg),
     )
     if restored is not None:
         cycle.saved, cycle.saved_step = restored.path, restored.step
@@ -296,6 +298,18 @@ def _eval_prompts(cfg: Config, world: World, tokenizer: PreTrainedTokenizerBase,
         source=path,
         context=(context, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
     )
+
+
+def residency(cfg: Config) -> Residency | None:
+    """What the trainer may keep on the device while the engines roll out: fit, a measured part;
+    auto with the fsdp backend, its whole state where the last rollout left room for it (the
+    engines' KV pool sized to the rollout: engine.max_total_tokens), else none of it."""
+    headroom = int(cfg.loop.offload_headroom_gib * GIB)
+    if cfg.loop.offload_trainer == "fit":
+        return Residency(headroom)
+    if cfg.loop.offload_trainer == "auto" and cfg.trainer.backend == "fsdp":
+        return Residency(headroom, whole=True)
+    return None
 
 
 def engine_alive(engine: NodeEngine) -> bool:

@@ -67,6 +67,9 @@ def model_b(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("model_b"), seed=2)
 
 
+SGLANG_POOL_TOKENS = 4096  # engine.max_total_tokens of the CPU SGLang servers (SGLang's --max-total-tokens)
+
+
 def engine_config(kind: str, **kw) -> EngineConfig:
     """`kw`: EngineConfig's keys, and the embedded engine's own (EmbeddedEngineConfig) beside them."""
     own = {k: kw.pop(k) for k in [f.name for f in dataclasses.fields(EmbeddedEngineConfig)] if k in kw}
@@ -77,7 +80,7 @@ def engine_config(kind: str, **kw) -> EngineConfig:
     if kind == "sglang":
         # CPU settings from shared/sglang-cpu/README.md.
         cfg.mem_fraction_static = 0.1
-        cfg.extra_args = ["--max-total-tokens", "4096"]
+        cfg.max_total_tokens = SGLANG_POOL_TOKENS
     return cfg
 
 

@@ -275,6 +275,49 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
         world.close()
 
 
+def test_the_colocated_loop_keeps_the_trainer_on_the_gpu_where_the_rollout_leaves_it_room(tmp_path):
+    """The defaults on one GPU (the embedded engine's KV pool sized to the rollout,
+    engine.max_total_tokens=auto; loop.offload_trainer=auto): after the first rollout measured
+    the room, no step moves any of the trainer's state, which sits beside the engine while it
+    generates, and the run trains as ever (a reward every step, no failed generation, every sync
+    verified); the engine's pool is the rollout's size, not the memory fraction's."""
+    import json
+    from pathlib import Path
+
+    from multiproc import run_torchrun
+    from rltrain.config import load_config
+    from rltrain.engine.pool import rollout_tokens
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    overrides = [
+        f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}",
+        "metrics.progress_bar=false",
+        "engine.device=cuda",
+        "engine.dtype=bfloat16",
+        "world.backend=nccl",
+        "trainer.dtype=bfloat16",
+        "model.build_hidden=256",
+        "data.max_prompt_tokens=32",
+        "loop.steps=4",
+        "checkpoint.interval=0",
+    ]
+    r = run_torchrun(tmp_path, ["-m", "rltrain"], ["--config", str(config), *overrides], nproc=1, timeout_s=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    rows = [json.loads(x) for x in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["generation_failed"] == 0 and isinstance(row["reward_mean"], float)
+        assert row["sync_digests_compared"] >= 1, row
+        assert row["offload_moved_gib"] == 0 and row["offload_kept_gib"] > 0, row
+        rollout = row["memory"]["rank0"]["rollout"]
+        assert rollout["trainer_weights"] > 0 and rollout["trainer_optimizer"] > 0, rollout
+    cfg = load_config(config, overrides)
+    lines = [line for f in (tmp_path / "quickstart" / "engine").glob("*.log") for line in f.read_text().splitlines()]
+    pools = [int(line.split("KV cache: ")[1].split()[0]) for line in lines if "KV cache: " in line]
+    assert pools and max(pools) <= rollout_tokens(cfg, 1, 1), pools
+
+
 def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies_train_as_without(
     tmp_path, monkeypatch
 ):

@@ -76,6 +76,7 @@ def test_the_colocated_loop_on_sglang_for_twenty_steps(tmp_path):
         "engine.device=cuda",
         "engine.dtype=bfloat16",
         "engine.mem_fraction_static=0.3",
+        "engine.max_total_tokens=0",  # (the pool of the memory fraction: its release shows below)
         "engine.startup_timeout_s=600",
         f"engine.extra_args=[{args}]",
         "world.backend=nccl",

@@ -8,6 +8,8 @@
                                           # variable response lengths, the trainer padded and padding-free
     python -m rltrain.bench.e2e --staleness 0 1 --steps 6   # not colocated: the engine beside the trainer
                                           # on the same GPU, synchronous, then its rollout ahead of training
+    python -m rltrain.bench.e2e --offload move auto     # the trainer's state out and back every step, then
+                                          # kept where the rollout (its KV pool sized to it) leaves room
 
 A Qwen3-shaped model with random weights is built locally (no downloads) with the synthetic
 task's tokenizer. The real loop runs under torchrun on one rank (or --nproc, one per GPU, FSDP2
@@ -61,6 +63,7 @@ SWITCHES = (
     "sync_probe",
 )
 PROMPT_TOKENS = 8  # room for the synthetic task's prompts (5 tokens) in a packed micro-batch's budget
+PROMPT_BOUND = 64  # data.max_prompt_tokens: the synthetic prompts' bound, as a user sets it for their data
 TRAINER_DEVICE = ("trainer_weights", "trainer_grads", "trainer_optimizer", "trainer_other", "allocator_cached", "nccl")
 ENGINE_DEVICE = ("engine_weights", "engine_kv_cache", "engine_other", "engine_cached")
 GOALS = (
@@ -126,6 +129,7 @@ def run_loop(
         "trainer.lr=1e-6",
         f"trainer.micro_batch_size={a.micro}",
         f"data.prompts_per_step={a.prompts}",
+        f"data.max_prompt_tokens={PROMPT_BOUND}",  # (what engine.max_total_tokens=auto sizes each row's prompt by)
         f"rollout.n={a.n}",
         f"rollout.max_new_tokens={a.max_new_tokens}",
         f"loop.steps={a.steps}",
@@ -141,7 +145,9 @@ def run_loop(
             overrides.append(f"loop.in_flight_update={a.in_flight}")
         if engine == "embedded":
             overrides.append(f"engine.mem_fraction_static={a.mem_fraction}")
-    if offload != "auto":
+    if offload == "move":  # the whole state out and back every step
+        overrides.append("loop.offload_trainer=true")
+    elif offload != "auto":
         overrides.append(f"loop.offload_trainer={offload}")
     if packed:  # the padded path's tokens per forward, cut by real tokens instead of rows
         overrides.append(f"trainer.max_tokens_per_micro_batch={a.micro * (PROMPT_TOKENS + a.max_new_tokens)}")
@@ -331,8 +337,13 @@ def report(
         f"{'train':>28s} {train_s:13.2f}s  {train_tps:,.0f} tok/s per GPU, "
         f"MFU {6 * params * train_tokens / train_s / 1e12 / tflops:.0%}",
     ]
-    # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase.
-    moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
+    # Offload/onload move each rank's shard at once: the bandwidth is rank 0's shard over the phase
+    # (where the trainer keeps part or all of its state, what its rows say moved).
+    resident = any("offload_kept_gib" in r for r in steady)  # loop.offload_trainer auto (fsdp) or fit
+    if resident:
+        moved = mean(lambda r: r.get("offload_moved_gib", 0.0)) * 2**30
+    else:
+        moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
     # The bytes each switch moves and the floor of that copy (the rate measured in this run).
     floors = {
         "trainer_offload": (moved, moved / d2h / 1e9),
@@ -360,9 +371,12 @@ def report(
         f"{'probe log-prob difference':>28s} {probe:13.4f}   engine vs trainer, mean |diff| over the probe "
         f"(worst position {worst:.4f}; bf16; bounds calibrated at start-up, in the log)"
     )
-    fit = any("offload_kept_gib" in r for r in steady)
+    fit = _offload_mode(run_dir) == "fit"
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
         s = mean(lambda r, p=p: r["time"].get(p, 0.0))
+        if moved < 2**20:
+            lines.append(f"{p + ' bandwidth':>28s} {'-':>13s}  nothing moved: the whole state stayed on the device")
+            continue
         rate = moved / s / 1e9 if s > 0 else 0.0
         lines.append(
             f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
@@ -380,19 +394,22 @@ def report(
             f"{'engine_resume_kv waits':>28s} {mean(lambda r: r.get('world_destroy_wait_s', 0.0)):13.3f}s  for the "
             "world's NCCL teardown (in the background since world_destroy) before the KV cache maps"
         )
-    kept = 0.0  # GiB of trainer state kept on the device on purpose (fit)
-    if any("offload_kept_gib" in r for r in steady):  # loop.offload_trainer=fit
+    kept = 0.0  # GiB of trainer state kept on the device on purpose (auto with room for all of it, fit)
+    if resident:
         kept, went = (mean(lambda r, k=k: r.get(k, 0.0)) for k in ("offload_kept_gib", "offload_moved_gib"))
-        lines.append(f"{'trainer state kept / moved':>28s} {kept:8.2f} / {went:.2f} GiB  (loop.offload_trainer=fit)")
+        lines.append(
+            f"{'trainer state kept / moved':>28s} {kept:8.2f} / {went:.2f} GiB  "
+            f"(loop.offload_trainer={_offload_mode(run_dir)}: what the last rollout left room for)"
+        )
     mem = [m for r in steady for m in r["memory"].values()]  # every rank of every step
     held = max(sum(m["rollout"].get(k, 0.0) for k in TRAINER_DEVICE) for m in mem)
-    beyond = held - kept  # (fit: what it holds beyond what it chose to keep)
+    beyond = held - kept  # (what it holds beyond what it chose to keep)
     engine_held = max(_engine_gib(m["train"], context=False) for m in mem)
     ctx = rows[-1]["memory"]["rank0"]["rollout"].get("cuda_context", 0.0)
     ectx = rows[-1]["memory"]["rank0"]["rollout"].get("engine_context", 0.0)
     lines += [
         f"{'trainer GPU while generating':>28s} {held:12.3f}GiB  beyond its CUDA context ({ctx:.2f} GiB)"
-        + (f", of it {kept:.2f} GiB kept on purpose (fit); the rest" if kept else ",")
+        + (f", of it {kept:.2f} GiB kept on purpose (room left by the rollout); the rest" if kept else ",")
         + f" {'meets' if beyond <= 1 else 'misses'} <= 1 GiB (most of any rank)",
         f"{'engine GPU while training':>28s} {engine_held:12.3f}GiB  beyond its CUDA context ({ectx:.2f} GiB; "
         "SGLang: every other process on the GPU, contexts included), "
@@ -403,6 +420,13 @@ def report(
 
     lines.append(format_ledger(rows[-1]["memory"], rows[-1]["step"]))
     return lines
+
+
+def _offload_mode(run_dir: Path) -> str:
+    """The run's loop.offload_trainer, as its config says."""
+    from rltrain.config import load_config
+
+    return str(load_config(run_dir / "config.yaml").loop.offload_trainer).lower()
 
 
 def _old_logp_fused(run_dir: Path) -> bool:
@@ -467,9 +491,11 @@ def main(argv: list[str] | None = None) -> int:
         "--offload",
         nargs="+",
         default=["auto"],
-        choices=["auto", "fit"],
-        help="loop.offload_trainer for the colocated runs: auto (the whole state every step) and/or fit "
-        "(only what the engines' rollout needs; its copies overlapped); each is its own loop run",
+        choices=["auto", "move", "fit"],
+        help="loop.offload_trainer for the colocated runs: auto (the whole state stays on the device where the "
+        "last rollout left room for it, the engines' KV pool sized to the rollout; else all of it moves), move "
+        "(true: the whole state out and back every step), fit (the part the rollout leaves room for stays; the "
+        "copies overlapped); each is its own loop run",
     )
     ap.add_argument(
         "--report-only",

@@ -59,6 +59,14 @@ class EngineConfig:
     gpus: int = 0
     # Share of GPU memory for weights + KV cache (SGLang; the embedded engine's paged path).
     mem_fraction_static: float = 0.8
+    # Tokens in each engine's KV pool, at most (SGLang's --max-total-tokens; the embedded engine
+    # takes the same flag): never more than mem_fraction_static gives. 0: what mem_fraction_static
+    # gives (SGLang's default). auto: engines colocated on GPUs get what one step's rollout can
+    # hold in them at once (`engine.pool.rollout_tokens`: the rows their ranks send, each a
+    # prompt of data.max_prompt_tokens and its whole response or trajectory), so that the rest
+    # of the device is the trainer's (loop.offload_trainer=auto keeps its state there when it
+    # fits); elsewhere, or where engine.extra_args has --max-total-tokens, 0.
+    max_total_tokens: int | Literal["auto"] = "auto"
     seed: int = 0
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 600.0
@@ -104,6 +112,16 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected >= 0")
         if not 0 < self.mem_fraction_static < 1:
             raise ConfigError(f"engine.mem_fraction_static={self.mem_fraction_static}: expected a fraction in (0, 1)")
+        if self.max_total_tokens != "auto" and self.max_total_tokens < 0:
+            raise ConfigError(
+                f"engine.max_total_tokens={self.max_total_tokens}: expected tokens >= 1, 0 (from "
+                "engine.mem_fraction_static) or auto (what a step's rollout holds at once)"
+            )
+        if "--max-total-tokens" in self.extra_args and self.max_total_tokens != "auto":
+            raise ConfigError(
+                f"engine.max_total_tokens={self.max_total_tokens} and --max-total-tokens in engine.extra_args: "
+                "set one of them"
+            )
         for key in ("startup_timeout_s", "request_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"engine.{key}={getattr(self, key)}: expected a positive number of seconds")

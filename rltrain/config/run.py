@@ -72,12 +72,15 @@ class LoopConfig:
     colocate: bool = True  # release engine memory while training, and trainer memory while rolling out
     # Params/grads/optimizer to host memory between train phases (GPU). auto: when colocated (the
     # engines need the memory); not colocated, the engines keep memory of their own and nothing
-    # would use what the offload frees.
+    # would use what the offload frees. On GPUs with the fsdp backend, auto moves nothing where
+    # the last rollout left room for the whole state (less loop.offload_headroom_gib), else all of
+    # it (the engines' KV pool is sized to the rollout: engine.max_total_tokens). true: all of it,
+    # every step.
     # fit: move only what must move. The first step offloads all; then each put-away keeps on the
     # device what the last rollout left free, less loop.offload_headroom_gib (the optimizer state
     # leaves first, its copies beside the sync and the next forward). fsdp, colocated.
     offload_trainer: bool | Literal["auto", "fit"] = "auto"
-    offload_headroom_gib: float = 4.0  # fit: device memory left free at a rollout's end
+    offload_headroom_gib: float = 4.0  # auto and fit: device memory left free at a rollout's end
     # Stop cleanly after this step (0: run all `steps`). The LR schedule still spans `steps`,
     # so a run stopped here and resumed is the same run (for time-limited allocations).
     stop_after: int = 0

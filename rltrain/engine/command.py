@@ -146,6 +146,7 @@ def server_command(
                 cmd.append("--enable-torch-compile")
             if memory_saver_on(cfg):
                 cmd.append(saver.FLAG)
+        cmd += _max_total_tokens(cfg)
         if cfg.embedded.separate_http_process:
             cmd.append("--separate-http-process")
         if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/embedded/receiver.py)
@@ -171,6 +172,7 @@ def server_command(
             # The engine idles through every training phase; without this its scheduler spins a
             # whole CPU core the whole time.
             "--sleep-on-idle",
+            *_max_total_tokens(cfg),
         ]
         if device == "cuda":
             cmd += ["--base-gpu-id", str(base_gpu), "--enable-memory-saver"]
@@ -186,6 +188,13 @@ def server_command(
     else:
         raise ValueError(f"engine.backend={cfg.backend!r}: expected auto, embedded or sglang")
     return cmd + list(cfg.extra_args)
+
+
+def _max_total_tokens(cfg: EngineConfig) -> list[str]:
+    """--max-total-tokens where engine.max_total_tokens holds a count (`engine.pool.pool_tokens`
+    resolves auto to one before the engines start; left auto here, the engine's own default)."""
+    tokens = cfg.max_total_tokens
+    return ["--max-total-tokens", str(tokens)] if tokens != "auto" and tokens > 0 else []
 
 
 def secret_environment(cfg: EngineConfig) -> dict[str, str]:

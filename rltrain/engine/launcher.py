@@ -16,6 +16,7 @@ not ready for it (the phase verbs below).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,7 @@ class NodeEngine:
         colocate: bool = True,
         vocab_size: int | None = None,
         meanwhile: Callable[[], None] | None = None,
+        pool: Callable[[EngineLayout], int] | None = None,
     ) -> NodeEngine:
         """Collective over the bridge: each engine's leader starts and health-checks its engine,
         every rank connects to its own. `vocab_size`: the model's, so that the client refuses
@@ -120,7 +122,8 @@ class NodeEngine:
         is released for the trainer (`refuse_host_cache`), a layout the node cannot hold, and,
         once healthy, an engine that is not the one laid out. `meanwhile`: the rank's own set-up,
         run on every rank while the engines start (between starting the process and waiting for
-        its health)."""
+        its health). `pool`: engine.max_total_tokens for the layout (`engine.pool.pool_tokens`;
+        None: the configured count, auto left to the engine's own default)."""
         backend, device = resolve_backend(cfg.backend), resolve_device(cfg.device)
         releases = engine_releases(cfg, backend, device)
         if colocate and releases and backend == "sglang":
@@ -128,6 +131,14 @@ class NodeEngine:
         visible = torch.cuda.device_count() if device == "cuda" else None
         layout = EngineLayout.of(cfg, backend, world.env, visible)
         log_path = run_dir / "engine" / f"{layout.name}.log"
+        if pool is not None:
+            configured, cfg = cfg.max_total_tokens, dataclasses.replace(cfg, max_total_tokens=pool(layout))
+            if world.rank == 0 and cfg.max_total_tokens:
+                log.info(
+                    "engines: a KV pool of at most %d tokens each (engine.max_total_tokens=%s)",
+                    cfg.max_total_tokens,
+                    "auto: what a step's rollout holds at once" if configured == "auto" else configured,
+                )
         if world.rank == 0:
             log.info(
                 "engines: %d per node of %d GPU(s) each (%s, %s)%s",

@@ -90,21 +90,24 @@ def pool_pages(
     pool_tokens: int,
     mem_fraction: float,
 ) -> int:
-    """Pages of `PAGE_SIZE` tokens for the pool: `pool_tokens` tokens, or on CUDA what
-    `mem_fraction` of the device leaves after this process's allocations (as SGLang's
-    --mem-fraction-static), within what is free now less a margin for activations and graphs; on
-    CPU 1 GiB. Never more than `max_rows` sequences of `max_pages` pages need (+ the scratch page)."""
+    """Pages of `PAGE_SIZE` tokens for the pool: on CUDA what `mem_fraction` of the device leaves
+    after this process's allocations (as SGLang's --mem-fraction-static), within what is free now
+    less a margin for activations and graphs, and at most `pool_tokens` tokens where given (as
+    SGLang's --max-total-tokens); on the CPU `pool_tokens` tokens, or 1 GiB. Never more than
+    `max_rows` sequences of `max_pages` pages need (+ the scratch page)."""
     P = PAGE_SIZE
     page_bytes = KVPool.page_bytes(config, P, dtype)
-    if pool_tokens:
-        pages = pool_tokens // P + 1
-    elif device.type == "cuda":
+    if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = min(
             mem_fraction * total - torch.cuda.memory_allocated(device),
             free - max(2 << 30, 0.05 * total),
         )
         pages = int(budget // page_bytes)
+        if pool_tokens:
+            pages = min(pages, pool_tokens // P + 1)
+    elif pool_tokens:
+        pages = pool_tokens // P + 1
     else:
         pages = (1 << 30) // page_bytes
     pages = min(pages, max_rows * max_pages + 1)

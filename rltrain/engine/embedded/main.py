@@ -116,7 +116,11 @@ def parser() -> argparse.ArgumentParser:
         "a time; auto: paged on CUDA where the model passes its start-up probe, else hf",
     )
     ap.add_argument(
-        "--max-total-tokens", type=int, default=0, help="tokens in the paged KV cache (0: from --mem-fraction-static)"
+        "--max-total-tokens",
+        type=int,
+        default=0,
+        help="tokens in the paged KV cache, at most (0: what --mem-fraction-static gives; on CUDA never more, as "
+        "SGLang's flag; on the CPU exactly this many)",
     )
     ap.add_argument(
         "--mem-fraction-static",

@@ -273,6 +273,7 @@ class PagedDecoder:
         # through release and resume: the graphs are kept, not captured again.
         self.saver = saver
         self.pool: KVPool | None = None
+        self.pool_size = 0  # tokens the last pool made holds (SGLang's max_total_num_tokens)
         self.prefixes: PrefixCache | None = None  # the pool's (prefix_cache.py)
         self.stats = {
             "prefills": 0,
@@ -317,7 +318,18 @@ class PagedDecoder:
         with in_region(self.saver, "kv_cache"):
             self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
         self.prefixes = PrefixCache(self.pool)
-        log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", (pages - 1) * P, P, self.pool.nbytes / 2**30)
+        self.pool_size = (pages - 1) * P  # (the scratch page holds no row's tokens)
+        log.info("KV cache: %d tokens in pages of %d (%.2f GiB)", self.pool_size, P, self.pool.nbytes / 2**30)
+
+    def max_total_num_tokens(self) -> int:
+        """Tokens the pool holds (SGLang's server-info field): the last pool made, or before the
+        first admission makes one, what it would be made with now."""
+        if self.pool_size:
+            return self.pool_size
+        pages = pool_pages(
+            self.config, self.dtype, self.device, self.max_rows, self.max_pages, self.pool_tokens, self.mem_fraction
+        )
+        return (pages - 1) * self.page_size
 
     def free_memory(self, kv_cache: bool) -> None:
         """Drop the captured graphs (they hold the pool's and the weights' addresses: any region

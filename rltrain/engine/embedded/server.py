@@ -135,6 +135,8 @@ class EmbeddedServer:
             "dtype": str(e.dtype),
             "max_batch_size": e.max_batch_size,
             "context_length": e.context_length,
+            # Tokens its KV pool holds (SGLang's field; None: no paged pool, the hf path).
+            "max_total_num_tokens": e.decoder.max_total_num_tokens() if e.decoder is not None else None,
             "weight_version": e.weight_version,
             # Update requests answer after every copy out of the sender's buffers is done.
             "weight_updates": "synchronous",
