@@ -19,13 +19,16 @@ from rltrain.checkpoint import Checkpointer, CheckpointError, find_resumable, ve
 from test_loop import run_quickstart
 from test_trainer import fixed_batch, make_trainer, one_step
 
-# Metrics that must repeat exactly; timings, rates and memory legitimately differ between runs.
+# Metrics that must repeat exactly; timings, rates and memory legitimately differ between runs,
+# and so does what the trainer's put-away moved and how long its parts took (onload_*, offload_*:
+# a released trainer has none, an offloaded one keeps what each rollout left room for).
 VARIABLE = {"time", "rollout_time", "memory", "wall", "rollout_tokens_per_s", "train_tokens_per_s"}
+MOVEMENT = ("onload_", "offload_", "world_destroy_wait_s")
 
 
 def rows(run_dir: Path) -> list[dict]:
     return [
-        {k: v for k, v in json.loads(line).items() if k not in VARIABLE}
+        {k: v for k, v in json.loads(line).items() if k not in VARIABLE and not k.startswith(MOVEMENT)}
         for line in (run_dir / "metrics.jsonl").read_text().splitlines()
     ]
 
