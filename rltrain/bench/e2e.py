@@ -360,10 +360,15 @@ def report(
             floor += f
             line += f"; moves {nbytes / 2**30:.2f} GiB, floor {f:.3f}s"
         lines.append(line)
+    against = (
+        f"{total / floor:.1f}x the floor of the bytes that move ({floor:.3f}s: "
+        f"{'meets' if total <= 1.2 * floor else 'misses'} <= 1.2x)"
+        if floor > 0
+        else "no floor measured for the bytes that move"
+    )
     lines.append(
         f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
-        f"({'meets' if total / step_s <= 0.05 else 'misses'} <= 5%); {total / floor:.1f}x the floor of the bytes "
-        f"that move ({floor:.3f}s: {'meets' if total <= 1.2 * floor else 'misses'} <= 1.2x)"
+        f"({'meets' if total / step_s <= 0.05 else 'misses'} <= 5%); {against}"
     )
     probe = mean(lambda r: r.get("sync_probe_diff", float("nan")))
     worst = mean(lambda r: r.get("sync_probe_worst", float("nan")))
