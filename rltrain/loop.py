@@ -229,7 +229,7 @@ def _to_training(phase: Phase, parts: RunParts, world: World, after_rollout: boo
     with phase("engine_release"):
         parts.sync.probe_answered()  # the engines' answers to a ridden probe are in before they let go
         if after_rollout:
-            parts.cycle.rollout_done()  # (fit: what the rollout left free sizes what the trainer keeps)
+            parts.cycle.rollout_done()  # (what the rollout left free sizes what the trainer keeps: auto, fit)
         parts.engine.release_memory()
     with phase("world_rebuild"):
         world.rebuild()

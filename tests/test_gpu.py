@@ -309,7 +309,10 @@ def test_the_colocated_loop_keeps_the_trainer_on_the_gpu_where_the_rollout_leave
     for row in rows:
         assert row["generation_failed"] == 0 and isinstance(row["reward_mean"], float)
         assert row["sync_digests_compared"] >= 1, row
+        # (the first rollout ran with the state out of the way, as before any measure; it measured
+        # the room, so even step 1's put-away kept everything)
         assert row["offload_moved_gib"] == 0 and row["offload_kept_gib"] > 0, row
+    for row in rows[1:]:
         rollout = row["memory"]["rank0"]["rollout"]
         assert rollout["trainer_weights"] > 0 and rollout["trainer_optimizer"] > 0, rollout
     cfg = load_config(config, overrides)
