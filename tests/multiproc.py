@@ -137,16 +137,24 @@ def run_torchrun(
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node=nproc <entry> <args>` in its own session: on a timeout the
-    whole tree (agent, ranks, engine) is killed, not orphaned, and the test fails with its stderr."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
-        *entry,
-        *args,
-    ]
+    whole tree (agent, ranks, engine) is killed, not orphaned, and the test fails with its stderr.
+    A master port that another process took between `free_port` and the agent's bind (its store
+    cannot listen: no rank has started) is given up for another, twice at most."""
+    for attempt in range(3):
+        port = free_port()
+        launch = [f"--nproc-per-node={nproc}", f"--master-port={port}", *entry, *args]
+        result = _torchrun(cwd, launch, " ".join(entry), timeout_s, env)
+        err = result.stderr
+        taken = "failed to listen" in err and f"port: {port}," in err and "EADDRINUSE" in err
+        if result.returncode == 0 or not taken or attempt == 2:
+            return result
+    raise AssertionError("unreachable")
+
+
+def _torchrun(
+    cwd: Path, args: list[str], what: str, timeout_s: float, env: dict[str, str] | None
+) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -161,5 +169,5 @@ def run_torchrun(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"{' '.join(entry)} did not finish in {timeout_s:.0f} s:\n{err[-4000:]}") from None
+        raise AssertionError(f"{what} did not finish in {timeout_s:.0f} s:\n{err[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
