@@ -16,8 +16,8 @@ from rltrain.config import Config
 from rltrain.engine.command import resolve_device
 from rltrain.engine.layout import EngineLayout
 
-# Tokens a row may hold past its prompt and response: its last page part-filled (the embedded
-# engine's pages are 16 tokens; SGLang's 1 by default), and the probe's or a continuation's few.
+# Tokens a row may hold past its prompt and response: its last page part-filled, by less than a
+# page (the embedded engine's pages are 64 tokens, kv_pool.PAGE_SIZE; SGLang's 1 by default).
 ROW_SLACK = 64
 
 
