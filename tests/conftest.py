@@ -68,6 +68,11 @@ def model_b(tmp_path_factory) -> Path:
 
 
 SGLANG_POOL_TOKENS = 4096  # engine.max_total_tokens of the CPU SGLang servers (SGLang's --max-total-tokens)
+# On the CPU SGLang's "GPU memory" is the host's free memory, read before and after the weights
+# load; it refuses to start where it fell by more than 1 - mem_fraction_static in between (another
+# test worker loading a model meanwhile was enough at 0.1). The pool is SGLANG_POOL_TOKENS whatever
+# the fraction (SGLang takes the smaller), so a larger fraction costs nothing here.
+SGLANG_CPU_MEM_FRACTION = 0.5
 
 
 def engine_config(kind: str, **kw) -> EngineConfig:
@@ -79,7 +84,7 @@ def engine_config(kind: str, **kw) -> EngineConfig:
     cfg = EngineConfig(**kw, embedded=EmbeddedEngineConfig(**own))
     if kind == "sglang":
         # CPU settings from shared/sglang-cpu/README.md.
-        cfg.mem_fraction_static = 0.1
+        cfg.mem_fraction_static = SGLANG_CPU_MEM_FRACTION
         cfg.max_total_tokens = SGLANG_POOL_TOKENS
     return cfg
 

@@ -154,20 +154,67 @@ def run_torchrun(
 def _torchrun(
     cwd: Path, args: list[str], what: str, timeout_s: float, env: dict[str, str] | None
 ) -> subprocess.CompletedProcess:
+    """One torchrun. Its output goes to files, not pipes: a process that outlives the agent (an
+    engine in its own session, a compile worker) cannot hold the test on a pipe it inherited. On a
+    timeout every process under the agent is sent SIGABRT first (rltrain's ranks dump every
+    thread's stack through faulthandler), then the whole tree is killed, and the test fails with
+    the stacks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=cwd,
-        start_new_session=True,
-        env={**os.environ, **(env or {})},
-    )
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as logs:
+        out_path, err_path = Path(logs, "stdout"), Path(logs, "stderr")
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                cwd=cwd,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            tree = descendants(proc.pid)
+            for pid in tree:
+                _signal(pid, signal.SIGABRT)  # faulthandler: every thread's stack, to the rank's stderr
+            time.sleep(3)
+            for pid in [proc.pid, *tree]:
+                _signal(pid, signal.SIGKILL)
+            _signal(-proc.pid, signal.SIGKILL)  # the agent's process group, anything forked since
+            proc.wait(timeout=30)
+            stderr = err_path.read_text(errors="replace")
+            raise AssertionError(f"{what} did not finish in {timeout_s:.0f} s:\n{stderr[-12000:]}") from None
+        stdout, stderr = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process under `pid`, in any session or process group (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{what} did not finish in {timeout_s:.0f} s:\n{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        if pid < 0:
+            os.killpg(-pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

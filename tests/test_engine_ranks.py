@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG, engine_config
+from conftest import HAVE_SGLANG, SGLANG_CPU_MEM_FRACTION, SGLANG_SHIM, SKIP_SGLANG, engine_config
 from multiproc import run_ranks
 from rltrain.config import ConfigError
 from rltrain.engine.layout import EngineLayout
@@ -84,7 +84,7 @@ def test_sglang_at_tp2_over_two_ranks_waits_for_both(tmp_path):
         "engine.backend=sglang",
         "engine.device=cpu",
         "engine.dtype=float32",
-        "engine.mem_fraction_static=0.1",
+        f"engine.mem_fraction_static={SGLANG_CPU_MEM_FRACTION}",
         "engine.extra_args=[--max-total-tokens,4096]",
         "sync.transport=tensor",
         env={"RLTRAIN_TEST_SGLANG_CPU_RELEASE": "1"},

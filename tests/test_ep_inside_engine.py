@@ -21,7 +21,7 @@ import os
 
 import pytest
 
-from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG, start_server
+from conftest import HAVE_SGLANG, SGLANG_CPU_MEM_FRACTION, SGLANG_SHIM, SKIP_SGLANG, start_server
 from models import make_moe_model
 from multiproc import run_ranks, values
 
@@ -107,7 +107,7 @@ def test_experts_routed_inside_one_sglang_engine_load_what_a_full_load_loads(tmp
         backend="sglang",
         device="cpu",
         dtype="float32",
-        mem_fraction_static=0.1,
+        mem_fraction_static=SGLANG_CPU_MEM_FRACTION,
         startup_timeout_s=300,
         extra_args=["--max-total-tokens", "4096", "--ep-size", "2", "--tp-size", "2", "--skip-server-warmup"],
     )

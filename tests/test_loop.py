@@ -21,22 +21,26 @@ REPO = Path(__file__).resolve().parents[1]
 def run_quickstart(
     tmp_path: Path, *overrides: str, torchrun_args: tuple[str, ...] = (), env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    return run_torchrun(
-        tmp_path,
-        [*torchrun_args, "-m", "rltrain"],
-        [
-            "--config",
-            str(REPO / "configs" / "quickstart.yaml"),
-            f"run.dir={tmp_path}",
-            f"model.path={tmp_path / 'base_model'}",
-            "loop.steps=3",
-            "data.prompts_per_step=8",
-            "metrics.progress_bar=false",
-            "metrics.plot=false",  # (~3 s of CPU a job; the end-to-end test asks for them and checks them)
-            *overrides,
-        ],
-        env=env,
-    )
+    args = [
+        "--config",
+        str(REPO / "configs" / "quickstart.yaml"),
+        f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}",
+        "loop.steps=3",
+        "data.prompts_per_step=8",
+        "metrics.progress_bar=false",
+        "metrics.plot=false",  # (~3 s of CPU a job; the end-to-end test asks for them and checks them)
+        *overrides,
+    ]
+    try:
+        return run_torchrun(tmp_path, [*torchrun_args, "-m", "rltrain"], args, env=env)
+    except AssertionError as e:  # it timed out: its engines' last lines go with the ranks' stacks
+        tails = [f"--- {log}:\n{_tail(log)}" for log in sorted(tmp_path.glob("**/engine/*.log"))]
+        raise AssertionError("\n".join([str(e), *tails])) from None
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 # Every switch taken, as on GPUs: the world torn down and rebuilt, the engine's memory released

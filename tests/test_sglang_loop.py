@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HAVE_SGLANG, SGLANG_SHIM, SKIP_SGLANG
+from conftest import HAVE_SGLANG, SGLANG_CPU_MEM_FRACTION, SGLANG_SHIM, SKIP_SGLANG
 from test_loop import run_quickstart
 
 HERE = Path(__file__).resolve().parent
@@ -31,8 +31,13 @@ SGLANG_CPU = [
     "engine.release=true",  # asked for: SGLang cannot release on the CPU, and says so
     "engine.device=cpu",
     "engine.dtype=float32",
-    "engine.mem_fraction_static=0.1",
+    f"engine.mem_fraction_static={SGLANG_CPU_MEM_FRACTION}",
     "engine.extra_args=[--max-total-tokens,4096]",
+    # Every wait well inside the harness's 280 s: a stuck phase fails with rltrain's own message
+    # (the phase, the engine's log) rather than the harness's kill.
+    "engine.startup_timeout_s=150",
+    "engine.request_timeout_s=120",
+    "world.timeout_s=120",
 ]
 
 

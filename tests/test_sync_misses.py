@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SGLANG_SHIM
+from conftest import SGLANG_CPU_MEM_FRACTION, SGLANG_SHIM
 from multiproc import run_ranks, run_torchrun, values
 
 HERE = Path(__file__).resolve().parent
@@ -143,7 +143,7 @@ def test_the_loop_fails_at_the_first_step_when_its_sync_misses_half_of_a_fused_w
             "engine.backend=sglang",
             "engine.device=cpu",
             "engine.dtype=float32",
-            "engine.mem_fraction_static=0.1",
+            f"engine.mem_fraction_static={SGLANG_CPU_MEM_FRACTION}",
             "engine.extra_args=[--max-total-tokens,4096]",
         ],
         nproc=1,
