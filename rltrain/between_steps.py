@@ -65,27 +65,30 @@ class Residency:
     (loop.offload_trainer=fit, and auto with the fsdp backend). Measured, not assumed: a rollout
     ends with `free` bytes of the device unused while `kept` bytes of the trainer's state sit
     beside the engine (its KV pool, its CUDA graphs and the peak its allocator still caches all
-    taken). The next put-away may keep `kept + free - headroom` (never below 0), so the next
-    rollout ends `headroom` short of the device's end; a rollout that took more shrinks it.
-    `whole` (auto): the whole state stays where that budget holds it, else all of it moves (no
-    part kept, no copy beside training: measured slower than one bulk copy each way when part
-    must move, docs/loop.md). Until a rollout is measured, nothing stays."""
+    taken). The next put-away may keep `budget` = `kept + free - headroom` (never below 0), so the
+    next rollout ends `headroom` short of the device's end; a rollout that took more shrinks it.
+    What it keeps is decided against the state as it is at the put-away (`keep`): the optimizer's
+    state appears at the first step, after the first rollout was measured. `whole` (auto): the
+    whole state stays where the budget holds it, else all of it moves (no part kept, no copy beside
+    training: measured slower than one bulk copy each way when part must move, docs/loop.md).
+    Until a rollout is measured, nothing stays."""
 
     headroom: int
-    keep: int = 0
     whole: bool = False
+    budget: int = 0
 
-    def observe(self, free: int, kept: int, total: int | None = None) -> int:
-        """What the next put-away keeps after a rollout that ended with `free` bytes unused and
-        `kept` kept, of a state of `total` bytes (None: the budget itself); returns it."""
-        budget = max(kept + free - self.headroom, 0)
-        if total is None:
-            self.keep = budget
-        elif self.whole:
-            self.keep = total if budget >= total else 0
-        else:
-            self.keep = min(budget, total)
-        return self.keep
+    def observe(self, free: int, kept: int) -> int:
+        """The next put-away's budget after a rollout that ended with `free` bytes unused and
+        `kept` of the trainer's state on the device; returns it."""
+        self.budget = max(kept + free - self.headroom, 0)
+        return self.budget
+
+    def keep(self, total: int) -> int:
+        """Bytes of a state of `total` bytes that stay on the device: whole (auto) all of them
+        where the budget holds them, else none; fit as many as the budget holds."""
+        if self.whole:
+            return total if self.budget >= total else 0
+        return min(self.budget, total)
 
 
 # Device bytes the engines' KV cache must leave free where it maps beside NCCL memory a teardown
@@ -157,7 +160,7 @@ class TrainerCycle:
         if self.colocate and self.between.leaves_device:
             self.trainer.trim()
         if self.residency is not None and not self.residency.whole:
-            self.trainer.stage_offload(self.residency.keep)
+            self.trainer.stage_offload(self.residency.keep(self._on_device()))
 
     def rollout_done(self) -> None:
         """What the rollout left free on the device, before the engines let go of anything (fit:
@@ -168,18 +171,19 @@ class TrainerCycle:
         self._rollout_end = (free, self._on_device())
         if self.residency is None:
             return
-        keep = self.residency.observe(*self._rollout_end, self._total)
-        if self._said is None or abs(keep - self._said) >= GIB:  # the first budget, and each that changes
+        budget = self.residency.observe(*self._rollout_end)
+        if self._said is None or abs(budget - self._said) >= GIB:  # the first budget, and each that changes
             log.info(
-                "trainer: keeps %.2f GiB of its %.2f GiB state on the device while the engines roll out "
-                "(loop.offload_trainer=%s: the last rollout ended with %.2f GiB free, headroom %.2f GiB)",
-                keep / GIB,
+                "trainer: may keep %.2f GiB of its state (%.2f GiB at the last offload) on the device while the "
+                "engines roll out (loop.offload_trainer=%s: the last rollout ended with %.2f GiB free, headroom "
+                "%.2f GiB)",
+                budget / GIB,
                 self._total / GIB,
                 "auto, all of it or none" if self.residency.whole else "fit",
                 free / GIB,
                 self.residency.headroom / GIB,
             )
-            self._said = keep
+            self._said = budget
 
     def room_for(self, communicators: int) -> bool:
         """Whether the engines' KV cache fits on this rank's device beside `communicators` bytes
@@ -202,7 +206,7 @@ class TrainerCycle:
             self.trainer.offload()
         else:
             self._total = max(self._on_device(), self._total)  # (an offloaded trainer: the last size)
-            self.trainer.offload(self.residency.keep or None)  # (0: nothing stays)
+            self.trainer.offload(self.residency.keep(self._total) or None)  # (0: nothing stays)
             kept = self._on_device()
             self.figures.update(offload_kept_gib=kept / GIB, offload_moved_gib=(self._total - kept) / GIB)
         self.figures.update(_parts(self.trainer.timings, "offload"))

@@ -124,13 +124,33 @@ def test_auto_keeps_the_whole_state_or_moves_all_of_it_and_fit_keeps_a_part():
     """auto (fsdp): the whole state stays where the last rollout left room for it beside the
     headroom, else none of it; fit keeps what fits; neither keeps anything before a rollout."""
     whole, part = Residency(headroom=4 * GIB, whole=True), Residency(headroom=4 * GIB)
-    assert whole.keep == part.keep == 0
-    assert whole.observe(free=20 * GIB, kept=0, total=12 * GIB) == 12 * GIB  # 16 GiB of room
-    assert whole.observe(free=8 * GIB, kept=12 * GIB, total=12 * GIB) == 12 * GIB  # (steady)
-    assert whole.observe(free=3 * GIB, kept=12 * GIB, total=12 * GIB) == 0  # the engine took more: all moves
-    assert whole.observe(free=15 * GIB, kept=0, total=12 * GIB) == 0  # 11 GiB of room: not the whole
-    assert part.observe(free=15 * GIB, kept=0, total=12 * GIB) == 11 * GIB
-    assert part.observe(free=40 * GIB, kept=0, total=12 * GIB) == 12 * GIB
+    assert whole.keep(12 * GIB) == part.keep(12 * GIB) == 0
+    whole.observe(free=20 * GIB, kept=0)  # 16 GiB of room
+    assert whole.keep(12 * GIB) == 12 * GIB
+    whole.observe(free=8 * GIB, kept=12 * GIB)  # (steady)
+    assert whole.keep(12 * GIB) == 12 * GIB
+    whole.observe(free=3 * GIB, kept=12 * GIB)  # the engine took more: all moves
+    assert whole.keep(12 * GIB) == 0
+    whole.observe(free=15 * GIB, kept=0)  # 11 GiB of room: not the whole
+    assert whole.keep(12 * GIB) == 0
+    part.observe(free=15 * GIB, kept=0)
+    assert part.keep(12 * GIB) == 11 * GIB
+    part.observe(free=40 * GIB, kept=0)
+    assert part.keep(12 * GIB) == 12 * GIB
+
+
+def test_what_stays_is_decided_against_the_state_at_the_put_away_not_at_the_measure():
+    """The first rollout is measured before the first step creates the optimizer's state: a
+    trainer of 4 GiB of weights then, 12 GiB with Adam's moments at the put-away. auto keeps all
+    12 where the room holds them; it never keeps the 4 it knew of and moves the rest, a part (on
+    the H100 of session 20, step 1 moved the optimizer state while keeping the weights)."""
+    whole, part = Residency(headroom=4 * GIB, whole=True), Residency(headroom=4 * GIB)
+    for r in (whole, part):
+        r.observe(free=20 * GIB, kept=0)  # measured while the weights alone were the state
+    assert whole.keep(12 * GIB) == part.keep(12 * GIB) == 12 * GIB
+    for r in (whole, part):
+        r.observe(free=10 * GIB, kept=0)  # 6 GiB of room: the 12 do not fit
+    assert whole.keep(12 * GIB) == 0 and part.keep(12 * GIB) == 6 * GIB
 
 
 def test_which_trainer_keeps_what():
