@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from transformers.utils import logging as hf_logging
 from rltrain import history, interfaces
 from rltrain.between_steps import BetweenSteps, Residency, TrainerCycle
 from rltrain.checkpoint import Checkpointer, CheckpointError, Restored
-from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError
+from rltrain.config import DISTRIBUTED_COLOCATED, Config, ConfigError, EngineConfig
 from rltrain.engine.command import check_engine, resolve_backend, resolve_device
 from rltrain.engine.launcher import NodeEngine
 from rltrain.engine.layout import EngineLayout
@@ -171,7 +172,7 @@ def setup_run(cfg: Config, world: World, resume_from: Path | None) -> RunParts:
         log.info("trainer created (%s), %s the engines start", cfg.trainer.backend, "while" if overlap else "after")
 
     engine = NodeEngine.launch(
-        cfg.engine,
+        engine_config(cfg),
         cfg.engine_model_path,
         world,
         cfg.run_dir,
@@ -310,6 +311,18 @@ def residency(cfg: Config) -> Residency | None:
     if cfg.loop.offload_trainer == "auto" and cfg.trainer.backend == "fsdp":
         return Residency(headroom, whole=True)
     return None
+
+
+def engine_config(cfg: Config) -> EngineConfig:
+    """`cfg.engine` with what depends on the rest of the run decided: the embedded engine's HTTP
+    in a process of its own where `separate_http_process` is auto and the rollout is multi-turn on
+    GPUs (its requests then come and go every turn, hundreds at once)."""
+    split = cfg.engine.embedded.separate_http_process
+    if split != "auto":
+        return cfg.engine
+    split = cfg.rollout.multi_turn and resolve_device(cfg.engine.device) == "cuda"
+    embedded = dataclasses.replace(cfg.engine.embedded, separate_http_process=split)
+    return dataclasses.replace(cfg.engine, embedded=embedded)
 
 
 def engine_alive(engine: NodeEngine) -> bool:

@@ -245,6 +245,32 @@ def test_sglang_command_places_the_server_on_the_configured_device(deterministic
     assert "--sleep-on-idle" in cpu and "--sleep-on-idle" in gpu
 
 
+def test_multi_turn_rollouts_on_gpus_get_the_embedded_engines_http_in_a_process_of_its_own():
+    """engine.embedded.separate_http_process=auto: on for a multi-turn rollout on GPUs (measured
+    +10 points of single-turn tokens/s on an H100), off for single-turn and on the CPU; an explicit
+    value is kept; an auto nothing resolved starts the engine in one process."""
+    from rltrain.config import load_config
+    from rltrain.engine.command import server_command
+    from rltrain.setup import engine_config
+
+    base = ["model.path=/m", "data.path=synthetic:addition", "engine.backend=embedded"]
+
+    def split(*overrides: str) -> bool:
+        cfg = load_config(None, [*base, *overrides])
+        return "--separate-http-process" in server_command(engine_config(cfg), "/m", 1)
+
+    tools = "rollout.tools=[rltrain.rollout.synthetic:lookup]"
+    assert split("engine.device=cuda", tools)
+    assert split("engine.device=cuda", "rollout.env=rltrain.bench.multiturn:RandomObservations")
+    assert not split("engine.device=cuda")  # single-turn
+    assert not split("engine.device=cpu", tools)
+    assert not split("engine.device=cuda", tools, "engine.embedded.separate_http_process=false")
+    assert split("engine.device=cpu", "engine.embedded.separate_http_process=true")
+    unresolved = load_config(None, [*base, "engine.device=cuda", tools]).engine
+    assert unresolved.embedded.separate_http_process == "auto"
+    assert "--separate-http-process" not in server_command(unresolved, "/m", 1)
+
+
 # ---------------------------------------------------------------------------------- engine layout
 
 

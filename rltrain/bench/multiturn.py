@@ -1,7 +1,8 @@
 """Benchmark: multi-turn rollouts (rollout/multiturn.py) against the same sampled tokens in one turn.
 
     python -m rltrain.bench.multiturn                                   # CPU: a small model, embedded engine
-    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's H200 figure
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's figure
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512 --http same   # one process
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
     python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 
@@ -90,9 +91,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sglang-args", default="", help="extra SGLang server flags on CUDA, one string")
     ap.add_argument("--mem-fraction", type=float, default=0.5)
     ap.add_argument("--engine-args", default="", help="extra flags of the embedded engine, one string")
+    ap.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", "same", "separate"],
+        help="the embedded engine's HTTP in the scheduler's process or one of its own (--separate-http-process); "
+        "auto: as the loop runs multi-turn rollouts (engine.embedded.separate_http_process=auto): separate on CUDA",
+    )
     ap.add_argument("--dir", default=None)
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
+    if a.engine.startswith("embedded") and (a.http == "separate" or (a.http == "auto" and cuda)):
+        a.engine_args = f"{a.engine_args} --separate-http-process".strip()
     shape = a.shape or ("1.7b" if cuda else "0.6b")
     layers = a.layers if a.layers is not None else (None if cuda else 2)
     n = a.trajectories or (512 if cuda else 16)

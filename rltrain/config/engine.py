@@ -30,8 +30,10 @@ class EmbeddedEngineConfig:
     start: Literal["auto", "exec"] = "auto"
     # HTTP (framing, JSON, the API key) in the engine's process, the model and its scheduler in a
     # child process of it, as SGLang splits its server (engine/embedded/split.py): the scheduler
-    # then does not share the interpreter lock with the threads answering HTTP requests.
-    separate_http_process: bool = False
+    # then does not share the interpreter lock with the threads answering HTTP requests. auto: for
+    # multi-turn rollouts on GPUs (1.7B, 512 trajectories x 4 turns on an H100: 65% of the
+    # single-turn tokens/s against 55%, BENCHMARKS.md); elsewhere measured no faster (2 CPU cores).
+    separate_http_process: bool | Literal["auto"] = "auto"
 
     def check(self) -> None:
         if self.max_batch_size < 1:

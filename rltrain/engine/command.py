@@ -147,7 +147,7 @@ def server_command(
             if memory_saver_on(cfg):
                 cmd.append(saver.FLAG)
         cmd += _max_total_tokens(cfg)
-        if cfg.embedded.separate_http_process:
+        if cfg.embedded.separate_http_process is True:  # (auto: resolved by setup.engine_config; else off)
             cmd.append("--separate-http-process")
         if tp_size > 1:  # SGLang's per-TP-rank payloads, received in one process (engine/embedded/receiver.py)
             cmd += ["--tp-size", str(tp_size)]
