@@ -321,6 +321,39 @@ def test_the_colocated_loop_keeps_the_trainer_on_the_gpu_where_the_rollout_leave
     assert pools and max(pools) <= rollout_tokens(cfg, 1, 1), pools
 
 
+def test_the_tool_quickstart_on_a_gpu_runs_its_engine_split_in_two_and_verifies_every_sync(tmp_path):
+    """Multi-turn on a GPU: the embedded engine starts with its HTTP in a process of its own
+    (engine.embedded.separate_http_process=auto), the trajectories' turns go through it, and the
+    weight sync (CUDA IPC, through the HTTP process to the engine's) is verified every step: the
+    engine's probe agrees with the trainer's, no generation fails, the turns are counted."""
+    import json
+    from pathlib import Path
+
+    from multiproc import run_torchrun
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart-tools.yaml"
+    overrides = [
+        f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}",
+        "engine.device=cuda",
+        "engine.dtype=bfloat16",
+        "world.backend=nccl",
+        "trainer.dtype=bfloat16",
+        "loop.steps=3",
+        "checkpoint.interval=0",
+        "metrics.plot=false",
+    ]
+    r = run_torchrun(tmp_path, ["-m", "rltrain"], ["--config", str(config), *overrides], nproc=1, timeout_s=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    rows = [json.loads(x) for x in (tmp_path / "quickstart-tools" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["generation_failed"] == 0 and row["multiturn"]["turns_trajectories"] == row["samples"], row
+        assert 0 <= row["sync_probe_diff"] <= row["sync_probe_worst"], row
+    log = next((tmp_path / "quickstart-tools" / "engine").glob("*.log")).read_text()
+    assert "--separate-http-process" in log
+
+
 def test_an_offload_within_a_budget_returns_what_moved_and_its_overlapped_copies_train_as_without(
     tmp_path, monkeypatch
 ):
