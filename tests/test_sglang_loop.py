@@ -33,11 +33,12 @@ SGLANG_CPU = [
     "engine.dtype=float32",
     f"engine.mem_fraction_static={SGLANG_CPU_MEM_FRACTION}",
     "engine.extra_args=[--max-total-tokens,4096]",
-    # Every wait well inside the harness's 280 s: a stuck phase fails with rltrain's own message
-    # (the phase, the engine's log) rather than the harness's kill.
+    # Every wait inside the harness's 280 s: a stuck phase fails with rltrain's own message (the
+    # phase, the engine's log) rather than the harness's kill. The ranks' waits for each other
+    # (world.timeout_s) outlast the engine's start-up, which the other ranks wait for.
     "engine.startup_timeout_s=150",
     "engine.request_timeout_s=120",
-    "world.timeout_s=120",
+    "world.timeout_s=200",
 ]
 
 
