@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -275,36 +277,46 @@ def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monke
         world.close()
 
 
+def _loop_on_one_gpu(tmp_path: Path, name: str, *overrides: str) -> tuple[Path, list[str], list[dict]]:
+    """configs/<name>.yaml's loop on one GPU (torchrun, one rank, bf16, NCCL, no checkpoints) with
+    `overrides`: its config file, all its overrides, and its metrics rows (it must succeed)."""
+    import json
+
+    from multiproc import run_torchrun
+
+    config = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    every = [
+        f"run.dir={tmp_path}",
+        f"model.path={tmp_path / 'base_model'}",
+        "engine.device=cuda",
+        "engine.dtype=bfloat16",
+        "world.backend=nccl",
+        "trainer.dtype=bfloat16",
+        "checkpoint.interval=0",
+        *overrides,
+    ]
+    r = run_torchrun(tmp_path, ["-m", "rltrain"], ["--config", str(config), *every], nproc=1, timeout_s=600)
+    assert r.returncode == 0, r.stderr[-6000:]
+    return config, every, [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_the_colocated_loop_keeps_the_trainer_on_the_gpu_where_the_rollout_leaves_it_room(tmp_path):
     """The defaults on one GPU (the embedded engine's KV pool sized to the rollout,
     engine.max_total_tokens=auto; loop.offload_trainer=auto): after the first rollout measured
     the room, no step moves any of the trainer's state, which sits beside the engine while it
     generates, and the run trains as ever (a reward every step, no failed generation, every sync
     verified); the engine's pool is the rollout's size, not the memory fraction's."""
-    import json
-    from pathlib import Path
-
-    from multiproc import run_torchrun
     from rltrain.config import load_config
     from rltrain.engine.pool import rollout_tokens
 
-    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
-    overrides = [
-        f"run.dir={tmp_path}",
-        f"model.path={tmp_path / 'base_model'}",
+    config, overrides, rows = _loop_on_one_gpu(
+        tmp_path,
+        "quickstart",
         "metrics.progress_bar=false",
-        "engine.device=cuda",
-        "engine.dtype=bfloat16",
-        "world.backend=nccl",
-        "trainer.dtype=bfloat16",
         "model.build_hidden=256",
         "data.max_prompt_tokens=32",
         "loop.steps=4",
-        "checkpoint.interval=0",
-    ]
-    r = run_torchrun(tmp_path, ["-m", "rltrain"], ["--config", str(config), *overrides], nproc=1, timeout_s=600)
-    assert r.returncode == 0, r.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    )
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     for row in rows:
         assert row["generation_failed"] == 0 and isinstance(row["reward_mean"], float)
@@ -326,26 +338,7 @@ def test_the_tool_quickstart_on_a_gpu_runs_its_engine_split_in_two_and_verifies_
     (engine.embedded.separate_http_process=auto), the trajectories' turns go through it, and the
     weight sync (CUDA IPC, through the HTTP process to the engine's) is verified every step: the
     engine's probe agrees with the trainer's, no generation fails, the turns are counted."""
-    import json
-    from pathlib import Path
-
-    from multiproc import run_torchrun
-
-    config = Path(__file__).resolve().parents[1] / "configs" / "quickstart-tools.yaml"
-    overrides = [
-        f"run.dir={tmp_path}",
-        f"model.path={tmp_path / 'base_model'}",
-        "engine.device=cuda",
-        "engine.dtype=bfloat16",
-        "world.backend=nccl",
-        "trainer.dtype=bfloat16",
-        "loop.steps=3",
-        "checkpoint.interval=0",
-        "metrics.plot=false",
-    ]
-    r = run_torchrun(tmp_path, ["-m", "rltrain"], ["--config", str(config), *overrides], nproc=1, timeout_s=600)
-    assert r.returncode == 0, r.stderr[-6000:]
-    rows = [json.loads(x) for x in (tmp_path / "quickstart-tools" / "metrics.jsonl").read_text().splitlines()]
+    _, _, rows = _loop_on_one_gpu(tmp_path, "quickstart-tools", "loop.steps=3", "metrics.plot=false")
     assert [row["step"] for row in rows] == [1, 2, 3]
     for row in rows:
         assert row["generation_failed"] == 0 and row["multiturn"]["turns_trajectories"] == row["samples"], row
