@@ -312,9 +312,7 @@ class PagedDecoder:
         if self.pool is not None:
             return
         P = self.page_size
-        pages = pool_pages(
-            self.config, self.dtype, self.device, self.max_rows, self.max_pages, self.pool_tokens, self.mem_fraction
-        )
+        pages = self._pool_pages()
         with in_region(self.saver, "kv_cache"):
             self.pool = KVPool(self.config, pages, P, self.dtype, self.device)
         self.prefixes = PrefixCache(self.pool)
@@ -324,12 +322,13 @@ class PagedDecoder:
     def max_total_num_tokens(self) -> int:
         """Tokens the pool holds (SGLang's server-info field): the last pool made, or before the
         first admission makes one, what it would be made with now."""
-        if self.pool_size:
-            return self.pool_size
-        pages = pool_pages(
+        return self.pool_size or (self._pool_pages() - 1) * self.page_size
+
+    def _pool_pages(self) -> int:
+        """Pages a pool made now would have (kv_pool.py's `pool_pages`)."""
+        return pool_pages(
             self.config, self.dtype, self.device, self.max_rows, self.max_pages, self.pool_tokens, self.mem_fraction
         )
-        return (pages - 1) * self.page_size
 
     def free_memory(self, kv_cache: bool) -> None:
         """Drop the captured graphs (they hold the pool's and the weights' addresses: any region
