@@ -531,3 +531,31 @@ def test_the_prefix_cache_gives_its_pages_back_when_a_request_needs_them_and_is_
     state = {n: t.clone() for n, t in paged.model.state_dict().items()}
     paged.load_named_tensors(list(state.items()), weight_version="same-values")
     assert run(paged, [again], params)[0]["meta_info"]["cached_tokens"] == 0
+
+
+def test_compiled_blocks_trace_whole_through_the_paged_attention_and_generate_what_plain_blocks_do(
+    engines, model, monkeypatch
+):
+    """--enable-torch-compile: each transformer block is one graph, the paged attention (with its
+    cache writes) one op in it, in decode steps and in prefills of whole prompts and of prompts
+    extending the prefix cache's keys. A graph break there would put the host back in the loop
+    at every layer (a multi-turn rollout's prefills were host-bound): fullgraph makes one fail
+    the engine's start-up probe. Traced by dynamo, run by its eager backend (the CPU: no
+    inductor build; test_gpu.py compiles with inductor); greedy tokens are the plain engine's."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager", "fullgraph": True}))
+    _, plain = engines
+    compiled = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, compile=True)
+    try:
+        assert compiled.decoder is not None and compiled.decoder.compiled
+        greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = [[1, 2, 3], [5, 6, 7, 8] * 9, [9] * 20]
+        for turn in range(2):  # the second turn extends each first turn's cached prompt and answer
+            plain.flush_cache()
+            a = run(plain, prompts, greedy)
+            b = run(compiled, prompts, greedy)
+            assert [y["meta_info"]["cached_tokens"] > 0 for y in b] == [turn > 0] * len(prompts)
+            assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], turn
+            prompts = [p + x["output_ids"] + [11, 12, 13] for p, x in zip(prompts, a)]
+    finally:
+        compiled.shutdown()

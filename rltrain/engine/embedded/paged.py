@@ -12,7 +12,7 @@ around them (admission, continuous batching, sampling) is batching.py's.
 **The model.** transformers' own modules run the forward: the layers' attention goes through
 transformers' attention interface to `_paged_attention` (registered under its own name). Prefill
 packs every admitted prompt into one sequence (no padding), writes the prompts' keys and values
-into their pages (the cache object the model updates) and runs causal attention per group of
+into their pages (in the attention, before it attends) and runs causal attention per group of
 equal-length prompts; prompts that extend keys already in their pages (a later turn, a
 prefix-cache hit) attend through `paged_extend_attention` on CUDA, which reads every one's keys
 in its pages in one kernel per layer (elsewhere their pages are gathered for SDPA). Decode runs
@@ -123,26 +123,16 @@ PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 
 
 class _PagedCache:
-    """The cache object transformers' layers update: in prefill it writes the new keys and values
-    into the pool; in decode the attention kernel writes them (one kernel, not two scatters).
-    Either way it hands them back unchanged (the attention reads the pool itself). Runs eagerly
-    in compiled blocks (it reads the running forward's thread-local step)."""
+    """The cache object transformers' layers update: it hands the keys and values back unchanged
+    (the attention op writes them into the pool and reads the pool itself) and counts the calls
+    when not compiled (`verify` checks that every layer made one)."""
 
-    @torch.compiler.disable
     def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
-        step: _Step = _current.step
-        _current.updates += 1
-        if step.groups is None:  # decode: `_paged_attention` stores them
-            return k, v
-        # k, v [B, kv_heads, L, D] -> one [tokens, kv_heads, D] row per slot
-        kk = k.transpose(1, 2).reshape(-1, k.shape[1], k.shape[3])
-        vv = v.transpose(1, 2).reshape(-1, v.shape[1], v.shape[3])
-        step.pool.k[layer_idx][step.page, :, step.offset] = kk
-        step.pool.v[layer_idx][step.page, :, step.offset] = vv
+        if not torch.compiler.is_compiling():
+            _current.updates += 1
         return k, v
 
 
-@torch.compiler.disable
 def _paged_attention(
     module: torch.nn.Module,
     q: torch.Tensor,
@@ -152,20 +142,38 @@ def _paged_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface: q [B, H, L, D] -> [B, L, H, D]."""
-    step: _Step = _current.step
+    """transformers' attention interface: q [B, H, L, D] -> [B, L, H, D], by one custom op that
+    compiled blocks call in their graph (no graph break: a block is one compiled graph)."""
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     layer = cast(int, module.layer_idx)  # (transformers' attention modules carry their layer's index)
+    return torch.ops.rltrain.paged_attention(q, k, v, layer, scale), None
+
+
+@torch.library.custom_op("rltrain::paged_attention", mutates_args=())
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """One layer's attention on the pool for the running forward's step (thread-local, read at
+    run time: the compiler sees only the shapes, from `_attend_shape`). Decode: one new token per
+    row, stored, then attended over its pages, in one kernel. Prefill: the prompts' new keys and
+    values written into their slots, then attended (extending prompts read them in their pages)."""
+    step: _Step = _current.step
     _current.attentions += 1
-    if step.groups is None:  # decode: one new token per row, stored, then attended over its pages
+    if step.groups is None:
         assert step.table is not None and step.lens is not None
         pool = step.pool
         out = paged_decode_attention(
             q[:, :, 0], pool.k[layer], pool.v[layer], step.table, step.lens, scale, k[:, :, 0], v[:, :, 0]
         )
-        return out[:, None], None
+        return out[:, None]
+    # k, v [1, kv_heads, T, D] -> one [T, kv_heads, D] row per slot
+    step.pool.k[layer][step.page, :, step.offset] = k[0].transpose(0, 1)
+    step.pool.v[layer][step.page, :, step.offset] = v[0].transpose(0, 1)
     with sdpa_kernel(PREFILL_BACKENDS):
-        return _prefill_attention(step, layer, q, k, v, scale), None
+        return _prefill_attention(step, layer, q, k, v, scale)
+
+
+@_attend.register_fake
+def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
 
 
 def _prefill_attention(
@@ -255,8 +263,8 @@ class PagedDecoder:
         # graph serves every decode bucket, one every prefill's packed length): inductor fuses the
         # norms, rotary and activation around the matmuls, which eager runs as ~20 small kernels
         # per block, each queued by the host (a multi-turn rollout's extend prefills were
-        # host-bound). The attention and the cache writes stay eager between the compiled halves
-        # of a block.
+        # host-bound). The attention (with its cache writes) is one custom op in the block's graph,
+        # opaque to the compiler: a block is one compiled graph, entered once per layer.
         if compile:  # (the blocks pass their layer index to the cache: one graph for all of them)
             internals.get("torch._dynamo.config").allow_unspec_int_on_nn_module = True
         blocks = set(getattr(model, "_no_split_modules", None) or [])
@@ -387,12 +395,18 @@ class PagedDecoder:
             _current.step = None
 
     def prefill_forward(
-        self, prompts: list[list[int]], tables: list[list[int]], starts: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        tables: list[list[int]],
+        starts: list[int] | None = None,
+        *,
+        compiled: bool = True,
     ) -> torch.Tensor:
         """Packed prefill of `prompts` (written to `tables`' pages): the last position's logits of
         each, [len(prompts), vocab] float32. `starts[i]`: how many of prompt i's first tokens
         already have their keys in its pages (the prefix cache; 0 by default): only the rest runs.
-        Whole prompts of one length run as one SDPA batch, extending ones by their page count."""
+        Whole prompts of one length run as one SDPA batch, extending ones by their page count.
+        `compiled=False`: the blocks' plain forwards even where compiled ones are made."""
         assert self.pool is not None
         starts = starts if starts is not None else [0] * len(prompts)
         whole = sorted((i for i in range(len(prompts)) if not starts[i]), key=lambda i: len(prompts[i]))
@@ -460,7 +474,7 @@ class PagedDecoder:
         step = _Step(
             self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends, extend_rows=rows
         )
-        with self._blocks_compiled():
+        with self._blocks_compiled() if compiled else contextlib.nullcontext():
             logits = self._forward(
                 step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
             )
@@ -495,7 +509,8 @@ class PagedDecoder:
         pages = self.pool.alloc(3)
         try:
             layers = self.config.num_hidden_layers
-            got = [self.prefill_forward([prompt], [pages])[0]]
+            # (plain blocks: a compiled one makes the cache's update call in its trace, not here)
+            got = [self.prefill_forward([prompt], [pages], compiled=False)[0]]
             if (_current.updates, _current.attentions) != (layers, layers):
                 raise RuntimeError(
                     f"{type(self.model).__name__}: {_current.updates} of {layers} layers wrote the paged cache and "
