@@ -113,7 +113,7 @@ class FSDPTrainer:
         self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
         self._reshards = 0  # re-shards of fresh modules (a full gc every GC_EVERY)
         self._rebind_refused = False  # rebind said no once: said in the log once
-        self._keep_refused = False  # a kept part held more memory than it was allowed: all moves since
+        self._keep_refused = False  # kept parts stranded freed memory twice: all moves since
         self._hf_config = AutoConfig.from_pretrained(model_path)
         self._specs: list[WeightSpecRow] | None = None
         # From `_specs`: checkpoint name -> module tensor, and the module tensors stored converted.
@@ -300,7 +300,7 @@ class FSDPTrainer:
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
         if self.device.type == "cuda" and park.kept and park.all_if_stranded(self._groups(), self.device):
-            self._keep_refused = True  # (said once: every offload from now on moves everything)
+            self._keep_refused = park.refuses_keep  # (the first time, this offload only)
 
     def _settle(self) -> None:
         """The optimizer state that came back behind the weights is there for what runs next."""

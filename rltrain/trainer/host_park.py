@@ -100,6 +100,7 @@ class HostPark:
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
         self.copies_in = 0  # and the last onload
+        self.strandings = 0  # offloads whose kept part stranded freed memory (`all_if_stranded`)
         self._early: list[Parked] = []  # staged, copy out begun
         self._late: list[Parked] = []  # re-allocated, copy back not yet waited for (CPU: not yet made)
         self._out_done: torch.cuda.Event | None = None
@@ -256,20 +257,33 @@ class HostPark:
     def all_if_stranded(self, groups: Sequence[list[torch.Tensor]], device: torch.device) -> bool:
         """After an offload that kept part of the state: where the caching allocator holds more
         than `STRANDED_BYTES` freed bytes it could not hand back to the driver (in segments shared
-        with what stayed: not the engines'), the rest of `groups` moves too, said once. Whether it did."""
+        with what stayed: not the engines'), the rest of `groups` moves too. Whether it did. The
+        first time, that offload only (`refuses_keep` stays False): state the step made on the
+        device (the optimizer's moments, born among the freed gradients) shares their segments,
+        and the next onload lays the state out anew in its own. From the second, every offload
+        (`refuses_keep`). Said each time it happens, which."""
         stranded = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         if stranded <= STRANDED_BYTES:
             return False
+        self.strandings += 1
         log.warning(
             "trainer: %.2f GiB freed by the offload stay with the caching allocator (segments shared with the "
-            "%.2f GiB of state kept on the device): the whole state moves at every offload from now on",
+            "%.2f GiB of state kept on the device): the whole state moves %s",
             stranded / 2**30,
             self.kept / 2**30,
+            "at every offload from now on"
+            if self.refuses_keep
+            else "this time (its next onload lays it out in segments of its own; a second time, at every offload)",
         )
         self.unpark()
         self.park(groups)
         free_cuda_caches()
         return True
+
+    @property
+    def refuses_keep(self) -> bool:
+        """Whether kept parts stranded freed memory twice: every offload moves the whole state."""
+        return self.strandings > 1
 
     def drain(self) -> None:
         """Every copy in flight done (before the storages or this object, with its buffer, go)."""
