@@ -559,3 +559,20 @@ def test_compiled_blocks_trace_whole_through_the_paged_attention_and_generate_wh
             prompts = [p + x["output_ids"] + [11, 12, 13] for p, x in zip(prompts, a)]
     finally:
         compiled.shutdown()
+
+
+def test_the_quickstarts_model_of_a_128_token_context_runs_the_paged_path(tmp_path):
+    """The start-up probe fits the engine's context: the quickstart's model (max_position_embeddings
+    128: rows of two pages) failed it (the probe's rows took three pages), and the engine fell back
+    to transformers' own cache on the GPU, one batch at a time. Greedy tokens are transformers'."""
+    from rltrain.rollout.synthetic import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "m", [str(i) for i in range(10)] + ["+", "="], hidden=64)
+    engine = EmbeddedEngine(str(path), decode="paged")
+    try:
+        assert engine.decoder is not None and engine.decoder.max_pages == 2
+        prompts = [[3, 4, 5], [6, 7] * 30]
+        greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        assert [x["output_ids"] for x in run(engine, prompts, greedy)] == hf_greedy(path, prompts, 8)
+    finally:
+        engine.shutdown()

@@ -250,6 +250,7 @@ class PagedDecoder:
         self.vocab: int = head.weight.shape[0] if head is not None else self.config.vocab_size
         self.max_rows = max_rows
         self.page_size = PAGE_SIZE
+        self.context_length = context_length
         self.max_pages = -(-context_length // PAGE_SIZE)
         self.pool_tokens = pool_tokens
         self.mem_fraction = mem_fraction
@@ -502,11 +503,14 @@ class PagedDecoder:
         """Run a probe (a prompt across a page boundary, then greedy decode steps, then the whole
         sequence again extending half a page of cached keys) through the paged path and through
         transformers' plain forward; raise if they disagree or a layer
-        bypassed the attention interface. Returns the largest logit difference."""
+        bypassed the attention interface. Returns the largest logit difference. The probe fits
+        the engine's context (a model of a 128-token context has rows of two pages)."""
         vocab = self.config.vocab_size
-        prompt = [(7 * i + 3) % vocab for i in range(self.page_size + 3)]
-        kept, self.pool = self.pool, KVPool(self.config, 7, self.page_size, self.dtype, self.device)
-        pages = self.pool.alloc(3)
+        steps = 3  # decode steps after the prompt
+        prompt = [(7 * i + 3) % vocab for i in range(max(1, min(self.page_size + 3, self.context_length - steps)))]
+        need = -(-(len(prompt) + steps) // self.page_size)
+        kept, self.pool = self.pool, KVPool(self.config, 2 * need + 1, self.page_size, self.dtype, self.device)
+        pages = self.pool.alloc(need)
         try:
             layers = self.config.num_hidden_layers
             # (plain blocks: a compiled one makes the cache's update call in its trace, not here)
@@ -529,7 +533,7 @@ class PagedDecoder:
                 logits = self.decode(torch.full((rows,), seq[-1], device=self.device), pos, table.expand(rows, -1))
                 got.append(logits[0].to(torch.float32, copy=True))
             # The prefix cache's path: half a page prefilled, then the rest extending its keys.
-            half, extra = self.page_size // 2, self.pool.alloc(3)
+            half, extra = min(self.page_size // 2, len(seq) - 1), self.pool.alloc(need)
             self.prefill_forward([seq[:half]], [extra])
             got.append(self.prefill_forward([seq], [extra], starts=[half])[0])
             ref = self.model(input_ids=torch.tensor([seq], device=self.device)).logits[0, len(prompt) - 1 :].float()
