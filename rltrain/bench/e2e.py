@@ -341,13 +341,20 @@ def report(
     # (where the trainer keeps part or all of its state, what its rows say moved).
     resident = any("offload_kept_gib" in r for r in steady)  # loop.offload_trainer auto (fsdp) or fit
     if resident:
-        moved = mean(lambda r: r.get("offload_moved_gib", 0.0)) * 2**30
+        out = [r.get("offload_moved_gib", 0.0) * 2**30 for r in rows]
     else:
-        moved = mean(lambda r: r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0)) * 2**30
+        out = [r["memory"]["rank0"]["trainer_offload"].get("trainer_host", 0.0) * 2**30 for r in rows]
+    # A step's onload brings back what the step before put away (step 2's: step 1's, which may
+    # move what later steps keep).
+    first = len(rows) - len(steady)
+    moved = {
+        "trainer_offload": sum(out[first:]) / len(steady),
+        "trainer_onload": sum(out[max(i - 1, 0)] for i in range(first, len(rows))) / len(steady),
+    }
     # The bytes each switch moves and the floor of that copy (the rate measured in this run).
     floors = {
-        "trainer_offload": (moved, moved / d2h / 1e9),
-        "trainer_onload": (moved, moved / h2d / 1e9),
+        "trainer_offload": (moved["trainer_offload"], moved["trainer_offload"] / d2h / 1e9),
+        "trainer_onload": (moved["trainer_onload"], moved["trainer_onload"] / h2d / 1e9),
         "sync": (params * 2, ipc_floor_s),
     }
     total = floor = 0.0
@@ -370,6 +377,11 @@ def report(
         f"{'all phase switches':>28s} {total:13.3f}s  {total / step_s:6.1%} of the step "
         f"({'meets' if total / step_s <= 0.05 else 'misses'} <= 5%); {against}"
     )
+    # Step by step (the mean hides a one-time cost: step 2's onload of what step 1 moved).
+    by_step = [(r["step"], sum(r["time"].get(p, 0.0) for p in SWITCHES), r["time"]["step"]) for r in rows]
+    lines.append(
+        f"{'phase switches, each step':>28s} " + ", ".join(f"{n}: {s:.3f}s {s / t:.1%}" for n, s, t in by_step)
+    )
     probe = mean(lambda r: r.get("sync_probe_diff", float("nan")))
     worst = mean(lambda r: r.get("sync_probe_worst", float("nan")))
     lines.append(
@@ -379,13 +391,13 @@ def report(
     fit = _offload_mode(run_dir) == "fit"
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
         s = mean(lambda r, p=p: r["time"].get(p, 0.0))
-        if moved < 2**20:
+        if moved[p] < 2**20:
             lines.append(f"{p + ' bandwidth':>28s} {'-':>13s}  nothing moved: the whole state stayed on the device")
             continue
-        rate = moved / s / 1e9 if s > 0 else 0.0
+        rate = moved[p] / s / 1e9 if s > 0 else 0.0
         lines.append(
             f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
-            f"({moved / 2**30:.2f} GiB of trainer state"
+            f"({moved[p] / 2**30:.2f} GiB of trainer state"
             + ("; fit: the optimizer state's copies overlap other phases, so not a copy rate)" if fit else ")")
         )
     parts = sorted({k for r in steady for k in r if k.startswith(("onload_", "offload_")) and k.endswith("_s")})
