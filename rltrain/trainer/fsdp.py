@@ -113,7 +113,6 @@ class FSDPTrainer:
         self._park: HostPark | None = None  # the host copy of the storages while offloaded in place
         self._reshards = 0  # re-shards of fresh modules (a full gc every GC_EVERY)
         self._rebind_refused = False  # rebind said no once: said in the log once
-        self._keep_refused = False  # kept parts stranded freed memory twice: all moves since
         self._hf_config = AutoConfig.from_pretrained(model_path)
         self._specs: list[WeightSpecRow] | None = None
         # From `_specs`: checkpoint name -> module tensor, and the module tensors stored converted.
@@ -299,8 +298,13 @@ class FSDPTrainer:
                 park.park(self._groups(), keep)
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
-        if self.device.type == "cuda" and park.kept and park.all_if_stranded(self._groups(), self.device):
-            self._keep_refused = park.refuses_keep  # (the first time, this offload only)
+        if self.device.type == "cuda" and park.kept:
+            park.all_if_stranded(self._groups(), self.device)  # (what stayed strands freed memory: all moves)
+
+    @property
+    def _keep_refused(self) -> bool:
+        """Kept parts stranded freed memory twice (`HostPark.refuses_keep`): every offload moves all."""
+        return self._park is not None and self._park.refuses_keep
 
     def _settle(self) -> None:
         """The optimizer state that came back behind the weights is there for what runs next."""
