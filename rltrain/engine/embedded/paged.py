@@ -266,7 +266,7 @@ class PagedDecoder:
         # per block, each queued by the host (a multi-turn rollout's extend prefills were
         # host-bound). The attention (with its cache writes) is one custom op in the block's graph,
         # opaque to the compiler: a block is one compiled graph, entered once per layer.
-        if compile:  # (the blocks pass their layer index to the cache: one graph for all of them)
+        if compile:  # (the blocks pass their layer index to the attention op: one graph for all of them)
             internals.get("torch._dynamo.config").allow_unspec_int_on_nn_module = True
         blocks = set(getattr(model, "_no_split_modules", None) or [])
         self._compiled = (
