@@ -68,7 +68,7 @@ def page_step(
     return m_new, s_sum, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_pages"])
 def _paged_decode_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -89,11 +89,11 @@ def _paged_decode_kernel(
     stride_oh: tl.tensor,
     stride_nb: tl.tensor,
     stride_nh: tl.tensor,
+    max_pages: tl.tensor,  # (the table's width: the interpreter's loop bound; no kernel per width)
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     D: tl.constexpr,
     P: tl.constexpr,
-    MAX_PAGES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     IEEE: tl.constexpr,
     NEW: tl.constexpr,
@@ -126,7 +126,7 @@ def _paged_decode_kernel(
     if DYNAMIC:
         hi = length
     else:
-        hi = MAX_PAGES * P
+        hi = max_pages * P
     for start in tl.range(0, hi, P, num_stages=STAGES):
         page = tl.load(table_ptr + b * stride_tb + start // P).to(tl.int64)
         nmask = start + n < length
@@ -199,11 +199,11 @@ def paged_decode(
         out.stride(1),
         k_new.stride(0),
         k_new.stride(1),
+        page_table.shape[1],
         G=G,
         BLOCK_G=max(16, triton.next_power_of_2(G)),
         D=D,
         P=P,
-        MAX_PAGES=page_table.shape[1],
         DYNAMIC=not interpreted(),
         IEEE=q.dtype == torch.float32,
         NEW=new,

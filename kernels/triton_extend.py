@@ -20,7 +20,7 @@ from .triton_decode import STAGES, interpreted, page_step
 BLOCK_T = 16  # query tokens per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_pages"])
 def _paged_extend_kernel(
     q_ptr: tl.tensor,
     k_ptr: tl.tensor,
@@ -39,12 +39,12 @@ def _paged_extend_kernel(
     stride_tb: tl.tensor,
     stride_ot: tl.tensor,
     stride_oh: tl.tensor,
+    max_pages: tl.tensor,  # (the table's width: the interpreter's loop bound; no kernel per width)
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
     D: tl.constexpr,
     P: tl.constexpr,
-    MAX_PAGES: tl.constexpr,
     DYNAMIC: tl.constexpr,
     IEEE: tl.constexpr,
     STAGES: tl.constexpr,
@@ -74,7 +74,7 @@ def _paged_extend_kernel(
     if DYNAMIC:
         hi = tl.minimum(length, ctx + t0 + BLOCK_T)  # (the block's last query's position, plus one)
     else:
-        hi = MAX_PAGES * P
+        hi = max_pages * P
     for start in tl.range(0, hi, P, num_stages=STAGES):
         page = tl.load(table_ptr + r * stride_tb + start // P).to(tl.int64)
         cols = start + n
@@ -145,12 +145,12 @@ def paged_extend(
         table.stride(0),
         out.stride(0),
         out.stride(1),
+        table.shape[1],
         G=G,
         BLOCK_G=triton.next_power_of_2(G),
         BLOCK_T=BLOCK_T,
         D=D,
         P=P,
-        MAX_PAGES=table.shape[1],
         DYNAMIC=not interpreted(),
         IEEE=q.dtype == torch.float32,
         STAGES=STAGES,

@@ -579,8 +579,13 @@ def test_cuda_decode_kernel_matches_the_reference(dtype, new):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_extend_kernel_compiled_reads_the_pages_like_the_reference(dtype):
     """The paged extend kernel compiled for the GPU against its torch reference: rows of new
-    queries after 0 to 70 cached keys, GQA groups of 2 (Qwen3-1.7B's) and 8, bf16 and fp32."""
+    queries after 0 to 70 cached keys, GQA groups of 2 (Qwen3-1.7B's) and 8, bf16 and fp32; page
+    tables of three widths served by one compiled kernel (a width used to compile its own)."""
+    from rltrain.kernels import triton_extend
     from rltrain.kernels.extend_attention import paged_extend_attention, reference_paged_extend_attention
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in triton_extend._paged_extend_kernel.device_caches.values())
 
     for groups in (2, 8):
         g = torch.Generator(device="cuda").manual_seed(groups)
@@ -588,20 +593,24 @@ def test_the_extend_kernel_compiled_reads_the_pages_like_the_reference(dtype):
         k, v = (torch.randn(pool, kvh, P, D, generator=g, device="cuda").to(dtype) for _ in range(2))
         rows = [(0, 33), (70, 33), (15, 1), (16, 40), (33, 0)]
         pages = torch.randperm(pool - 1, generator=g, device="cuda") + 1
-        table = pages[: len(rows) * 8].view(len(rows), 8).int()
         starts = [sum(n for _, n in rows[:r]) for r in range(len(rows))]
         T = sum(n for _, n in rows)
         q = torch.randn(kvh * groups, T, D, generator=g, device="cuda").to(dtype).transpose(0, 1)
-        args = [
-            table,
-            *(
-                torch.tensor(x, dtype=torch.int32, device="cuda")
-                for x in (starts, [n for _, n in rows], [c for c, _ in rows])
-            ),
-        ]
-        out = paged_extend_attention(q, k, v, *args, D**-0.5, max(n for _, n in rows), impl="triton")
-        ref = reference_paged_extend_attention(q.float(), k.float(), v.float(), *args, D**-0.5)
-        torch.testing.assert_close(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
+        for width in (8, 11, 9):
+            table = pages[: len(rows) * width].view(len(rows), width).int()
+            args = [
+                table,
+                *(
+                    torch.tensor(x, dtype=torch.int32, device="cuda")
+                    for x in (starts, [n for _, n in rows], [c for c, _ in rows])
+                ),
+            ]
+            out = paged_extend_attention(q, k, v, *args, D**-0.5, max(n for _, n in rows), impl="triton")
+            ref = reference_paged_extend_attention(q.float(), k.float(), v.float(), *args, D**-0.5)
+            torch.testing.assert_close(out.float(), ref, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=0)
+            if width == 8:
+                kernels = compiled()
+        assert compiled() == kernels
 
 
 def test_compiled_blocks_in_decode_and_extend_prefills_generate_what_eager_blocks_do(model_a):
