@@ -32,13 +32,10 @@ def model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("paged") / "m", 3, arch="qwen3", hidden=64, layers=2)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["prefill-inline", "prefill-aside"])
-def engines(model, request):
-    """transformers' path and the paged one; the paged one's prefills in its scheduler's thread
-    (the CPU's default) or on the worker beside the decode steps (CUDA's: batching.py)."""
+@pytest.fixture(scope="module")
+def engines(model):
     hf = EmbeddedEngine(str(model), decode="hf")
-    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_aside=request.param)
-    assert paged.scheduler.paged is not None and paged.scheduler.paged.prefill_aside == request.param
+    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
     yield hf, paged
     hf.shutdown()
     paged.shutdown()
@@ -314,107 +311,6 @@ def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
     paged.flush_cache()  # (the prefix cache keeps the finished rows' pages)
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
-
-
-def _gated_prefill(monkeypatch, decoder, marker):
-    """The decoder's prefill_forward held at a gate when it prefills a prompt starting with
-    `marker` (a test-only delay): (entered, gate) events."""
-    real, entered, gate = decoder.prefill_forward, threading.Event(), threading.Event()
-
-    def held(prompts, *args, **kwargs):
-        if any(p[: len(marker)] == marker for p in prompts):
-            entered.set()
-            assert gate.wait(60), "the test never opened the gate"
-        return real(prompts, *args, **kwargs)
-
-    monkeypatch.setattr(decoder, "prefill_forward", held)
-    return entered, gate
-
-
-def _wait_for(predicate, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-    return True
-
-
-@pytest.mark.parametrize("aside", [False, True], ids=["prefill-inline", "prefill-aside"])
-def test_a_prefill_beside_the_decode_lets_the_running_rows_decode_while_it_runs(model, monkeypatch, aside):
-    """With the prefill on the worker (CUDA's default), a request admitted while another decodes
-    is prefilled beside its decode steps: held at its prefill (a test-only delay), the running
-    row goes on decoding, where the inline prefill stops it; both answer what they answer alone."""
-    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_aside=aside)
-    try:
-        long = SamplingParams(max_new_tokens=400, temperature=1.0, sampling_seed=3, ignore_eos=True)
-        short = SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=4, n=2, ignore_eos=True)
-        alone_long, alone_short = run(engine, [[1, 2, 3]], long), run(engine, [[9, 9, 8]], short)
-        engine.flush_cache()
-        stats = engine.decoder.stats
-        entered, gate = _gated_prefill(monkeypatch, engine.decoder, [9, 9, 8])
-        steps = stats["decode_steps"]
-        f_long = engine.submit([[1, 2, 3]], long, True)
-        assert _wait_for(lambda: stats["decode_steps"] > steps)
-        f_short = engine.submit([[9, 9, 8]], short, True)
-        assert entered.wait(60)
-        held = stats["decode_steps"]
-        went_on = _wait_for(lambda: stats["decode_steps"] >= held + 20, timeout=2.0 if not aside else 60.0)
-        gate.set()
-        assert went_on == aside, (held, stats["decode_steps"])
-        assert [x["output_ids"] for x in f_short.result(timeout=120)] == [x["output_ids"] for x in alone_short]
-        assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
-        engine.flush_cache()
-        assert engine.decoder.pool.free == engine.decoder.pool.pages - 1  # every page back
-    finally:
-        engine.shutdown()
-
-
-def test_a_prefill_beside_the_decode_that_fails_or_is_paused_loses_nothing(model, monkeypatch):
-    """The worker's prefill fails: every request in flight gets its error (as an inline one's),
-    and the engine serves the next; an abort while a prefill runs on the worker waits for it,
-    then ends its rows with the others'; every page comes back."""
-    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_aside=True)
-    try:
-        decoder = engine.decoder
-        real = decoder.prefill_forward
-
-        def broken(prompts, *args, **kwargs):
-            if any(p[:2] == [7, 7] for p in prompts):
-                raise RuntimeError("injected prefill failure")
-            return real(prompts, *args, **kwargs)
-
-        monkeypatch.setattr(decoder, "prefill_forward", broken)
-        long = SamplingParams(max_new_tokens=300, temperature=1.0, sampling_seed=3, ignore_eos=True)
-        steps = decoder.stats["decode_steps"]
-        f_long = engine.submit([[1, 2, 3]], long, True)
-        assert _wait_for(lambda: decoder.stats["decode_steps"] > steps)
-        f_bad = engine.submit([[7, 7, 1]], SamplingParams(max_new_tokens=4), True)
-        for f in (f_bad, f_long):
-            with pytest.raises(RuntimeError, match="injected prefill failure"):
-                f.result(timeout=120)
-        assert run(engine, [[1, 2]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
-        monkeypatch.setattr(decoder, "prefill_forward", real)
-
-        entered, gate = _gated_prefill(monkeypatch, decoder, [9, 9, 8])
-        steps = decoder.stats["decode_steps"]
-        f_long = engine.submit([[1, 2, 3]], long, True)
-        assert _wait_for(lambda: decoder.stats["decode_steps"] > steps)
-        f_short = engine.submit([[9, 9, 8]], SamplingParams(max_new_tokens=200, ignore_eos=True), True)
-        assert entered.wait(60)
-        engine.pause("abort")
-        time.sleep(0.2)
-        assert not f_long.done()  # (held until the prefill on the worker is done)
-        gate.set()
-        for f in (f_long, f_short):
-            (out,) = f.result(timeout=120)
-            assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
-        engine.resume_generation()
-        assert run(engine, [[9, 9, 8]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
-        engine.flush_cache()
-        assert decoder.pool.free == decoder.pool.pages - 1
-    finally:
-        engine.shutdown()
 
 
 def test_no_garbage_collection_runs_while_either_path_generates(engines):

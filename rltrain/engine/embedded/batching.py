@@ -17,28 +17,15 @@ Sampling runs after each step, batched, in one pass over the logits on CUDA (sam
 host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
 `overlap=False` (SGLang's --disable-overlap-schedule) reads each step before queuing the next:
 the same tokens, with the host's work between the device's steps (bench.engine compares them).
-
-**Prefill beside the decode.** Admitted requests are prefilled by a worker thread, on a CUDA stream
-of its own, while the scheduler goes on queuing the running rows' decode steps; the rows join the
-batch once their prefill and first tokens are done (`prefill_aside`, on by default on CUDA). A
-prefill's host work (queuing a forward of every layer: ~20-35 ms at the 1.7B shape, longer than
-its kernels) no longer stops the decode, and the requests that arrive meanwhile are admitted
-together at the next admission (one prefill in flight at a time). Its pages are reserved at
-admission, as before; it starts after the decode steps queued before it (a page a finished row
-gave back may still take its last step's key), and no graph is captured while it is being queued
-(a capture forbids other threads' synchronising calls). Off (`deterministic`, `overlap=False`,
-the CPU by default) the prefill runs in the scheduler's thread, the decode waiting for it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,24 +62,6 @@ class _Launched:
     ready: Any
 
 
-@dataclass
-class _Prefill:
-    """An admission whose prefill runs on the worker: the rows that join once it is done, and the
-    worker's future of their first tokens (a `_Launched`)."""
-
-    seqs: list[_Seq]
-    launched: Future[_Launched]
-
-    def done(self) -> bool:
-        """Whether its first tokens are on the host (nothing to wait for)."""
-        if not self.launched.done():
-            return False
-        if self.launched.exception() is not None:
-            return True
-        ready = self.launched.result().ready
-        return ready is None or ready.query()
-
-
 def _to_host(tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """Start copying (tokens, log-probs) to the host: (the host tensor, the event after which it
     holds them; None on CPU)."""
@@ -117,7 +86,6 @@ class ContinuousBatcher:
         eos_ids: set[int],
         deterministic: bool = False,
         overlap: bool = True,
-        prefill_aside: bool | None = None,
     ):
         self.decoder = decoder
         self.device = decoder.device
@@ -127,11 +95,6 @@ class ContinuousBatcher:
         self.eos_ids = eos_ids
         self.deterministic = deterministic
         self.overlap = overlap
-        # (module doc; None: on CUDA)
-        aside = decoder.device.type == "cuda" if prefill_aside is None else prefill_aside
-        self.prefill_aside = aside and overlap and not deterministic
-        self._worker: ThreadPoolExecutor | None = None  # the prefill's thread, while serving
-        self._stream = torch.cuda.Stream(self.device) if self.prefill_aside and self.device.type == "cuda" else None
         self.stats = decoder.stats  # (tokens are counted here, the forwards in the decoder)
         self.waiting: deque[GenRequest] = deque()
 
@@ -152,14 +115,7 @@ class ContinuousBatcher:
         self.decoder.graphs.last_rows = 0
         t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
-            if self.prefill_aside:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="prefill")
-            try:
-                self._serve(take, can_run, running, abort, weight_version, remaining)
-            finally:  # (no prefill is queued once this returns: a release may follow)
-                if self._worker is not None:
-                    self._worker.shutdown(wait=True)
-                    self._worker = None
+            self._serve(take, can_run, running, abort, weight_version, remaining)
         except BaseException as e:
             log.exception("generation failed; failing %d requests", len(remaining) + len(self.waiting))
             for rows, _ in remaining.values():
@@ -191,13 +147,10 @@ class ContinuousBatcher:
         is handed out again only after (the stream orders the writes). The host syncs with the
         step in flight (`settle`) only where it must: before admitting queued requests, when
         paused, and at every step where sampling reads host state (a min_new_tokens hold) or
-        the engine runs `deterministic`. With `prefill_aside`, an admission's prefill runs on
-        the worker while steps go on; its rows join at the first step after it is done (at
-        once where nothing else runs or the engine pauses)."""
+        the engine runs `deterministic`."""
         seqs: list[_Seq] = []
         state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
         pending: _Launched | None = None  # the step in flight, its tokens not yet read
-        prefilling: _Prefill | None = None  # an admission being prefilled on the worker
         freed = True  # rows finished (or none ran) since the last try to admit
         t0, before = time.perf_counter(), dict(self.stats)
 
@@ -225,25 +178,8 @@ class ContinuousBatcher:
                     self._subset(state, seqs, keep)
                     self.stats["subset_s"] += time.perf_counter() - t_subset
 
-        def join() -> None:
-            """The rows of the admission prefilled on the worker join the batch, after the step
-            in flight is read (the batch's device state is rebuilt from the rows)."""
-            nonlocal prefilling, seqs, freed
-            assert prefilling is not None
-            settle()
-            t_join = time.perf_counter()
-            done_, prefilling = prefilling, None
-            joined = self._join(done_, done)
-            if joined:
-                seqs += joined
-                state.clear()
-            freed = True
-            self.stats["admit_s"] += time.perf_counter() - t_join
-
         while True:
             while not running.is_set():
-                if prefilling is not None:
-                    join()  # (its rows are held or aborted with the others)
                 settle()
                 if abort.is_set():
                     for s in seqs:
@@ -258,22 +194,18 @@ class ContinuousBatcher:
             while (req := take()) is not None:
                 self.waiting.append(req)
                 freed = True
-            if prefilling is not None and (not seqs or prefilling.done()):
-                join()
             admitted = 0
-            if self.waiting and freed and prefilling is None and not (self.deterministic and seqs):
+            if self.waiting and freed and not (self.deterministic and seqs):
                 settle()
                 freed = False
                 t_admit = time.perf_counter()
                 self.stats["admits"] += 1
-                joined, admitted, prefilling = self._admit(can_run, len(seqs), remaining, done)
+                joined, admitted = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
                     state.clear()
                 self.stats["admit_s"] += time.perf_counter() - t_admit
             if not seqs:
-                if prefilling is not None:
-                    continue  # (joined above, once done)
                 settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
                     if not self.waiting:
@@ -398,10 +330,9 @@ class ContinuousBatcher:
         running: int,
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[_Seq], int, _Prefill | None]:
+    ) -> tuple[list[_Seq], int]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
-        rows that go on decoding, how many requests were admitted, the prefill on the worker whose
-        rows join once it is done: then no rows now). Requests are admitted whole
+        rows that go on decoding, how many requests were admitted). Requests are admitted whole
         and in order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and
         is not prefilled again; pages only the cache holds count as free (evicted as needed),
         less those the admitted prompts' hits use."""
@@ -456,9 +387,8 @@ class ContinuousBatcher:
             if self.deterministic:
                 break
         if not batch:
-            return [], 0, None
-        live, aside = self._prefill(batch, hits, remaining, done)
-        return live, len(batch), aside
+            return [], 0
+        return self._prefill(batch, hits, remaining, done), len(batch)
 
     @property
     def prefixes(self) -> PrefixCache | None:
@@ -476,12 +406,11 @@ class ContinuousBatcher:
         hits: dict[tuple[int, ...], Hit],
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[_Seq], _Prefill | None]:
+    ) -> list[_Seq]:
         """The admitted requests' rows get their pages and their prompts' keys: a prompt's cached
         pages are shared (a page the match ends inside is taken over, or copied, before the rest
         of the prompt is written into it), the rest prefilled, once per distinct prompt; the
-        first token of every row is sampled. Returns the rows that go on decoding, or, with
-        `prefill_aside`, none yet and the prefill running on the worker (`_join` them)."""
+        first token of every row is sampled."""
         pool = self.decoder.pool
         assert pool is not None
         cache = self.prefixes
@@ -501,6 +430,7 @@ class ContinuousBatcher:
             need += len(key) // P - len(hits[key].pages) - (1 if taken.get(key) is not None else 0)
         if cache is not None and pool.free < need:
             cache.evict(need)
+        live: list[_Seq] = []
         prompts: dict[tuple[int, ...], list[_Seq]] = {}
         copies: list[tuple[int, int]] = []  # (source, destination) pages
         for req, rows in batch:
@@ -528,12 +458,22 @@ class ContinuousBatcher:
                             copies.append((hit.partial, mine[0]))
                     s = _Seq(r, hit.pages + mine)
                 group.append(s)
+                live.append(s)
+        if copies:
+            pool.copy([a for a, _ in copies], [b for _, b in copies])
+            pool.release([a for a, _ in copies])
         for rows in [rows for _, rows in batch]:
             for r in rows:
                 if r.finish is not None:  # max_new_tokens 0
                     done(r)
+        if not prompts:
+            return []
         groups = list(prompts.values())
-        seqs = [s for g in groups for s in g]
+        t0 = time.perf_counter()
+        logits = self.decoder.prefill_forward(
+            [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
+        )
+        self.stats["prefill_launch_s"] += time.perf_counter() - t0
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:
@@ -542,58 +482,12 @@ class ContinuousBatcher:
                 for s in g[1:]:
                     src.append(g[0].pages[n // P])
                     dst.append(s.pages[n // P])
-        rows = [s.row for s in seqs]
+        pool.copy(src, dst)
         of_seq = [u for u, g in enumerate(groups) for _ in g]
-
-        def launch() -> _Launched:
-            """The device's part: copies, the prefill forward, the first tokens' sampling."""
-            assert pool is not None
-            if copies:
-                pool.copy([a for a, _ in copies], [b for _, b in copies])
-            t0 = time.perf_counter()
-            logits = self.decoder.prefill_forward(
-                [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
-            )
-            self.stats["prefill_launch_s"] += time.perf_counter() - t0
-            pool.copy(src, dst)
-            row_logits = logits[device_tensor(of_seq, torch.long, self.device)]
-            shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
-            tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
-            return _Launched(seqs, *_to_host(tokens, logps))
-
-        if not seqs:
-            return [], None
-        if self._worker is None:
-            launched = launch()
-            if copies:
-                pool.release([a for a, _ in copies])
-            self._collect(launched, done, "prefill_wait_s")
-            return [s for s in seqs if s.row.finish is None], None
-        # The worker's stream starts after the steps queued so far (their last writes); the
-        # copies' sources go back to the pool now (no one takes a page before this prefill joins).
-        after = torch.cuda.Event() if self.device.type == "cuda" else None
-        if after is not None:
-            after.record()
-        aside = _Prefill(seqs, self._worker.submit(self._aside, launch, after))
-        if copies:
-            pool.release([a for a, _ in copies])
-        return [], aside
-
-    def _aside(self, launch: Callable[[], _Launched], after: Any) -> _Launched:
-        """`launch` on the worker's thread, on a stream of its own (CUDA) that waits for `after`;
-        no decode graph is captured while it queues its work."""
-        stream = self._stream
-        with torch.no_grad(), self.decoder.graphs.capturing:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                if stream is not None:
-                    stream.wait_event(after)
-                return launch()
-
-    def _join(self, aside: _Prefill, done: Callable[[Row], None]) -> list[_Seq]:
-        """An admission prefilled on the worker: its first tokens join their rows (waited for
-        where not done); the rows that go on decoding."""
-        t0 = time.perf_counter()
-        launched = aside.launched.result()  # (the worker's error, if any, is the serve's)
-        self.stats["prefill_wait_s"] += time.perf_counter() - t0
-        self._collect(launched, done, "prefill_wait_s")
-        return [s for s in aside.seqs if s.row.finish is None]
+        seqs = [s for g in groups for s in g]
+        rows = [s.row for s in seqs]
+        row_logits = logits[torch.tensor(of_seq, device=self.device)]
+        shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
+        tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
+        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done, "prefill_wait_s")
+        return [s for s in seqs if s.row.finish is None]

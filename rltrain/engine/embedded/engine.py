@@ -79,7 +79,6 @@ class EmbeddedEngine:
         memory_saver: bool = False,
         weight_version: str = "default",
         overlap: bool = True,
-        prefill_aside: bool | None = None,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -131,7 +130,7 @@ class EmbeddedEngine:
         paged = None
         if self.decoder is not None:
             paged = ContinuousBatcher(
-                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap, prefill_aside
+                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap
             )
         plain = PlainRunner(self.model, self.device, self._generator, self.token_hash, self.eos_ids)
         self.scheduler = Scheduler(

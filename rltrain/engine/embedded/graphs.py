@@ -17,7 +17,6 @@ eager step.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,9 +65,6 @@ class DecodeGraphs:
         self.captured: set[int] = set()  # every size captured so far (kept across releases)
         self.last_rows = 0  # rows of the last decode step (0 when a serve starts)
         self.pool: Any = None  # the captured graphs' memory pool (None: none captured)
-        # Held while a graph is captured (warm-up included): a capture fails on another thread's
-        # synchronising calls, so the prefill's worker (batching.py) holds it while it queues.
-        self.capturing = threading.Lock()
 
     def for_rows(self, n: int) -> StepGraph:
         """The graph for `n` rows: a captured one of up to 4x as many rows (its extra rows cost
@@ -85,31 +81,26 @@ class DecodeGraphs:
         if g is None:
             g = self.by_size[size] = StepGraph(size, self.max_pages, self.device)
         if self.enabled and g.graph is None:
-            with self.capturing:
-                self._capture(g, size)
+            t0 = time.perf_counter()
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                # warm-up outside the capture: lazy inits and compilation the first time this
+                # size runs; once more before a capture again (after a release)
+                for _ in range(1 if size in self.captured else 2):
+                    self.eager(g, size)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            capture = self.saver.graph if self.saver is not None else torch.cuda.graph
+            with capture(graph, pool=self.pool):
+                g.logits = self.eager(g, size)
+            g.graph = graph
+            self.captured.add(size)
+            self.stats["graph_captures"] += 1
+            self.stats["capture_s"] += time.perf_counter() - t0  # (host time: the capture syncs)
         return g
-
-    def _capture(self, g: StepGraph, size: int) -> None:
-        """Capture `g`, a decode step of `size` rows (its warm-up first)."""
-        t0 = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            # warm-up outside the capture: lazy inits and compilation the first time this
-            # size runs; once more before a capture again (after a release)
-            for _ in range(1 if size in self.captured else 2):
-                self.eager(g, size)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        capture = self.saver.graph if self.saver is not None else torch.cuda.graph
-        with capture(graph, pool=self.pool):
-            g.logits = self.eager(g, size)
-        g.graph = graph
-        self.captured.add(size)
-        self.stats["graph_captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - t0  # (host time: the capture syncs)
 
     def run(self, tokens: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """One decode step of rows [B] (their last token, its position, their page tables):

@@ -159,12 +159,6 @@ def parser() -> argparse.ArgumentParser:
         "per-step work then runs between the device's steps instead of beside them",
     )
     ap.add_argument(
-        "--disable-prefill-overlap",
-        action="store_true",
-        help="the paged path prefills admitted requests in the scheduler's thread, the decode steps waiting for "
-        "it (this engine's own flag; on CUDA a prefill runs beside the decode steps by default: batching.py)",
-    )
-    ap.add_argument(
         "--separate-http-process",
         action="store_true",
         help="HTTP (framing, JSON, the API key) in this process, the engine and its scheduler in a child process, "
@@ -223,7 +217,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "memory_saver": args.enable_memory_saver,
         "weight_version": args.weight_version,
         "overlap": not args.disable_overlap_schedule,
-        "prefill_aside": False if args.disable_prefill_overlap else None,
     }
 
 

@@ -278,7 +278,6 @@ class PagedDecoder:
             if compile
             else []
         )
-        self._compiled_lock, self._compiled_users = threading.Lock(), 0
         # With the memory saver (saver.py) the pool and the graphs' memory keep their addresses
         # through release and resume: the graphs are kept, not captured again.
         self.saver = saver
@@ -361,21 +360,14 @@ class PagedDecoder:
 
     @contextlib.contextmanager
     def _blocks_compiled(self) -> Iterator[None]:
-        """Inside, the transformer blocks run their compiled forwards (where `compile`). Counted:
-        a prefill on the batcher's worker thread and a decode step may be inside at once."""
-        with self._compiled_lock:
-            if not self._compiled_users:
-                for block, _, compiled in self._compiled:
-                    block.forward = compiled
-            self._compiled_users += 1
+        """Inside, the transformer blocks run their compiled forwards (where `compile`)."""
+        for block, _, compiled in self._compiled:
+            block.forward = compiled
         try:
             yield
         finally:
-            with self._compiled_lock:
-                self._compiled_users -= 1
-                if not self._compiled_users:
-                    for block, plain, _ in self._compiled:
-                        block.forward = plain
+            for block, plain, _ in self._compiled:
+                block.forward = plain
 
     @property
     def kv_bytes(self) -> int:
