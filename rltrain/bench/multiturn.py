@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("serve_off_cpu_s", "of it off a CPU (locks, cores)", "12.2f"),
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),
                 ("prefill_launch_s", "queuing prefill forwards", "12.2f"),
+                ("prefill_launch_off_cpu_s", "  of it off a CPU", "12.2f"),
+                ("prefill_tokens_per", "  tokens per prefill", "12.0f"),
                 ("prefill_wait_s", "waiting for prefills", "12.2f"),
                 ("batch_state_s", "of it batch state rebuilt", "12.2f"),
                 ("subset_s", "  or cut to the rows going on", "12.2f"),
@@ -200,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
                 for p in phases:
                     p["rows"] = p["tokens"] / max(p["decode_steps"], 1)
                     p["serve_off_cpu_s"] = p["serve_s"] - p.get("serve_cpu_s", p["serve_s"])
+                    p["prefill_launch_off_cpu_s"] = p["prefill_launch_s"] - p.get(
+                        "prefill_launch_cpu_s", p["prefill_launch_s"]
+                    )
+                    p["prefill_tokens_per"] = p["prefill_tokens"] / max(p["prefills"], 1)
                 vals = [p.get(key, 0.0) for p in phases]
                 print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))
         print(f"failed: {failed}")

@@ -469,11 +469,12 @@ class ContinuousBatcher:
         if not prompts:
             return []
         groups = list(prompts.values())
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         logits = self.decoder.prefill_forward(
             [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
         )
         self.stats["prefill_launch_s"] += time.perf_counter() - t0
+        self.stats["prefill_launch_cpu_s"] += time.thread_time() - cpu0
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:

@@ -297,6 +297,9 @@ class PagedDecoder:
             "admit_s": 0.0,
             # of it: queuing the prefill forwards, and waiting for them (and their first tokens)
             "prefill_launch_s": 0.0,
+            # (of the queuing, the scheduler thread's CPU time: the rest it waited, for the
+            # interpreter lock or for the device where a call synchronises)
+            "prefill_launch_cpu_s": 0.0,
             "prefill_wait_s": 0.0,
             "batch_state_s": 0.0,
             "subset_s": 0.0,  # the batch's device state cut to the rows that go on (rows finished)
