@@ -644,6 +644,42 @@ def test_compiled_blocks_in_decode_and_extend_prefills_generate_what_eager_block
         compiled.shutdown()
 
 
+def test_a_prefill_in_pieces_on_its_stream_beside_graphed_decode_steps_samples_what_one_at_once_does(model_a):
+    """On CUDA a prefill admitted while rows decode is queued in pieces, on a stream of its own,
+    between the running rows' graphed decode steps (batching.py, --enable-prefill-pieces): requests joining
+    a running one, whole and extending cached keys, sample (greedy, fp32) what an engine that
+    prefills at once samples for them, and the running row what it samples alone."""
+    import time
+
+    from rltrain.engine.embedded.engine import EmbeddedEngine
+
+    once = EmbeddedEngine(str(model_a), device="cuda", dtype="float32", decode="paged", prefill_pieces=False)
+    pieces = EmbeddedEngine(
+        str(model_a), device="cuda", dtype="float32", decode="paged", compile=True, prefill_pieces=True
+    )
+    try:
+        assert pieces.scheduler.paged is not None and pieces.scheduler.paged.prefill_pieces
+        greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+        long = SamplingParams(max_new_tokens=200, temperature=0.0, ignore_eos=True)
+        alone = once.submit([[4, 4, 4]], long, True).result(timeout=300)
+        prompts = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64]
+        for turn in range(2):  # the second turn extends each first turn's cached prompt and answer
+            a = once.submit(prompts, greedy, True).result(timeout=300)
+            steps = pieces.decoder.stats["decode_steps"]
+            running = pieces.submit([[4, 4, 4]], long, True)
+            while pieces.decoder.stats["decode_steps"] == steps:
+                time.sleep(0.001)
+            b = pieces.submit(prompts, greedy, True).result(timeout=300)
+            assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], turn
+            assert [y["meta_info"]["cached_tokens"] > 0 for y in b] == [turn > 0] * len(prompts)
+            assert running.result(timeout=300)[0]["output_ids"] == alone[0]["output_ids"]
+            prompts = [p + x["output_ids"] + [11, 12, 13] for p, x in zip(prompts, a)]
+        assert pieces.decoder.stats["prefills_in_pieces"] == 2
+    finally:
+        once.shutdown()
+        pieces.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
     """The paged path on the GPU (CUDA graphs replayed, Triton decode attention, continuous

@@ -32,10 +32,13 @@ def model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("paged") / "m", 3, arch="qwen3", hidden=64, layers=2)
 
 
-@pytest.fixture(scope="module")
-def engines(model):
+@pytest.fixture(scope="module", params=[False, True], ids=["prefill-at-once", "prefill-in-pieces"])
+def engines(model, request):
+    """transformers' path and the paged one; the paged one queues a prefill admitted while rows
+    run at once (the default) or in pieces between their decode steps (batching.py)."""
     hf = EmbeddedEngine(str(model), decode="hf")
-    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
+    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_pieces=request.param)
+    assert paged.scheduler.paged is not None and paged.scheduler.paged.prefill_pieces == request.param
     yield hf, paged
     hf.shutdown()
     paged.shutdown()
@@ -313,6 +316,111 @@ def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
 
 
+def _slow_prefill_layers(monkeypatch, engine, marker, seen, fail=False, first=None):
+    """A test-only delay: each transformer block of a prefill whose prompts include one starting
+    with `marker` sleeps 20 ms (or, with `fail`, raises), after noting the engine's decode steps
+    (and calling `first()` at the first block)."""
+    decoder, local = engine.decoder, threading.local()
+    real = decoder.prefill_forward
+
+    def marked(prompts, *args, **kwargs):
+        local.on = any(p[: len(marker)] == marker for p in prompts)
+        try:
+            return real(prompts, *args, **kwargs)
+        finally:
+            local.on = False
+
+    def slow(module, args):
+        if getattr(local, "on", False):
+            seen.append(decoder.stats["decode_steps"])
+            if first is not None and len(seen) == 1:
+                first()
+            if fail:
+                raise RuntimeError("injected prefill failure")
+            time.sleep(0.02)
+
+    monkeypatch.setattr(decoder, "prefill_forward", marked)
+    blocks = [m for m in engine.model.modules() if type(m).__name__ in set(engine.model._no_split_modules)]
+    hooks = [m.register_forward_pre_hook(slow) for m in blocks]
+    return lambda: [h.remove() for h in hooks]
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["prefill-at-once", "prefill-in-pieces"])
+def test_a_prefill_in_pieces_lets_the_running_rows_decode_between_its_layers(model, monkeypatch, pieces):
+    """A request admitted while another decodes (its layers slowed by a test-only delay): in
+    pieces (--enable-prefill-pieces) the running row's decode steps go on between the prefill's layers;
+    at once, none runs until it is done. Both answer what they answer alone, every page back."""
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_pieces=pieces)
+    try:
+        long = SamplingParams(max_new_tokens=400, temperature=1.0, sampling_seed=3, ignore_eos=True)
+        short = SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=4, n=2, ignore_eos=True)
+        alone_long, alone_short = run(engine, [[1, 2, 3]], long), run(engine, [[9, 9, 8] * 3], short)
+        engine.flush_cache()
+        stats, seen = engine.decoder.stats, []
+        remove = _slow_prefill_layers(monkeypatch, engine, [9, 9, 8], seen)
+        steps = stats["decode_steps"]
+        f_long = engine.submit([[1, 2, 3]], long, True)
+        while stats["decode_steps"] == steps:
+            time.sleep(0.002)
+        f_short = engine.submit([[9, 9, 8] * 3], short, True)
+        got_short = f_short.result(timeout=120)
+        remove()
+        assert len(seen) == engine.model.config.num_hidden_layers
+        assert (seen == sorted(seen) and seen[-1] > seen[0]) if pieces else len(set(seen)) == 1, seen
+        assert stats["prefills_in_pieces"] == (1 if pieces else 0)
+        assert [x["output_ids"] for x in got_short] == [x["output_ids"] for x in alone_short]
+        assert [x["output_ids"] for x in f_long.result(timeout=120)] == [x["output_ids"] for x in alone_long]
+        engine.flush_cache()
+        assert engine.decoder.pool.free == engine.decoder.pool.pages - 1  # every page back
+    finally:
+        engine.shutdown()
+
+
+def test_a_prefill_in_pieces_that_fails_or_is_paused_loses_nothing(model, monkeypatch):
+    """A prefill queued in pieces fails in a layer: every request in flight gets its error, as
+    at once, and the engine serves the next. An abort while one is queued in pieces queues its
+    rest, then ends its rows with the others'. Every page comes back."""
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_pieces=True)
+    try:
+        stats, seen = engine.decoder.stats, []
+        long = SamplingParams(max_new_tokens=400, temperature=1.0, sampling_seed=3, ignore_eos=True)
+
+        def started(f_steps):
+            while stats["decode_steps"] == f_steps:
+                time.sleep(0.002)
+
+        remove = _slow_prefill_layers(monkeypatch, engine, [7, 7], seen, fail=True)
+        steps = stats["decode_steps"]
+        f_long = engine.submit([[1, 2, 3]], long, True)
+        started(steps)
+        f_bad = engine.submit([[7, 7, 1]], SamplingParams(max_new_tokens=4), True)
+        for f in (f_bad, f_long):
+            with pytest.raises(RuntimeError, match="injected prefill failure"):
+                f.result(timeout=120)
+        remove()
+        assert stats["prefills_in_pieces"] == 1
+        assert run(engine, [[1, 2]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
+
+        seen.clear()
+        # the abort comes while the prefill's first layer is queued: its second is not yet
+        remove = _slow_prefill_layers(monkeypatch, engine, [9, 9, 8], seen, first=lambda: engine.pause("abort"))
+        steps = stats["decode_steps"]
+        f_long = engine.submit([[1, 2, 3]], long, True)
+        started(steps)
+        f_short = engine.submit([[9, 9, 8]], SamplingParams(max_new_tokens=300, ignore_eos=True), True)
+        for f in (f_long, f_short):
+            (out,) = f.result(timeout=120)
+            assert out["meta_info"]["finish_reason"]["type"] == "abort", out["meta_info"]
+        remove()
+        assert stats["prefills_in_pieces"] == 2 and len(seen) == engine.model.config.num_hidden_layers
+        engine.resume_generation()
+        assert run(engine, [[9, 9, 8]], SamplingParams(max_new_tokens=3))[0]["meta_info"]["completion_tokens"] == 3
+        engine.flush_cache()
+        assert engine.decoder.pool.free == engine.decoder.pool.pages - 1
+    finally:
+        engine.shutdown()
+
+
 def test_no_garbage_collection_runs_while_either_path_generates(engines):
     """A full collection stops every thread for as long as it walks the heap (0.3 s at a time in
     a rollout on the H200): none runs in the engine's scheduler from taking a request to
@@ -579,8 +687,9 @@ def test_the_prefix_cache_gives_its_pages_back_when_a_request_needs_them_and_is_
     assert run(paged, [again], params)[0]["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.parametrize("pieces", [False, True], ids=["prefill-at-once", "prefill-in-pieces"])
 def test_compiled_blocks_trace_whole_through_the_paged_attention_and_generate_what_plain_blocks_do(
-    engines, model, monkeypatch
+    engines, model, monkeypatch, pieces
 ):
     """--enable-torch-compile: each transformer block is one graph, the paged attention (with its
     cache writes) one op in it, in decode steps and in prefills of whole prompts and of prompts
@@ -591,18 +700,30 @@ def test_compiled_blocks_trace_whole_through_the_paged_attention_and_generate_wh
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": "eager", "fullgraph": True}))
     _, plain = engines
-    compiled = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, compile=True)
+    compiled = EmbeddedEngine(
+        str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, compile=True, prefill_pieces=pieces
+    )
     try:
         assert compiled.decoder is not None and compiled.decoder.compiled
         greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = [[1, 2, 3], [5, 6, 7, 8] * 9, [9] * 20]
+        long = replace(greedy, max_new_tokens=100)
+        alone = run(plain, [[4, 4, 4]], long)
         for turn in range(2):  # the second turn extends each first turn's cached prompt and answer
             plain.flush_cache()
             a = run(plain, prompts, greedy)
+            if pieces:  # admitted while a row decodes: prefilled in pieces between its steps
+                steps = compiled.decoder.stats["decode_steps"]
+                running = compiled.submit([[4, 4, 4]], long, True)
+                while compiled.decoder.stats["decode_steps"] == steps:
+                    time.sleep(0.002)
             b = run(compiled, prompts, greedy)
             assert [y["meta_info"]["cached_tokens"] > 0 for y in b] == [turn > 0] * len(prompts)
             assert [x["output_ids"] for x in a] == [y["output_ids"] for y in b], turn
+            if pieces:
+                assert running.result(timeout=120)[0]["output_ids"] == alone[0]["output_ids"]
             prompts = [p + x["output_ids"] + [11, 12, 13] for p, x in zip(prompts, a)]
+        assert compiled.decoder.stats["prefills_in_pieces"] == (2 if pieces else 0)
     finally:
         compiled.shutdown()
 

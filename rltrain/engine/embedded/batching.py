@@ -17,10 +17,24 @@ Sampling runs after each step, batched, in one pass over the logits on CUDA (sam
 host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
 `overlap=False` (SGLang's --disable-overlap-schedule) reads each step before queuing the next:
 the same tokens, with the host's work between the device's steps (bench.engine compares them).
+
+**Prefill in pieces.** Queuing a prefill forward takes the host ~1 ms per layer (~25-30 ms at the
+1.7B shape; about as long as its kernels run for ~130 prompts of a later turn: docs/benchmarks/),
+and at once it stops every running row until its first tokens are sampled: a multi-turn
+rollout's turns arrive spread and are admitted in many waves, each a stop. With `prefill_pieces`
+(`--enable-prefill-pieces`; off until measured on a GPU) an admission made while rows run has its
+prefill (and its first tokens' sampling) queued a piece at a time, on a stream of its own, in the
+host's spare time between decode steps (what it waited for the device at the steps before); its
+kernels run beside the decode steps; its rows join at the first step after they are done. The
+pieces run on a thread of their own handed over to and from the scheduler's (pieces.py): never
+two threads' Python at once. One prefill at a time; what arrives meanwhile is admitted together
+next. Its pages are reserved at admission; its stream starts after the decode steps queued
+before it (a page a finished row gave back may still take its last step's key).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -32,6 +46,7 @@ from typing import Any
 import torch
 
 from rltrain.engine.embedded.paged import PagedDecoder
+from rltrain.engine.embedded.pieces import Pieces
 from rltrain.engine.embedded.prefix_cache import Hit, PrefixCache
 from rltrain.engine.embedded.rows import GenRequest, Row
 from rltrain.engine.embedded.sampling import LogitShaper, SamplingPlan, device_tensor, sample
@@ -42,6 +57,9 @@ PREFILL_TOKENS = 16384  # prompt tokens per prefill forward (SGLang's chunked_pr
 # Tokens of the prompts that extend cached keys, per prefill forward (their keys are gathered from
 # the pages for the attention).
 PREFILL_CONTEXT = 8 * PREFILL_TOKENS
+# A prefill's piece runs at least this long (s), else as long as the host waited for the device per
+# decode step lately (module doc).
+PIECE_MIN_S = 0.001
 
 
 @dataclass
@@ -60,6 +78,25 @@ class _Launched:
     seqs: list[_Seq]
     host: torch.Tensor
     ready: Any
+
+
+@dataclass
+class _Prefill:
+    """An admission whose prefill is queued in pieces: the rows that join once it is done, and
+    its work (a `Pieces` whose value is the `_Launched` of their first tokens)."""
+
+    seqs: list[_Seq]
+    work: Pieces
+
+    def done(self) -> bool:
+        """Whether it is all queued and its first tokens are on the host (or it failed)."""
+        if not self.work.done:
+            return False
+        try:
+            ready = self.work.result().ready
+        except Exception:  # noqa: BLE001 - raised again where it joins
+            return True
+        return ready is None or ready.query()
 
 
 def _to_host(tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -86,6 +123,7 @@ class ContinuousBatcher:
         eos_ids: set[int],
         deterministic: bool = False,
         overlap: bool = True,
+        prefill_pieces: bool = False,
     ):
         self.decoder = decoder
         self.device = decoder.device
@@ -95,6 +133,10 @@ class ContinuousBatcher:
         self.eos_ids = eos_ids
         self.deterministic = deterministic
         self.overlap = overlap
+        self.prefill_pieces = prefill_pieces and overlap and not deterministic  # (module doc)
+        self._stream = torch.cuda.Stream(self.device) if self.prefill_pieces and self.device.type == "cuda" else None
+        self._spare = 0.002  # the host's idle time per decode step lately: its wait, plus a piece run in it
+        self._in_pieces: Pieces | None = None  # the prefill being queued in pieces
         self.stats = decoder.stats  # (tokens are counted here, the forwards in the decoder)
         self.waiting: deque[GenRequest] = deque()
 
@@ -118,6 +160,8 @@ class ContinuousBatcher:
             self._serve(take, can_run, running, abort, weight_version, remaining)
         except BaseException as e:
             log.exception("generation failed; failing %d requests", len(remaining) + len(self.waiting))
+            if self._in_pieces is not None:
+                self._in_pieces.cancel()  # (a prefill paused between its pieces unwinds)
             for rows, _ in remaining.values():
                 if not rows[0].req.future.done():
                     rows[0].req.future.set_exception(e)
@@ -127,6 +171,7 @@ class ContinuousBatcher:
             if not isinstance(e, Exception):
                 raise
         finally:
+            self._in_pieces = None
             self.stats["serve_s"] += time.perf_counter() - t0
             self.stats["serve_cpu_s"] += time.thread_time() - cpu0
 
@@ -147,10 +192,13 @@ class ContinuousBatcher:
         is handed out again only after (the stream orders the writes). The host syncs with the
         step in flight (`settle`) only where it must: before admitting queued requests, when
         paused, and at every step where sampling reads host state (a min_new_tokens hold) or
-        the engine runs `deterministic`."""
+        the engine runs `deterministic`. With `prefill_pieces`, an admission made while rows run
+        is prefilled a piece after each step is queued, and its rows join at the first step
+        after it is done (at once where nothing else runs or the engine pauses)."""
         seqs: list[_Seq] = []
         state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
         pending: _Launched | None = None  # the step in flight, its tokens not yet read
+        prefilling: _Prefill | None = None  # an admission being prefilled in pieces
         freed = True  # rows finished (or none ran) since the last try to admit
         t0, before = time.perf_counter(), dict(self.stats)
 
@@ -178,8 +226,29 @@ class ContinuousBatcher:
                     self._subset(state, seqs, keep)
                     self.stats["subset_s"] += time.perf_counter() - t_subset
 
+        def join() -> None:
+            """The rows of the admission prefilled in pieces join the batch (its rest queued and
+            waited for where not done), after the step in flight is read (the batch's device
+            state is rebuilt from the rows)."""
+            nonlocal prefilling, seqs, freed
+            assert prefilling is not None
+            t_join = time.perf_counter()
+            self._piece(prefilling, float("inf"))
+            settle()
+            joining, prefilling = prefilling, None
+            launched = joining.work.result()  # (its error, if any, is the serve's)
+            self._collect(launched, done, "prefill_wait_s")
+            joined = [s for s in joining.seqs if s.row.finish is None]
+            if joined:
+                seqs += joined
+                state.clear()
+            freed = True
+            self.stats["admit_s"] += time.perf_counter() - t_join
+
         while True:
             while not running.is_set():
+                if prefilling is not None:
+                    join()  # (its rows are held or aborted with the others)
                 settle()
                 if abort.is_set():
                     for s in seqs:
@@ -194,18 +263,22 @@ class ContinuousBatcher:
             while (req := take()) is not None:
                 self.waiting.append(req)
                 freed = True
+            if prefilling is not None and (not seqs or prefilling.done()):
+                join()
             admitted = 0
-            if self.waiting and freed and not (self.deterministic and seqs):
+            if self.waiting and freed and prefilling is None and not (self.deterministic and seqs):
                 settle()
                 freed = False
                 t_admit = time.perf_counter()
                 self.stats["admits"] += 1
-                joined, admitted = self._admit(can_run, len(seqs), remaining, done)
+                joined, admitted, prefilling = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
                     state.clear()
                 self.stats["admit_s"] += time.perf_counter() - t_admit
             if not seqs:
+                if prefilling is not None:
+                    continue  # (joined above)
                 settle()  # (nothing may run on the device once this returns: a release may follow)
                 if admitted or not self.waiting:
                     if not self.waiting:
@@ -243,7 +316,11 @@ class ContinuousBatcher:
             t_launch = time.perf_counter()
             launched = self._launch(seqs, state)
             self.stats["launch_s"] += time.perf_counter() - t_launch
+            piece = self._piece(prefilling, max(PIECE_MIN_S, 0.8 * self._spare)) if prefilling is not None else 0.0
+            waited = self.stats["wait_s"]
             settle()  # the step before it, read while this one runs
+            if pending is not None or piece:
+                self._spare += 0.2 * (self.stats["wait_s"] - waited + piece - self._spare)
             pending = launched
             if self.deterministic or state["shaper"].hold or not self.overlap:
                 settle()
@@ -330,13 +407,15 @@ class ContinuousBatcher:
         running: int,
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[_Seq], int]:
+    ) -> tuple[list[_Seq], int, _Prefill | None]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
-        rows that go on decoding, how many requests were admitted). Requests are admitted whole
+        rows that go on decoding, how many requests were admitted, the prefill queued in pieces
+        whose rows join once it is done: then no rows now). Requests are admitted whole
         and in order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and
         is not prefilled again; pages only the cache holds count as free (evicted as needed),
         less those the admitted prompts' hits use."""
         P = self.decoder.page_size
+        beside = self.prefill_pieces and running > 0  # (rows decode while it is prefilled)
         batch: list[tuple[GenRequest, list[Row]]] = []
         hits: dict[tuple[int, ...], Hit] = {}
         used: set[int] = set()  # pages of the hits that only the cache holds: not evictable now
@@ -387,8 +466,9 @@ class ContinuousBatcher:
             if self.deterministic:
                 break
         if not batch:
-            return [], 0
-        return self._prefill(batch, hits, remaining, done), len(batch)
+            return [], 0, None
+        live, later = self._prefill(batch, hits, remaining, done, in_pieces=beside)
+        return live, len(batch), later
 
     @property
     def prefixes(self) -> PrefixCache | None:
@@ -406,11 +486,13 @@ class ContinuousBatcher:
         hits: dict[tuple[int, ...], Hit],
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> list[_Seq]:
+        in_pieces: bool = False,
+    ) -> tuple[list[_Seq], _Prefill | None]:
         """The admitted requests' rows get their pages and their prompts' keys: a prompt's cached
         pages are shared (a page the match ends inside is taken over, or copied, before the rest
         of the prompt is written into it), the rest prefilled, once per distinct prompt; the
-        first token of every row is sampled."""
+        first token of every row is sampled. Returns the rows that go on decoding; `in_pieces`:
+        none yet, and the prefill to queue in pieces (`_piece`), whose rows join once done."""
         pool = self.decoder.pool
         assert pool is not None
         cache = self.prefixes
@@ -430,7 +512,6 @@ class ContinuousBatcher:
             need += len(key) // P - len(hits[key].pages) - (1 if taken.get(key) is not None else 0)
         if cache is not None and pool.free < need:
             cache.evict(need)
-        live: list[_Seq] = []
         prompts: dict[tuple[int, ...], list[_Seq]] = {}
         copies: list[tuple[int, int]] = []  # (source, destination) pages
         for req, rows in batch:
@@ -458,23 +539,14 @@ class ContinuousBatcher:
                             copies.append((hit.partial, mine[0]))
                     s = _Seq(r, hit.pages + mine)
                 group.append(s)
-                live.append(s)
-        if copies:
-            pool.copy([a for a, _ in copies], [b for _, b in copies])
-            pool.release([a for a, _ in copies])
         for rows in [rows for _, rows in batch]:
             for r in rows:
                 if r.finish is not None:  # max_new_tokens 0
                     done(r)
-        if not prompts:
-            return []
         groups = list(prompts.values())
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        logits = self.decoder.prefill_forward(
-            [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
-        )
-        self.stats["prefill_launch_s"] += time.perf_counter() - t0
-        self.stats["prefill_launch_cpu_s"] += time.thread_time() - cpu0
+        seqs = [s for g in groups for s in g]
+        if not seqs:
+            return [], None
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:
@@ -483,12 +555,62 @@ class ContinuousBatcher:
                 for s in g[1:]:
                     src.append(g[0].pages[n // P])
                     dst.append(s.pages[n // P])
-        pool.copy(src, dst)
-        of_seq = [u for u, g in enumerate(groups) for _ in g]
-        seqs = [s for g in groups for s in g]
         rows = [s.row for s in seqs]
-        row_logits = logits[torch.tensor(of_seq, device=self.device)]
-        shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
-        tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
-        self._collect(_Launched(seqs, *_to_host(tokens, logps)), done, "prefill_wait_s")
-        return [s for s in seqs if s.row.finish is None]
+        of_seq = [u for u, g in enumerate(groups) for _ in g]
+
+        def launch() -> _Launched:
+            """The device's part: copies, the prefill forward, the first tokens' sampling."""
+            assert pool is not None
+            cpu0 = time.thread_time()
+            if copies:
+                pool.copy([a for a, _ in copies], [b for _, b in copies])
+            logits = self.decoder.prefill_forward(
+                [list(k) for k in prompts], [g[0].pages for g in groups], [hits[k].tokens(P) for k in prompts]
+            )
+            pool.copy(src, dst)
+            row_logits = logits[device_tensor(of_seq, torch.long, self.device)]
+            shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
+            tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
+            launched = _Launched(seqs, *_to_host(tokens, logps))
+            self.stats["prefill_launch_cpu_s"] += time.thread_time() - cpu0
+            return launched
+
+        if not in_pieces:
+            t0 = time.perf_counter()
+            launched = launch()
+            self.stats["prefill_launch_s"] += time.perf_counter() - t0
+            if copies:
+                pool.release([a for a, _ in copies])
+            self._collect(launched, done, "prefill_wait_s")
+            return [s for s in seqs if s.row.finish is None], None
+        # Its stream starts after the steps queued so far (their last writes). The copies' sources
+        # go back to the pool now: no page is handed out again before this prefill joins.
+        after = None
+        if self._stream is not None:
+            after = torch.cuda.Event()
+            after.record()
+        stream = self._stream
+
+        def in_pieces_on_its_stream() -> _Launched:
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None and after is not None:
+                    stream.wait_event(after)
+                return launch()
+
+        later = _Prefill(seqs, Pieces(in_pieces_on_its_stream, name="prefill"))
+        self._in_pieces = later.work
+        if copies:
+            pool.release([a for a, _ in copies])
+        self.stats["prefills_in_pieces"] += 1
+        return [], later
+
+    def _piece(self, prefill: _Prefill, budget_s: float) -> float:
+        """Queue the next piece of `prefill` (the rest with an infinite budget): its host time."""
+        if prefill.work.done:
+            return 0.0
+        t0 = time.perf_counter()
+        prefill.work.resume(budget_s)
+        dt = time.perf_counter() - t0
+        self.stats["prefill_launch_s"] += dt
+        self.stats["prefill_pieces"] += 1
+        return dt

@@ -79,6 +79,7 @@ class EmbeddedEngine:
         memory_saver: bool = False,
         weight_version: str = "default",
         overlap: bool = True,
+        prefill_pieces: bool = False,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -130,7 +131,7 @@ class EmbeddedEngine:
         paged = None
         if self.decoder is not None:
             paged = ContinuousBatcher(
-                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap
+                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap, prefill_pieces
             )
         plain = PlainRunner(self.model, self.device, self._generator, self.token_hash, self.eos_ids)
         self.scheduler = Scheduler(

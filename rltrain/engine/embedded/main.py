@@ -159,6 +159,12 @@ def parser() -> argparse.ArgumentParser:
         "per-step work then runs between the device's steps instead of beside them",
     )
     ap.add_argument(
+        "--enable-prefill-pieces",
+        action="store_true",
+        help="the paged path queues a prefill admitted while rows run in pieces between their decode steps, on a "
+        "stream of its own, instead of at once with the decode waiting (this engine's own flag: batching.py)",
+    )
+    ap.add_argument(
         "--separate-http-process",
         action="store_true",
         help="HTTP (framing, JSON, the API key) in this process, the engine and its scheduler in a child process, "
@@ -217,6 +223,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "memory_saver": args.enable_memory_saver,
         "weight_version": args.weight_version,
         "overlap": not args.disable_overlap_schedule,
+        "prefill_pieces": args.enable_prefill_pieces,
     }
 
 

@@ -39,6 +39,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from rltrain.engine.embedded.graphs import DecodeGraphs, StepGraph
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE, KVPool, head_dim_of, pool_pages
+from rltrain.engine.embedded.pieces import boundary
 from rltrain.engine.embedded.prefix_cache import PrefixCache
 from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
@@ -226,6 +227,11 @@ def _prefill_attention(
 AttentionInterface.register(ATTENTION, _paged_attention)
 
 
+def _piece_boundary(module: torch.nn.Module, args: Any) -> None:
+    """A transformer block's pre-hook: where a prefill run in pieces may pause (pieces.py)."""
+    boundary()
+
+
 class PagedDecoder:
     """The paged forward of one engine (module doc). Its pool is made at the first generation
     (`allocate`) and dropped by `free_memory`; `stats` counts its work since start-up."""
@@ -268,16 +274,13 @@ class PagedDecoder:
         # opaque to the compiler: a block is one compiled graph, entered once per layer.
         if compile:  # (the blocks pass their layer index to the attention op: one graph for all of them)
             internals.get("torch._dynamo.config").allow_unspec_int_on_nn_module = True
-        blocks = set(getattr(model, "_no_split_modules", None) or [])
-        self._compiled = (
-            [
-                (m, m.forward, torch.compile(m.forward, dynamic=True))
-                for m in model.modules()
-                if type(m).__name__ in blocks
-            ]
-            if compile
-            else []
-        )
+        kinds = set(getattr(model, "_no_split_modules", None) or [])
+        blocks = [m for m in model.modules() if type(m).__name__ in kinds]
+        self._compiled = [(m, m.forward, torch.compile(m.forward, dynamic=True)) for m in blocks] if compile else []
+        self._compiled_lock, self._compiled_users = threading.Lock(), 0
+        # A prefill run in pieces between decode steps (batching.py) may pause before any block.
+        for m in blocks:
+            m.register_forward_pre_hook(_piece_boundary)
         # With the memory saver (saver.py) the pool and the graphs' memory keep their addresses
         # through release and resume: the graphs are kept, not captured again.
         self.saver = saver
@@ -300,6 +303,9 @@ class PagedDecoder:
             # (of the queuing, the scheduler thread's CPU time: the rest it waited, for the
             # interpreter lock or for the device where a call synchronises)
             "prefill_launch_cpu_s": 0.0,
+            # prefills queued in pieces between decode steps (batching.py), and their pieces
+            "prefills_in_pieces": 0,
+            "prefill_pieces": 0,
             "prefill_wait_s": 0.0,
             "batch_state_s": 0.0,
             "subset_s": 0.0,  # the batch's device state cut to the rows that go on (rows finished)
@@ -363,14 +369,22 @@ class PagedDecoder:
 
     @contextlib.contextmanager
     def _blocks_compiled(self) -> Iterator[None]:
-        """Inside, the transformer blocks run their compiled forwards (where `compile`)."""
-        for block, _, compiled in self._compiled:
-            block.forward = compiled
+        """Inside, the transformer blocks run their compiled forwards (where `compile`). Counted:
+        a prefill paused between its pieces (batching.py) is inside while decode steps enter
+        and leave."""
+        with self._compiled_lock:
+            if not self._compiled_users:
+                for block, _, compiled in self._compiled:
+                    block.forward = compiled
+            self._compiled_users += 1
         try:
             yield
         finally:
-            for block, plain, _ in self._compiled:
-                block.forward = plain
+            with self._compiled_lock:
+                self._compiled_users -= 1
+                if not self._compiled_users:
+                    for block, plain, _ in self._compiled:
+                        block.forward = plain
 
     @property
     def kv_bytes(self) -> int:
