@@ -32,13 +32,10 @@ def model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("paged") / "m", 3, arch="qwen3", hidden=64, layers=2)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["prefill-at-once", "prefill-in-pieces"])
-def engines(model, request):
-    """transformers' path and the paged one; the paged one queues a prefill admitted while rows
-    run at once (the default) or in pieces between their decode steps (batching.py)."""
+@pytest.fixture(scope="module")
+def engines(model):
     hf = EmbeddedEngine(str(model), decode="hf")
-    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_pieces=request.param)
-    assert paged.scheduler.paged is not None and paged.scheduler.paged.prefill_pieces == request.param
+    paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
     yield hf, paged
     hf.shutdown()
     paged.shutdown()
@@ -296,10 +293,24 @@ def test_the_serial_schedule_samples_exactly_what_the_overlapped_one_does(engine
         serial.shutdown()
 
 
-def test_rows_join_and_leave_between_steps_each_as_if_alone(engines):
-    """Continuous batching: a short request sent while a long one decodes joins it, finishes
-    first (it does not wait for the long one's batch), and every sample is what it is alone."""
+@pytest.mark.parametrize("pieces", [False, True], ids=["prefill-at-once", "prefill-in-pieces"])
+def test_rows_join_and_leave_between_steps_each_as_if_alone(engines, model, pieces):
+    """Continuous batching: a short request sent while a long one decodes joins it (its prefill
+    at once or in pieces between the long one's steps), finishes first (it does not wait for
+    the long one's batch), and every sample is what it is alone."""
     _, paged = engines
+    if pieces:
+        paged = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_pieces=True)
+        try:
+            _join_and_leave(paged)
+            assert paged.decoder.stats["prefills_in_pieces"] == 1
+        finally:
+            paged.shutdown()
+    else:
+        _join_and_leave(paged)
+
+
+def _join_and_leave(paged):
     long = SamplingParams(max_new_tokens=300, temperature=1.0, sampling_seed=3, ignore_eos=True)
     short = SamplingParams(max_new_tokens=4, temperature=1.0, sampling_seed=4, n=2, ignore_eos=True)
     alone_long, alone_short = run(paged, [[1, 2, 3]], long), run(paged, [[9, 9]], short)
