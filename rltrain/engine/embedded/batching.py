@@ -40,11 +40,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from rltrain.engine.embedded.launched import Launched, Prefill, Seq, to_host
 from rltrain.engine.embedded.paged import PagedDecoder
 from rltrain.engine.embedded.pieces import Pieces
 from rltrain.engine.embedded.prefix_cache import Hit, PrefixCache
@@ -60,55 +60,6 @@ PREFILL_CONTEXT = 8 * PREFILL_TOKENS
 # A prefill's piece runs at least this long (s), else as long as the host waited for the device per
 # decode step lately (module doc).
 PIECE_MIN_S = 0.001
-
-
-@dataclass
-class _Seq:
-    """A decoding row and its pages (its prompt's shared full pages first, then its own)."""
-
-    row: Row
-    pages: list[int]
-
-
-@dataclass
-class _Launched:
-    """A decode step queued on the device: its rows, and their sampled tokens and log-probs
-    ([2, rows] float64) being copied to the host, there once `ready` has passed (None: there)."""
-
-    seqs: list[_Seq]
-    host: torch.Tensor
-    ready: Any
-
-
-@dataclass
-class _Prefill:
-    """An admission whose prefill is queued in pieces: the rows that join once it is done, and
-    its work (a `Pieces` whose value is the `_Launched` of their first tokens)."""
-
-    seqs: list[_Seq]
-    work: Pieces
-
-    def done(self) -> bool:
-        """Whether it is all queued and its first tokens are on the host (or it failed)."""
-        if not self.work.done:
-            return False
-        try:
-            ready = self.work.result().ready
-        except Exception:  # noqa: BLE001 - raised again where it joins
-            return True
-        return ready is None or ready.query()
-
-
-def _to_host(tokens: torch.Tensor, logps: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start copying (tokens, log-probs) to the host: (the host tensor, the event after which it
-    holds them; None on CPU)."""
-    both = torch.stack([tokens.double(), logps.double()])
-    if not both.is_cuda:
-        return both, None
-    host = both.to("cpu", non_blocking=True)  # (pinned, from the caching host allocator)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 class ContinuousBatcher:
@@ -195,10 +146,10 @@ class ContinuousBatcher:
         the engine runs `deterministic`. With `prefill_pieces`, an admission made while rows run
         is prefilled a piece after each step is queued, and its rows join at the first step
         after it is done (at once where nothing else runs or the engine pauses)."""
-        seqs: list[_Seq] = []
+        seqs: list[Seq] = []
         state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
-        pending: _Launched | None = None  # the step in flight, its tokens not yet read
-        prefilling: _Prefill | None = None  # an admission being prefilled in pieces
+        pending: Launched | None = None  # the step in flight, its tokens not yet read
+        prefilling: Prefill | None = None  # an admission being prefilled in pieces
         freed = True  # rows finished (or none ran) since the last try to admit
         t0, before = time.perf_counter(), dict(self.stats)
 
@@ -325,7 +276,7 @@ class ContinuousBatcher:
             if self.deterministic or state["shaper"].hold or not self.overlap:
                 settle()
 
-    def _launch(self, seqs: list[_Seq], state: dict[str, Any]) -> _Launched:
+    def _launch(self, seqs: list[Seq], state: dict[str, Any]) -> Launched:
         """Queue one decode step and its sampling for the rows; advance the batch's device
         tensors to the next step (its input tokens are this step's samples) and start copying
         the samples to the host."""
@@ -335,9 +286,9 @@ class ContinuousBatcher:
         tokens, logps = sample(shaped, state["plan"], state["steps"], self.generator)
         shaper.count(tokens)
         state["tokens"], state["pos"], state["steps"] = tokens, state["pos"] + 1, state["steps"] + 1
-        return _Launched(seqs, *_to_host(tokens, logps))
+        return Launched(seqs, *to_host(tokens, logps))
 
-    def _collect(self, launched: _Launched, done: Callable[[Row], None], waited: str = "wait_s") -> None:
+    def _collect(self, launched: Launched, done: Callable[[Row], None], waited: str = "wait_s") -> None:
         """The launched step's tokens join their rows (rows that finished before it drop
         theirs); a row that finishes gives its pages back and is answered."""
         pool = self.decoder.pool
@@ -357,7 +308,7 @@ class ContinuousBatcher:
                 done(s.row)
         self.stats["collect_s"] += time.perf_counter() - t1
 
-    def _finished(self, s: _Seq) -> None:
+    def _finished(self, s: Seq) -> None:
         """A finished row's pages go to the prefix cache (the keys of its prompt and of every
         sampled token but the last, which no step fed back), then back to the pool."""
         assert self.decoder.pool is not None
@@ -367,7 +318,7 @@ class ContinuousBatcher:
             cache.insert(tokens, s.pages[: -(-len(tokens) // self.decoder.page_size)])
         self.decoder.pool.release(s.pages)
 
-    def _subset(self, state: dict[str, Any], seqs: list[_Seq], keep: list[int]) -> None:
+    def _subset(self, state: dict[str, Any], seqs: list[Seq], keep: list[int]) -> None:
         """The batch's device tensors for the rows `keep` (indices into the batch before), with
         no host sync (the step in flight may still be running)."""
         index = device_tensor(keep, torch.long, self.device)
@@ -382,7 +333,7 @@ class ContinuousBatcher:
             [r.params for r in rows], [r.seed for r in rows], self.vocab, self.device, self.token_hash(self.vocab)
         )
 
-    def _batch_state(self, seqs: list[_Seq]) -> dict[str, Any]:
+    def _batch_state(self, seqs: list[Seq]) -> dict[str, Any]:
         """Device tensors of the rows' next step: last token, its position, page tables, steps;
         their sampling plan and logit shaper."""
         dev = self.device
@@ -407,7 +358,7 @@ class ContinuousBatcher:
         running: int,
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[_Seq], int, _Prefill | None]:
+    ) -> tuple[list[Seq], int, Prefill | None]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
         rows that go on decoding, how many requests were admitted, the prefill queued in pieces
         whose rows join once it is done: then no rows now). Requests are admitted whole
@@ -487,7 +438,7 @@ class ContinuousBatcher:
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
         in_pieces: bool = False,
-    ) -> tuple[list[_Seq], _Prefill | None]:
+    ) -> tuple[list[Seq], Prefill | None]:
         """The admitted requests' rows get their pages and their prompts' keys: a prompt's cached
         pages are shared (a page the match ends inside is taken over, or copied, before the rest
         of the prompt is written into it), the rest prefilled, once per distinct prompt; the
@@ -512,7 +463,7 @@ class ContinuousBatcher:
             need += len(key) // P - len(hits[key].pages) - (1 if taken.get(key) is not None else 0)
         if cache is not None and pool.free < need:
             cache.evict(need)
-        prompts: dict[tuple[int, ...], list[_Seq]] = {}
+        prompts: dict[tuple[int, ...], list[Seq]] = {}
         copies: list[tuple[int, int]] = []  # (source, destination) pages
         for req, rows in batch:
             remaining[id(req)] = [rows, len(rows)]
@@ -528,7 +479,7 @@ class ContinuousBatcher:
                 if group:
                     shared = group[0].pages[:full]
                     pool.share(shared)
-                    s = _Seq(r, shared + pool.alloc(total - full))
+                    s = Seq(r, shared + pool.alloc(total - full))
                 else:
                     k = len(hit.pages)
                     mine = pool.alloc(total - k - (1 if taken.get(key) is not None else 0))
@@ -537,7 +488,7 @@ class ContinuousBatcher:
                             mine.insert(0, hit.partial)
                         else:
                             copies.append((hit.partial, mine[0]))
-                    s = _Seq(r, hit.pages + mine)
+                    s = Seq(r, hit.pages + mine)
                 group.append(s)
         for rows in [rows for _, rows in batch]:
             for r in rows:
@@ -558,7 +509,7 @@ class ContinuousBatcher:
         rows = [s.row for s in seqs]
         of_seq = [u for u, g in enumerate(groups) for _ in g]
 
-        def launch() -> _Launched:
+        def launch() -> Launched:
             """The device's part: copies, the prefill forward, the first tokens' sampling."""
             assert pool is not None
             cpu0 = time.thread_time()
@@ -571,7 +522,7 @@ class ContinuousBatcher:
             row_logits = logits[device_tensor(of_seq, torch.long, self.device)]
             shaper = LogitShaper([r.params for r in rows], [r.stops for r in rows], self.vocab, self.device)
             tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
-            launched = _Launched(seqs, *_to_host(tokens, logps))
+            launched = Launched(seqs, *to_host(tokens, logps))
             self.stats["prefill_launch_cpu_s"] += time.thread_time() - cpu0
             return launched
 
@@ -591,20 +542,20 @@ class ContinuousBatcher:
             after.record()
         stream = self._stream
 
-        def in_pieces_on_its_stream() -> _Launched:
+        def in_pieces_on_its_stream() -> Launched:
             with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None and after is not None:
                     stream.wait_event(after)
                 return launch()
 
-        later = _Prefill(seqs, Pieces(in_pieces_on_its_stream, name="prefill"))
+        later = Prefill(seqs, Pieces(in_pieces_on_its_stream, name="prefill"))
         self._in_pieces = later.work
         if copies:
             pool.release([a for a, _ in copies])
         self.stats["prefills_in_pieces"] += 1
         return [], later
 
-    def _piece(self, prefill: _Prefill, budget_s: float) -> float:
+    def _piece(self, prefill: Prefill, budget_s: float) -> float:
         """Queue the next piece of `prefill` (the rest with an infinite budget): its host time."""
         if prefill.work.done:
             return 0.0
