@@ -6,6 +6,7 @@ limits, and seeded trajectories that repeat exactly."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -147,23 +148,50 @@ def paged(model_a, tmp_path_factory):
     srv.process.stop()
 
 
+class _Timed:
+    """The engine client, keeping when each request went out and came back."""
+
+    def __init__(self, client: EngineClient):
+        self.client, self.spans, self._lock = client, [], threading.Lock()
+
+    def generate(self, input_ids, params, return_logprob=True, positions=None):
+        t0 = time.monotonic()
+        out = self.client.generate(input_ids, params, return_logprob, positions)
+        with self._lock:
+            self.spans.append((t0, time.monotonic()))
+        return out
+
+    def most_at_once(self) -> int:
+        """The most requests that were in flight at one time."""
+        edges = sorted([(t0, 1) for t0, _ in self.spans] + [(t1, -1) for _, t1 in self.spans])
+        most = now = 0
+        for _, step in edges:
+            now += step
+            most = max(most, now)
+        return most
+
+
 def test_every_trajectory_of_a_rank_is_in_flight_at_once_whatever_the_clients_fan_out(paged):
-    """A rank's trajectories each send their turns from their own thread, all at once: the engine
-    batches them, far more rows per decode step than `engine.max_inflight` (one call's fan-out),
-    which used to bound every trajectory's turns together (a pool of max_inflight threads)."""
+    """A rank's trajectories each send their turns from their own thread, all at once: their
+    requests are in flight together, far more than `engine.max_inflight` (one call's fan-out),
+    which used to bound every trajectory's turns together (a pool of max_inflight threads), and
+    the engine batches them. (Counted by requests in flight at once, not rows per decode step:
+    on a loaded machine the threads' requests come slower than the engine decodes.)"""
     client = EngineClient(paged.client.url, max_inflight=1, prompts_per_request=1)
     try:
         before = client.server_info()["decode_stats"]
         cfg = RolloutConfig(max_new_tokens=8, max_turns=2, continue_after_length=True)
         turns = MultiTurn(cfg, _tokenizer(), Always)
         prompts = [Prompt(i, [1, 5 + i], {}) for i in range(24)]
-        out = turns.run(client, prompts, list(range(24)), _params(stops=False))
+        timed = _Timed(client)
+        out = turns.run(timed, prompts, list(range(24)), _params(stops=False))
         after = client.server_info()["decode_stats"]
     finally:
         client.close()
     assert all(t.completion.ok and t.turns == 2 for t in out)
+    assert timed.most_at_once() >= 12, f"at most {timed.most_at_once()} of 24 trajectories' requests in flight at once"
     rows_per_step = (after["tokens"] - before["tokens"]) / (after["decode_steps"] - before["decode_steps"])
-    assert rows_per_step > 4, f"{rows_per_step:.1f} rows per decode step: the trajectories' turns were not batched"
+    assert rows_per_step > 1.5, f"{rows_per_step:.1f} rows per decode step: the trajectories' turns were not batched"
 
 
 class Raises:
