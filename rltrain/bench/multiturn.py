@@ -3,6 +3,7 @@
     python -m rltrain.bench.multiturn                                   # CPU: a small model, embedded engine
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's figure
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512 --http same   # one process
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-pieces   # (batching.py)
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
     python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             phases = [{k: b[k] - a[k] for k in b} for a, b in zip(counts, counts[1:])]
             for key, label, fmt in (
                 ("prefills", "prefill forwards", "12.0f"),
+                ("prefills_in_pieces", "  of them in pieces", "12.0f"),
                 ("prefill_tokens", "prefilled tokens", "12.0f"),
                 ("decode_steps", "decode steps", "12.0f"),
                 ("rows", "tokens per decode step", "12.1f"),
