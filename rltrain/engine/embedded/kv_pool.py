@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rltrain.engine.embedded.sampling import device_tensor
+
 PAGE_SIZE = 64  # tokens per KV page
 
 
@@ -63,8 +65,8 @@ class KVPool:
     def copy(self, src: list[int], dst: list[int]) -> None:
         """Every layer's keys and values of pages `src` into pages `dst` (copy-on-write)."""
         if src:
-            si = torch.tensor(src, device=self.k.device)
-            di = torch.tensor(dst, device=self.k.device)
+            # (from pinned memory, no host sync: a prefill in pieces must not wait for the device)
+            si, di = device_tensor(src, torch.long, self.k.device), device_tensor(dst, torch.long, self.k.device)
             self.k[:, di] = self.k[:, si]
             self.v[:, di] = self.v[:, si]
 

@@ -41,6 +41,7 @@ from rltrain.engine.embedded.graphs import DecodeGraphs, StepGraph
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE, KVPool, head_dim_of, pool_pages
 from rltrain.engine.embedded.pieces import boundary
 from rltrain.engine.embedded.prefix_cache import PrefixCache
+from rltrain.engine.embedded.sampling import device_tensor
 from rltrain.engine.embedded.saver import MemorySaver, in_region
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.kernels.extend_attention import paged_extend_attention
@@ -457,14 +458,15 @@ class PagedDecoder:
                 groups.append((len(ids), 1, n))
             pack(i)
         dev = self.device
-        tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        # (from pinned memory, no host sync: a prefill in pieces must not wait for the device)
+        tensor = lambda x: device_tensor(x, torch.long, dev)  # noqa: E731
         extends: list[_Extends] = []
         rows: _ExtendRows | None = None
         if extending and self.extend_impl == "triton":  # every extending prompt at once, read in its pages
             begin = len(ids)
             firsts = [pack(i) for i in extending]
             width = max(-(-len(prompts[i]) // P) for i in extending)
-            int32 = lambda x: torch.tensor(x, dtype=torch.int32, device=dev)  # noqa: E731
+            int32 = lambda x: device_tensor(x, torch.int32, dev)  # noqa: E731
             rows = _ExtendRows(
                 int32([tables[i][:width] + [0] * (width - len(tables[i][:width])) for i in extending]),
                 int32(firsts),

@@ -169,9 +169,9 @@ class LogitShaper:
             self.counts = torch.zeros(len(params), vocab, device=device)
             for b, toks in enumerate(generated or []):
                 if toks:
-                    t = torch.tensor(toks, device=device)
+                    t = device_tensor(toks, torch.long, device)
                     self.counts[b].scatter_add_(0, t, torch.ones_like(t, dtype=self.counts.dtype))
-        col = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+        col = lambda values: device_tensor(values, torch.float32, device)[:, None]  # noqa: E731
         self.frequency = col([p.frequency_penalty for p in params])
         self.presence = col([p.presence_penalty for p in params])
         self.repetition = col([p.repetition_penalty for p in params])
