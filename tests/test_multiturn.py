@@ -6,13 +6,13 @@ limits, and seeded trajectories that repeat exactly."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Any
 
 import pytest
 
 from conftest import start_engine
+from rltrain.bench.multiturn import _Counting
 from rltrain.config import ConfigError, RolloutConfig
 from rltrain.engine.client import EngineClient
 from rltrain.generation import Completion, SamplingParams
@@ -148,27 +148,14 @@ def paged(model_a, tmp_path_factory):
     srv.process.stop()
 
 
-class _Timed:
-    """The engine client, keeping when each request went out and came back."""
-
-    def __init__(self, client: EngineClient):
-        self.client, self.spans, self._lock = client, [], threading.Lock()
-
-    def generate(self, input_ids, params, return_logprob=True, positions=None):
-        t0 = time.monotonic()
-        out = self.client.generate(input_ids, params, return_logprob, positions)
-        with self._lock:
-            self.spans.append((t0, time.monotonic()))
-        return out
-
-    def most_at_once(self) -> int:
-        """The most requests that were in flight at one time."""
-        edges = sorted([(t0, 1) for t0, _ in self.spans] + [(t1, -1) for _, t1 in self.spans])
-        most = now = 0
-        for _, step in edges:
-            now += step
-            most = max(most, now)
-        return most
+def _most_at_once(spans) -> int:
+    """The most of the (sent, answered) spans that overlap at one time."""
+    edges = sorted([(t0, 1) for t0, _ in spans] + [(t1, -1) for _, t1 in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
 
 
 def test_every_trajectory_of_a_rank_is_in_flight_at_once_whatever_the_clients_fan_out(paged):
@@ -183,13 +170,14 @@ def test_every_trajectory_of_a_rank_is_in_flight_at_once_whatever_the_clients_fa
         cfg = RolloutConfig(max_new_tokens=8, max_turns=2, continue_after_length=True)
         turns = MultiTurn(cfg, _tokenizer(), Always)
         prompts = [Prompt(i, [1, 5 + i], {}) for i in range(24)]
-        timed = _Timed(client)
+        timed = _Counting(client)  # (bench.multiturn's: when each request went out and came back)
         out = turns.run(timed, prompts, list(range(24)), _params(stops=False))
         after = client.server_info()["decode_stats"]
     finally:
         client.close()
     assert all(t.completion.ok and t.turns == 2 for t in out)
-    assert timed.most_at_once() >= 12, f"at most {timed.most_at_once()} of 24 trajectories' requests in flight at once"
+    most = _most_at_once([span for spans in timed.times.values() for span in spans])
+    assert most >= 12, f"at most {most} of 24 trajectories' requests in flight at once"
     rows_per_step = (after["tokens"] - before["tokens"]) / (after["decode_steps"] - before["decode_steps"])
     assert rows_per_step > 1.5, f"{rows_per_step:.1f} rows per decode step: the trajectories' turns were not batched"
 

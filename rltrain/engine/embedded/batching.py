@@ -85,6 +85,8 @@ class ContinuousBatcher:
         self.deterministic = deterministic
         self.overlap = overlap
         self.prefill_pieces = prefill_pieces and overlap and not deterministic  # (module doc)
+        if self.prefill_pieces:
+            decoder.pausable()
         self._stream = torch.cuda.Stream(self.device) if self.prefill_pieces and self.device.type == "cuda" else None
         self._spare = 0.002  # the host's idle time per decode step lately: its wait, plus a piece run in it
         self._in_pieces: Pieces | None = None  # the prefill being queued in pieces

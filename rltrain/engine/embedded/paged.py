@@ -279,9 +279,7 @@ class PagedDecoder:
         blocks = [m for m in model.modules() if type(m).__name__ in kinds]
         self._compiled = [(m, m.forward, torch.compile(m.forward, dynamic=True)) for m in blocks] if compile else []
         self._compiled_lock, self._compiled_users = threading.Lock(), 0
-        # A prefill run in pieces between decode steps (batching.py) may pause before any block.
-        for m in blocks:
-            m.register_forward_pre_hook(_piece_boundary)
+        self._blocks, self._pausable = blocks, False
         # With the memory saver (saver.py) the pool and the graphs' memory keep their addresses
         # through release and resume: the graphs are kept, not captured again.
         self.saver = saver
@@ -367,6 +365,15 @@ class PagedDecoder:
     def compiled(self) -> bool:
         """Whether decode steps and prefills run the transformer blocks torch.compiled."""
         return bool(self._compiled)
+
+    def pausable(self) -> None:
+        """A prefill run in pieces between decode steps (batching.py) may pause before any
+        transformer block from now on (a pre-hook on each: only where pieces are on, since a
+        hooked module's call costs more on every forward)."""
+        if not self._pausable:
+            for m in self._blocks:
+                m.register_forward_pre_hook(_piece_boundary)
+            self._pausable = True
 
     @contextlib.contextmanager
     def _blocks_compiled(self) -> Iterator[None]:
