@@ -389,15 +389,29 @@ def report(
         f"(worst position {worst:.4f}; bf16; bounds calibrated at start-up, in the log)"
     )
     fit = _offload_mode(run_dir) == "fit"
+    # The rate over the steps that moved state (a mean over all steps would divide one step's bytes
+    # by every step's time, the re-binds of steps that moved nothing included), the phase whole
+    # and its copy part (the trainer's timing) beside it.
+    by_phase = {
+        "trainer_offload": [(out[i], rows[i]) for i in range(first, len(rows))],
+        "trainer_onload": [(out[max(i - 1, 0)], rows[i]) for i in range(first, len(rows))],
+    }
+    copy_part = {"trainer_offload": "offload_copy_to_host_s", "trainer_onload": "onload_copy_to_device_s"}
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
-        s = mean(lambda r, p=p: r["time"].get(p, 0.0))
-        if moved[p] < 2**20:
+        moving = [(b, r) for b, r in by_phase[p] if b >= 2**20]
+        if not moving:
             lines.append(f"{p + ' bandwidth':>28s} {'-':>13s}  nothing moved: the whole state stayed on the device")
             continue
-        rate = moved[p] / s / 1e9 if s > 0 else 0.0
+        nbytes = sum(b for b, _ in moving)
+        s = sum(r["time"].get(p, 0.0) for _, r in moving)
+        rate = nbytes / s / 1e9 if s > 0 else 0.0
+        copy_s = sum(r.get(copy_part[p], 0.0) for _, r in moving)
+        copy_rate = nbytes / copy_s / 1e9 if copy_s > 0 else 0.0
+        copy = f"; its copy alone {copy_rate:.1f} GB/s, {copy_rate / limit:.1%}" if copy_rate else ""
         lines.append(
             f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
-            f"({moved[p] / 2**30:.2f} GiB of trainer state"
+            f"({nbytes / len(moving) / 2**30:.2f} GiB of trainer state, the phase whole, over the {len(moving)} of "
+            f"{len(steady)} steps that moved it{copy}"
             + ("; fit: the optimizer state's copies overlap other phases, so not a copy rate)" if fit else ")")
         )
     parts = sorted({k for r in steady for k in r if k.startswith(("onload_", "offload_")) and k.endswith("_s")})
