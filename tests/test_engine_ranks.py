@@ -147,3 +147,46 @@ def test_layouts_the_sync_cannot_route_are_refused_by_what_the_engine_reports():
         two.check_reported({**sglang, "ep_join_rank_offset": 4})
     la = EngineParallelism.from_server_info({**sglang, "moe_dp_size": 2, "ep_join_rank_offset": 4})
     assert (la.moe_dp_size, la.ep_offset) == (2, 4)
+
+
+# ------------------------------------------------------------------ the leader's failure, on every rank
+
+
+def _leader_fails_rank(rank: int, world_size: int, model: str, run_dir: str) -> list[str]:
+    from rltrain.engine.launcher import EnginePhaseError, NodeEngine
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=120)
+    seen: list[str] = []
+    try:
+        cfg = engine_config("embedded", gpus_per_engine=2, release=True, retries=0, request_timeout_s=10)
+        node = NodeEngine.launch(cfg, model, world, Path(run_dir))
+        assert node.engine_ranks is not None and node.is_leader == (rank == 0)
+        if node.is_leader:
+            assert node.process is not None
+            node.process.stop()  # its engine gone: the leader's requests fail, the peer's ask nothing
+        for verb in (node.release_memory, node.resume_kv):
+            try:
+                verb()
+                seen.append(f"{verb.__name__}: no error")
+            except EnginePhaseError as e:
+                seen.append(f"{verb.__name__}: {e}")
+        return seen
+    finally:
+        world.close()
+
+
+def test_a_leaders_failed_release_or_resume_is_raised_on_every_rank_of_the_engine(model_a, tmp_path):
+    """Only the engine's leader talks to it; its peer must not go on as if the engine had let go
+    of (or taken back) its GPU. The engine over ranks 0 and 1 is stopped under its leader: the
+    release and the KV resume fail on both ranks, with the leader's error and the engine's name,
+    within the request's bounds (no rank waits for a world timeout)."""
+    from multiproc import values
+
+    out = values(run_ranks(_leader_fails_rank, 2, str(model_a), str(tmp_path), deadline_s=240))
+    for rank, seen in enumerate(out):
+        assert len(seen) == 2, (rank, seen)
+        release, resume = seen
+        assert release.startswith("release_memory: engine released failed on the engine's leader rank: "), seen
+        assert resume.startswith("resume_kv: engine resume kv failed on the engine's leader rank: "), seen
+        assert "node0-engine0" in release and "node0-engine0" in resume, seen
