@@ -231,6 +231,48 @@ def test_trainer_release_returns_cuda_memory_and_offload_moves_state(tmp_path):
     assert torch.cuda.memory_reserved() <= 2 * 2**20  # and the allocator gave its cache back (<= 2 MiB kept)
 
 
+def test_the_optimizer_state_made_before_the_first_forward_strands_none_of_the_steps_freed_memory(
+    tmp_path, monkeypatch
+):
+    """AdamW's moments made at its first step come out of the blocks the backward freed: after
+    the step and `trim`, the caching allocator keeps freed bytes it cannot hand back (segments
+    shared with the moments), and at 4B the first put-away that meant to keep the state moved all
+    of it out and back (4.39 GiB stranded, 2026-12-06). Made before the first forward (the
+    trainer's default), the state strands none of it, and an offload that keeps everything keeps it."""
+    from models import make_model, random_batch
+    from rltrain.config import AlgoConfig, TrainerConfig
+    from rltrain.runtime.memory import free_cuda_caches
+    from rltrain.trainer.fsdp import FSDPTrainer
+
+    path = make_model(tmp_path / "m", seed=3, vocab=32768, hidden=1024, layers=8)
+
+    def stranded(first: bool) -> tuple[int, int]:
+        """Freed bytes the allocator keeps after step 1 and trim; HostPark strandings of an
+        offload that keeps the whole state."""
+        gc.collect()
+        free_cuda_caches()
+        t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
+        t.create()
+        if not first:
+            monkeypatch.setattr(t, "_optimizer_state_first", lambda: None)
+        batch = random_batch(vocab=32768, rows=16, length=512)
+        batch.old_logp, _ = t.logprobs(batch)
+        t.train_step(batch)
+        t.trim()
+        torch.cuda.synchronize()
+        out = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        t.offload(keep=1 << 62)
+        strandings = t._park.strandings if t._park is not None else 0
+        t.release()
+        return out, strandings
+
+    lazy, _ = stranded(False)
+    first, strandings = stranded(True)
+    print(f"freed bytes the allocator keeps after step 1: moments first {first >> 20} MiB, lazily {lazy >> 20} MiB")
+    assert lazy >= 64 << 20  # the premise: made lazily, they strand what the step freed
+    assert first <= lazy // 10 and strandings == 0
+
+
 def test_fsdp2_trainer_on_nccl_follows_world_cycles_with_offload(tmp_path, monkeypatch):
     """FSDP2 over a (one-rank) NCCL world: each destroy/rebuild re-binds the trainer's modules to
     the new group (this torch's FSDP2 internals are what `sharding.rebind` expects); offload

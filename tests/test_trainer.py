@@ -463,3 +463,42 @@ def test_old_log_probs_from_the_training_forward_give_the_separate_pass_loss_and
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
     assert "logp_diff_engine_trainer" not in sa and sb["logp_diff_engine_trainer"] == pytest.approx(0.01, abs=1e-5)
     assert not AlgoConfig(ppo_epochs=2).old_logp_from_training and not AlgoConfig(kl_coef=0.1).old_logp_from_training
+
+
+def test_the_optimizer_state_is_made_before_the_first_forward_and_trains_bitwise_as_made_at_the_first_step(
+    tmp_path, monkeypatch
+):
+    """AdamW makes its moments at its first step, among the blocks the backward freed (on a GPU
+    they would share, and strand, those segments): the trainer makes them before the first
+    step's forward instead, by a step at learning rate 0 on zero gradients with its count set
+    back. Training is bitwise the same as with the moments made lazily, and the first forward
+    already finds them."""
+    path = make_model(tmp_path / "m", seed=5)
+    batches = [fixed_batch(), fixed_batch(B=6, L=12)]
+
+    def run(first: bool) -> tuple[dict, list[dict], list[int]]:
+        cfg = TrainerConfig(lr=1e-2, micro_batch_size=4, grad_clip=1e9, weight_decay=0.1)  # (decay at lr 0: x1)
+        t = FSDPTrainer(cfg, AlgoConfig(entropy_coef=0.01), str(path), torch.device("cpu"), total_steps=10)
+        t.create()
+        if not first:  # the moments made by AdamW's own first step
+            monkeypatch.setattr(t, "_optimizer_state_first", lambda: None)
+        found: list[int] = []  # the optimizer's state entries at each forward of the first train step
+        out = []
+        for b in batches:
+            b.old_logp, _ = t.logprobs(b)
+            hook = t.model.register_forward_pre_hook(lambda m, a: found.append(len(t.optimizer.state)))
+            out.append(t.train_step(b))
+            hook.remove()
+        return {k: v.clone() for k, v in t.export_weights()}, out, found
+
+    first_w, first_m, found = run(True)
+    lazy_w, lazy_m, lazy_found = run(False)
+    assert found[0] > 0 and lazy_found[0] == 0  # at the first step's first forward: made / not yet
+    for a, b in zip(first_m, lazy_m):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+    assert first_w.keys() == lazy_w.keys()
+    for k in first_w:
+        assert torch.equal(first_w[k], lazy_w[k]), k
+    t = make_trainer(path, micro=4)
+    one_step(t, fixed_batch())
+    assert {int(s["step"]) for s in t.optimizer.state.values()} == {1}  # one step counted, not two
