@@ -82,7 +82,9 @@ class Residency:
 
     def release(self, tags: list[str] | None) -> None:
         tags = _tags(tags)
+        t0 = time.perf_counter()
         with self.state.lock:
+            locked = time.perf_counter()
             if self.device.type == "cuda":  # (nothing queued may run on what is freed)
                 torch.cuda.synchronize(self.device)
             if self.saver is not None:
@@ -98,10 +100,13 @@ class Residency:
                     trim_host_heap()
             self.state.released |= set(tags)
             self.state.changed()
+        _said("released", tags, t0, locked)
 
     def resume(self, tags: list[str] | None) -> None:
         tags = _tags(tags)
+        t0 = time.perf_counter()
         with self.state.lock:
+            locked = time.perf_counter()
             if self.saver is not None:
                 self.saver.resume(tags)
                 if "weights" in tags and "weights" in self.state.released:
@@ -110,6 +115,7 @@ class Residency:
                 self._restore_weights()
             self.state.released -= set(tags)
             self.state.changed()
+        _said("resumed", tags, t0, locked)
 
     def remove_backup_dir(self) -> None:
         """At shutdown: the temporary backup directory, if this engine made one."""
@@ -272,6 +278,14 @@ class Residency:
                 context_bytes=self.context_bytes,
             )
         return rep
+
+
+def _said(what: str, tags: list[str], t0: float, locked: float) -> None:
+    """A release's or resume's seconds in the engine's log: the wait for the scheduler's lock
+    (a step or a generation in flight) apart from the work (unmapping or mapping the regions'
+    pages, the weights' backup or restore)."""
+    end = time.perf_counter()
+    log.info("%s %s in %.3f s (%.3f s waiting for the scheduler)", what, ", ".join(tags), end - t0, locked - t0)
 
 
 def _tags(tags: list[str] | None) -> list[str]:
