@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("launch_s", "of it queuing decode steps", "12.2f"),
                 ("wait_s", "of it waiting for the device", "12.2f"),
                 ("collect_s", "of it reading steps, answering", "12.2f"),
+                # (CUDA: new device and pinned host memory on the hot path; runtime.memory.allocator_counts)
+                ("cuda_mallocs", "cudaMalloc calls", "12.0f"),
+                ("cuda_alloc_retries", "  retried, all cache freed", "12.0f"),
+                ("pinned_host_allocs", "pinned host blocks made", "12.0f"),
+                ("pinned_host_alloc_ms", "  their ms", "12.1f"),
             ):
                 for p in phases:
                     p["rows"] = p["tokens"] / max(p["decode_steps"], 1)
@@ -208,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                         "prefill_launch_cpu_s", p["prefill_launch_s"]
                     )
                     p["prefill_tokens_per"] = p["prefill_tokens"] / max(p["prefills"], 1)
+                if key not in phases[0]:
+                    continue  # (the allocator counters: CUDA only)
                 vals = [p.get(key, 0.0) for p in phases]
                 print(f"{label:>28s} " + " ".join(f"{v:{fmt}}" for v in vals))
         print(f"failed: {failed}")

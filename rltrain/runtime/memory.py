@@ -23,6 +23,24 @@ def free_cuda_caches() -> None:
     torch.cuda.empty_cache()
 
 
+def allocator_counts(device: torch.device) -> dict[str, float]:
+    """Counters of the process's CUDA allocators since it started ({} off CUDA): the caching
+    allocator's calls to the driver (cudaMalloc / cudaFree, or maps and unmaps), its retries after
+    a failed cudaMalloc (each freed every cached block, synchronising the device), and the pinned
+    host allocator's blocks made (cudaHostAlloc) and the milliseconds they took. A hot path that
+    should allocate nothing new shows here when it does."""
+    if device.type != "cuda":
+        return {}
+    dev, host = torch.cuda.memory_stats(device), torch.cuda.host_memory_stats()
+    return {
+        "cuda_mallocs": float(dev.get("num_device_alloc", 0)),
+        "cuda_frees": float(dev.get("num_device_free", 0)),
+        "cuda_alloc_retries": float(dev.get("num_alloc_retries", 0)),
+        "pinned_host_allocs": float(host.get("num_host_alloc", 0)),
+        "pinned_host_alloc_ms": float(host.get("host_alloc_time.total", 0)) / 1e3,
+    }
+
+
 def trim_host_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps small freed blocks otherwise)."""
     try:

@@ -28,6 +28,7 @@ from rltrain.engine.embedded.requests import (
 )
 from rltrain.engine.embedded.state import EngineStateError
 from rltrain.generation import SamplingParams
+from rltrain.runtime.memory import allocator_counts
 
 
 def key_matches(api_key: str, header: str | None) -> bool:
@@ -167,7 +168,8 @@ class EmbeddedServer:
             "enable_memory_saver": e.saver is not None,
             # The paged path's counts since start-up: prefills, decode steps, graph captures
             # and their seconds, tokens (None: the plain transformers path)
-            "decode_stats": dict(e.decoder.stats) if e.decoder is not None else None,
+            # (with the process's allocator counters on CUDA: runtime.memory.allocator_counts)
+            "decode_stats": {**e.decoder.stats, **allocator_counts(e.device)} if e.decoder is not None else None,
         }
 
     def _allowed(self, model_path: str) -> str:
