@@ -387,6 +387,71 @@ def test_a_prefill_in_pieces_lets_the_running_rows_decode_between_its_layers(mod
         engine.shutdown()
 
 
+@pytest.mark.parametrize("delay", [0.0, 1e9], ids=["admitted-at-once", "gathered"])
+def test_requests_arriving_while_rows_run_are_gathered_into_one_prefill_with_a_delay(model, delay):
+    """--prefill-delay-factor (vLLM's scheduler delay factor): four requests that arrive a few
+    decode steps apart while four rows decode wait for each other (until as many rows wait as run)
+    and are prefilled in one forward; without it each is prefilled as it comes. Both answer what
+    each answers alone (seeded), and every page comes back."""
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE, prefill_delay=delay)
+    try:
+        long = SamplingParams(max_new_tokens=300, temperature=1.0, sampling_seed=3, n=4, ignore_eos=True)
+        shorts = [SamplingParams(max_new_tokens=4, temperature=1.0, sampling_seed=s, ignore_eos=True) for s in range(4)]
+        prompts = [[5 + i, 6, 7] for i in range(4)]
+        alone = [run(engine, [q], s) for q, s in zip(prompts, shorts)]
+        engine.flush_cache()
+        stats = engine.decoder.stats
+
+        def steps_later(n: int) -> None:
+            at = stats["decode_steps"]
+            while stats["decode_steps"] < at + n:
+                time.sleep(0.001)
+
+        f_long = engine.submit([[1, 2, 3]], long, True)
+        steps_later(1)
+        prefills, deferred = stats["prefills"], stats["admits_deferred"]
+        futures = []
+        for q, s in zip(prompts, shorts):
+            futures.append(engine.submit([q], s, True))
+            steps_later(3)
+        got = [f.result(timeout=120) for f in futures]
+        assert not f_long.done()  # (all of it while the four rows ran)
+        assert stats["prefills"] - prefills == (1 if delay else 4)
+        assert (stats["admits_deferred"] > deferred) == bool(delay)
+        assert [g[0]["output_ids"] for g in got] == [a[0]["output_ids"] for a in alone]
+        assert len(f_long.result(timeout=120)) == 4
+        engine.flush_cache()
+        assert engine.decoder.pool.free == engine.decoder.pool.pages - 1
+    finally:
+        engine.shutdown()
+
+
+def test_a_request_kept_waiting_for_others_is_admitted_within_its_delay(model):
+    """A lone request arriving while rows run, with no other to join it: admitted once it has
+    waited the factor times a prefill's host cost (here set to 1 ms, the factor 50: 50 ms), not
+    left until the running rows finish."""
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=160 * PAGE_SIZE, prefill_delay=50.0)
+    try:
+        run(engine, [[1, 2]], SamplingParams(max_new_tokens=2))
+        paged = engine.scheduler.paged
+        assert paged is not None and paged._prefill_s > 0  # measured by that prefill
+        stats = engine.decoder.stats
+        long = SamplingParams(max_new_tokens=1000, temperature=1.0, sampling_seed=3, n=2, ignore_eos=True)
+        steps = stats["decode_steps"]
+        f_long = engine.submit([[1, 2, 3]], long, True)
+        while stats["decode_steps"] == steps:
+            time.sleep(0.001)
+        paged._prefill_s = 0.001
+        deferred = stats["admits_deferred"]
+        got = engine.submit([[4, 5, 6]], SamplingParams(max_new_tokens=3), True).result(timeout=120)
+        assert got[0]["meta_info"]["completion_tokens"] == 3 and not f_long.done()
+        assert stats["admits_deferred"] > deferred  # it did wait for others first
+        engine.pause("abort")
+        f_long.result(timeout=120)
+    finally:
+        engine.shutdown()
+
+
 def test_a_prefill_in_pieces_that_fails_or_is_paused_loses_nothing(model, monkeypatch):
     """A prefill queued in pieces fails in a layer: every request in flight gets its error, as
     at once, and the engine serves the next. An abort while one is queued in pieces queues its
