@@ -377,9 +377,6 @@ def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
     assert noop == plain and (plain["device"], plain["cuda_graphs"]) == ("cpu", True)
     assert engine_options(parse(["--model-path", "/m", "--base-gpu-id", "3"]))["device"] == "cpu"  # (CUDA only)
     assert plain["overlap"] and not engine_options(parse(["--model", "/m", "--disable-overlap-schedule"]))["overlap"]
-    assert plain["prefill_delay"] == 0 and engine_options(parse(["--model", "/m", "--prefill-delay-factor", "2"]))[
-        "prefill_delay"
-    ] == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
@@ -390,8 +387,6 @@ def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
         (["--model-path", "/m", "--device", "cuda:0", "--base-gpu-id", "1"], "give the device's index once"),
         (["--model-path", "/m", "--cuda-graph-backend-decode", "breakable"], "invalid choice: 'breakable'"),
         (["--random-seed", "1"], "required: --model-path/--model"),
-        (["--model-path", "/m", "--prefill-delay-factor", "-1"], "--prefill-delay-factor -1.0: a factor >= 0"),
-        (["--model-path", "/m", "--prefill-delay-factor", "nan"], "--prefill-delay-factor nan: a factor >= 0"),
     ],
 )
 def test_an_unknown_or_conflicting_flag_is_a_clear_error(argv, error, capsys):

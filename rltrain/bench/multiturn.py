@@ -4,7 +4,6 @@
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's figure
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512 --http same   # one process
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-pieces   # (batching.py)
-    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--prefill-delay-factor=2   # gathering
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
     python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 
@@ -189,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
                 ("decode_steps", "decode steps", "12.0f"),
                 ("rows", "tokens per decode step", "12.1f"),
                 ("admits", "admission tries", "12.0f"),
-                ("admits_deferred", "  deferred for others to join", "12.0f"),
                 ("serve_s", "seconds generating", "12.2f"),
                 ("serve_off_cpu_s", "of it off a CPU (locks, cores)", "12.2f"),
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),

@@ -18,23 +18,14 @@ host reads step t's tokens, so Python's per-step work runs while the device comp
 `overlap=False` (SGLang's --disable-overlap-schedule) reads each step before queuing the next:
 the same tokens, with the host's work between the device's steps (bench.engine compares them).
 
-**Gathering.** Each prefill forward costs the host about the same whatever its size (~1 ms per
-layer), and inline it holds the running rows until it is queued. A multi-turn rollout's turns
-come back spread (its tools and clients answer one by one) and would be admitted in many small
-waves. With `prefill_delay` (`--prefill-delay-factor`; vLLM's scheduler delay factor), while rows
-run, queued requests wait up to that many times the host cost of a prefill forward lately for
-others to join them, or until as many rows wait as run; with nothing running they are admitted
-at once (a rollout's first requests never wait).
-
 **Prefill in pieces.** Queuing a prefill forward takes the host ~1 ms per layer (~25-30 ms at the
 1.7B shape; about as long as its kernels run for ~130 prompts of a later turn: docs/benchmarks/),
 and at once it stops every running row until its first tokens are sampled: a multi-turn
 rollout's turns arrive spread and are admitted in many waves, each a stop. With `prefill_pieces`
-(`--enable-prefill-pieces`; off: no gain on a GPU, BENCHMARKS.md) an admission made while rows
-run has its prefill (and its first tokens' sampling) queued a piece at a time, on a stream of
-its own, in the host's spare time between decode steps (what it waited for the device at the
-steps before); its kernels run beside the decode steps; its rows join at the first step after
-they are done. The
+(`--enable-prefill-pieces`; off until measured on a GPU) an admission made while rows run has its
+prefill (and its first tokens' sampling) queued a piece at a time, on a stream of its own, in the
+host's spare time between decode steps (what it waited for the device at the steps before); its
+kernels run beside the decode steps; its rows join at the first step after they are done. The
 pieces run on a thread of their own handed over to and from the scheduler's (pieces.py): never
 two threads' Python at once. One prefill at a time; what arrives meanwhile is admitted together
 next. Its pages are reserved at admission; its stream starts after the decode steps queued
@@ -84,7 +75,6 @@ class ContinuousBatcher:
         deterministic: bool = False,
         overlap: bool = True,
         prefill_pieces: bool = False,
-        prefill_delay: float = 0.0,
     ):
         self.decoder = decoder
         self.device = decoder.device
@@ -100,10 +90,6 @@ class ContinuousBatcher:
         self._stream = torch.cuda.Stream(self.device) if self.prefill_pieces and self.device.type == "cuda" else None
         self._spare = 0.002  # the host's idle time per decode step lately: its wait, plus a piece run in it
         self._in_pieces: Pieces | None = None  # the prefill being queued in pieces
-        # While rows run, queued requests wait this many times the host cost of a prefill forward
-        # lately (`_prefill_s`) for others to join them in one forward (module doc: Gathering).
-        self.prefill_delay = 0.0 if deterministic else prefill_delay
-        self._prefill_s = 0.0
         self.stats = decoder.stats  # (tokens are counted here, the forwards in the decoder)
         self.waiting: deque[GenRequest] = deque()
 
@@ -233,13 +219,7 @@ class ContinuousBatcher:
             if prefilling is not None and (not seqs or prefilling.done()):
                 join()
             admitted = 0
-            if (
-                self.waiting
-                and freed
-                and prefilling is None
-                and not (self.deterministic and seqs)
-                and (not seqs or self._gathered(len(seqs)))
-            ):
+            if self.waiting and freed and prefilling is None and not (self.deterministic and seqs):
                 settle()
                 freed = False
                 t_admit = time.perf_counter()
@@ -297,19 +277,6 @@ class ContinuousBatcher:
             pending = launched
             if self.deterministic or state["shaper"].hold or not self.overlap:
                 settle()
-
-    def _gathered(self, running: int) -> bool:
-        """Whether the queued requests are admitted now, while `running` rows decode: always
-        without a delay; with one, once the first of them has waited `prefill_delay` times a
-        prefill forward's host cost lately, or as many rows wait as run (module doc: Gathering).
-        An admission deferred is tried again after the next decode step."""
-        if self.prefill_delay <= 0:
-            return True
-        rows = sum(p.n for req in self.waiting for p in req.params)
-        if rows >= running or time.time() - self.waiting[0].received >= self.prefill_delay * self._prefill_s:
-            return True
-        self.stats["admits_deferred"] += 1
-        return False
 
     def _launch(self, seqs: list[Seq], state: dict[str, Any]) -> Launched:
         """Queue one decode step and its sampling for the rows; advance the batch's device
@@ -564,9 +531,7 @@ class ContinuousBatcher:
         if not in_pieces:
             t0 = time.perf_counter()
             launched = launch()
-            dt = time.perf_counter() - t0
-            self.stats["prefill_launch_s"] += dt
-            self._prefill_s = dt if not self._prefill_s else 0.8 * self._prefill_s + 0.2 * dt
+            self.stats["prefill_launch_s"] += time.perf_counter() - t0
             if copies:
                 pool.release([a for a, _ in copies])
             self._collect(launched, done, "prefill_wait_s")

@@ -80,7 +80,6 @@ class EmbeddedEngine:
         weight_version: str = "default",
         overlap: bool = True,
         prefill_pieces: bool = False,
-        prefill_delay: float = 0.0,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -132,14 +131,7 @@ class EmbeddedEngine:
         paged = None
         if self.decoder is not None:
             paged = ContinuousBatcher(
-                self.decoder,
-                self._generator,
-                self.token_hash,
-                self.eos_ids,
-                deterministic,
-                overlap,
-                prefill_pieces,
-                prefill_delay,
+                self.decoder, self._generator, self.token_hash, self.eos_ids, deterministic, overlap, prefill_pieces
             )
         plain = PlainRunner(self.model, self.device, self._generator, self.token_hash, self.eos_ids)
         self.scheduler = Scheduler(

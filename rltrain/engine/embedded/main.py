@@ -165,14 +165,6 @@ def parser() -> argparse.ArgumentParser:
         "stream of its own, instead of at once with the decode waiting (this engine's own flag: batching.py)",
     )
     ap.add_argument(
-        "--prefill-delay-factor",
-        type=float,
-        default=0.0,
-        help="the paged path: while rows run, queued requests wait up to this many times a prefill forward's "
-        "host cost lately for others to join them in one forward (vLLM's scheduler delay factor; 0: admitted at "
-        "once; batching.py)",
-    )
-    ap.add_argument(
         "--separate-http-process",
         action="store_true",
         help="HTTP (framing, JSON, the API key) in this process, the engine and its scheduler in a child process, "
@@ -203,8 +195,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.base_gpu_id is not None and args.device.startswith("cuda:"):
         ap.error(f"--base-gpu-id {args.base_gpu_id} with --device {args.device}: give the device's index once")
-    if not 0 <= args.prefill_delay_factor < float("inf"):
-        ap.error(f"--prefill-delay-factor {args.prefill_delay_factor}: a factor >= 0 (0: no delay)")
     return args
 
 
@@ -234,7 +224,6 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "weight_version": args.weight_version,
         "overlap": not args.disable_overlap_schedule,
         "prefill_pieces": args.enable_prefill_pieces,
-        "prefill_delay": args.prefill_delay_factor,
     }
 
 

@@ -296,7 +296,6 @@ class PagedDecoder:
             # host seconds admitting requests (their prefill and first tokens included: those
             # wait for the device) and rebuilding the batch's device state after rows joined
             "admits": 0,  # tries to admit queued requests (each reads the step in flight first)
-            "admits_deferred": 0,  # tries that let queued requests wait for others (batching.py: Gathering)
             "admit_s": 0.0,
             # of it: queuing the prefill forwards, and waiting for them (and their first tokens)
             "prefill_launch_s": 0.0,
