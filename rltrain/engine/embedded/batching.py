@@ -22,10 +22,11 @@ the same tokens, with the host's work between the device's steps (bench.engine c
 1.7B shape; about as long as its kernels run for ~130 prompts of a later turn: docs/benchmarks/),
 and at once it stops every running row until its first tokens are sampled: a multi-turn
 rollout's turns arrive spread and are admitted in many waves, each a stop. With `prefill_pieces`
-(`--enable-prefill-pieces`; off until measured on a GPU) an admission made while rows run has its
-prefill (and its first tokens' sampling) queued a piece at a time, on a stream of its own, in the
-host's spare time between decode steps (what it waited for the device at the steps before); its
-kernels run beside the decode steps; its rows join at the first step after they are done. The
+(`--enable-prefill-pieces`; off: no gain on a GPU, BENCHMARKS.md) an admission made while rows
+run has its prefill (and its first tokens' sampling) queued a piece at a time, on a stream of
+its own, in the host's spare time between decode steps (what it waited for the device at the
+steps before); its kernels run beside the decode steps; its rows join at the first step after
+they are done. The
 pieces run on a thread of their own handed over to and from the scheduler's (pieces.py): never
 two threads' Python at once. One prefill at a time; what arrives meanwhile is admitted together
 next. Its pages are reserved at admission; its stream starts after the decode steps queued
