@@ -242,6 +242,7 @@ def test_the_optimizer_state_made_before_the_first_forward_strands_none_of_the_s
     from models import make_model, random_batch
     from rltrain.config import AlgoConfig, TrainerConfig
     from rltrain.runtime.memory import free_cuda_caches
+    from rltrain.trainer import rl_update
     from rltrain.trainer.fsdp import FSDPTrainer
 
     path = make_model(tmp_path / "m", seed=3, vocab=32768, hidden=1024, layers=8)
@@ -254,7 +255,7 @@ def test_the_optimizer_state_made_before_the_first_forward_strands_none_of_the_s
         t = FSDPTrainer(TrainerConfig(lr=1e-3, micro_batch_size=8), AlgoConfig(), str(path), torch.device("cuda"))
         t.create()
         if not first:
-            monkeypatch.setattr(t, "_optimizer_state_first", lambda: None)
+            monkeypatch.setattr(rl_update, "make_optimizer_state", lambda opt: None)
         batch = random_batch(vocab=32768, rows=16, length=512)
         batch.old_logp, _ = t.logprobs(batch)
         t.train_step(batch)

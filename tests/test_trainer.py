@@ -10,6 +10,7 @@ from models import make_model
 from multiproc import run_ranks, values
 from rltrain.batch import TrainBatch
 from rltrain.config import AlgoConfig, TrainerConfig
+from rltrain.trainer import rl_update
 from rltrain.trainer.fsdp import FSDPTrainer
 
 
@@ -333,7 +334,6 @@ def test_padding_free_packed_micro_batches_equal_the_padded_path(tmp_path, arch)
     """trainer.max_tokens_per_micro_batch: sequences packed into one row per micro-batch with
     per-sequence position ids give the padded path's log-probs, entropies, loss and step (float
     tolerance), with other micro-batch boundaries; no token sees another sequence."""
-    from rltrain.trainer import rl_update
 
     path = make_model(tmp_path / "m", seed=3, arch=arch)
     batch = _varied_batch()
@@ -409,7 +409,6 @@ def test_compiled_blocks_give_the_eager_log_probs_and_step_with_one_graph_for_ev
 
 def rl_lengths(batch: TrainBatch, budget: int) -> list[int]:
     """The packed lengths of `batch`'s micro-batches under a token budget."""
-    from rltrain.trainer import rl_update
 
     lengths = batch.attention_mask.sum(1).tolist()
     cfg = TrainerConfig(max_tokens_per_micro_batch=budget)
@@ -481,7 +480,7 @@ def test_the_optimizer_state_is_made_before_the_first_forward_and_trains_bitwise
         t = FSDPTrainer(cfg, AlgoConfig(entropy_coef=0.01), str(path), torch.device("cpu"), total_steps=10)
         t.create()
         if not first:  # the moments made by AdamW's own first step
-            monkeypatch.setattr(t, "_optimizer_state_first", lambda: None)
+            monkeypatch.setattr(rl_update, "make_optimizer_state", lambda opt: None)
         found: list[int] = []  # the optimizer's state entries at each forward of the first train step
         out = []
         for b in batches:
@@ -493,6 +492,7 @@ def test_the_optimizer_state_is_made_before_the_first_forward_and_trains_bitwise
 
     first_w, first_m, found = run(True)
     lazy_w, lazy_m, lazy_found = run(False)
+    monkeypatch.undo()
     assert found[0] > 0 and lazy_found[0] == 0  # at the first step's first forward: made / not yet
     for a, b in zip(first_m, lazy_m):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)

@@ -465,7 +465,7 @@ class FSDPTrainer:
         model = self._live_model()
         assert self.scheduler is not None
         assert probe is None or self.rides_probe
-        self._optimizer_state_first()
+        rl_update.make_optimizer_state(self.optimizer)  # (before the first step's activations exist)
 
         def step(mini: TrainBatch, loss_cfg: PolicyLossConfig, ride: ProbeRide | None) -> dict[str, float]:
             return rl_update.optimizer_step(self, model, mini, loss_cfg, ride)
@@ -475,40 +475,6 @@ class FSDPTrainer:
         self.scheduler.step()
         self.steps += 1
         return metrics
-
-    def _optimizer_state_first(self) -> None:
-        """The optimizer's state made before the first step's activations and gradients exist.
-        AdamW makes its moments at its first step, out of the blocks the backward just freed:
-        sharing their segments, the kept state would strand them (the caching allocator cannot hand
-        back a segment that still holds state), and the first put-away that keeps the state on the
-        device (loop.offload_trainer=auto) moved it all out and back instead
-        (`HostPark.all_if_stranded`). Made as the first step makes it: a step on zero gradients at
-        learning rate 0 (the moments stay zeros; the weights bitwise as they are: the decay
-        multiplies them by exactly 1 and the update adds 0), its count set back to 0, so that the
-        first real step computes bitwise what it would have."""
-        opt = self.optimizer
-        if opt is None or opt.state:
-            return
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        if not params or any(p.grad is not None for p in params):
-            return
-        lrs = [g["lr"] for g in opt.param_groups]
-        try:
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            for g in opt.param_groups:
-                g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-            opt.step()
-        finally:
-            for g, lr in zip(opt.param_groups, lrs):
-                g["lr"] = lr
-            for p in params:
-                p.grad = None
-        for state in opt.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"].zero_()
-            elif "step" in state:
-                state["step"] = 0
 
     # ------------------------------------------------------------------ weights and state
 

@@ -172,6 +172,40 @@ def optimizer_step(
     return {**step_stats(backend, acc, total_tokens, grad_norm), **probed}
 
 
+def make_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
+    """A torch optimizer's state made now, before the first step's activations and gradients
+    exist (a no-op once it has state; the fsdp trainer's AdamW). AdamW makes its moments at its
+    first step, out of the blocks the backward just freed: sharing their segments, a state kept on
+    the device strands them (the caching allocator cannot hand back a segment that still holds
+    state), and the first put-away that meant to keep it (loop.offload_trainer=auto) moved it all
+    out and back instead (`HostPark.all_if_stranded`). Made as the first step makes it: a step on
+    zero gradients at learning rate 0 (the moments stay zeros; the weights bitwise as they are: the
+    decay multiplies them by exactly 1 and the update adds 0), its count set back to 0, so that the
+    first real step computes bitwise what it would have."""
+    if opt is None or opt.state:
+        return
+    params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for g in opt.param_groups:
+            g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, lrs):
+            g["lr"] = lr
+        for p in params:
+            p.grad = None
+    for state in opt.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+
+
 def dropout_in(config: Any) -> list[str]:
     """The dropout rates above 0 a transformers config sets (a training forward then differs
     from a scoring one)."""
