@@ -347,10 +347,11 @@ def report(
     # A step's onload brings back what the step before put away (step 2's: step 1's, which may
     # move what later steps keep).
     first = len(rows) - len(steady)
-    moved = {
-        "trainer_offload": sum(out[first:]) / len(steady),
-        "trainer_onload": sum(out[max(i - 1, 0)] for i in range(first, len(rows))) / len(steady),
+    by_phase = {  # (bytes moved, the step's row) of each step averaged
+        "trainer_offload": [(out[i], rows[i]) for i in range(first, len(rows))],
+        "trainer_onload": [(out[max(i - 1, 0)], rows[i]) for i in range(first, len(rows))],
     }
+    moved = {p: sum(b for b, _ in steps) / len(steady) for p, steps in by_phase.items()}
     # The bytes each switch moves and the floor of that copy (the rate measured in this run).
     floors = {
         "trainer_offload": (moved["trainer_offload"], moved["trainer_offload"] / d2h / 1e9),
@@ -392,10 +393,6 @@ def report(
     # The rate over the steps that moved state (a mean over all steps would divide one step's bytes
     # by every step's time, the re-binds of steps that moved nothing included), the phase whole
     # and its copy part (the trainer's timing) beside it.
-    by_phase = {
-        "trainer_offload": [(out[i], rows[i]) for i in range(first, len(rows))],
-        "trainer_onload": [(out[max(i - 1, 0)], rows[i]) for i in range(first, len(rows))],
-    }
     copy_part = {"trainer_offload": "offload_copy_to_host_s", "trainer_onload": "onload_copy_to_device_s"}
     for p, limit in (("trainer_offload", d2h), ("trainer_onload", h2d)):
         moving = [(b, r) for b, r in by_phase[p] if b >= 2**20]

@@ -26,11 +26,11 @@ rollout's turns arrive spread and are admitted in many waves, each a stop. With 
 run has its prefill (and its first tokens' sampling) queued a piece at a time, on a stream of
 its own, in the host's spare time between decode steps (what it waited for the device at the
 steps before); its kernels run beside the decode steps; its rows join at the first step after
-they are done. The
-pieces run on a thread of their own handed over to and from the scheduler's (pieces.py): never
-two threads' Python at once. One prefill at a time; what arrives meanwhile is admitted together
-next. Its pages are reserved at admission; its stream starts after the decode steps queued
-before it (a page a finished row gave back may still take its last step's key).
+they are done. The pieces run on a thread of their own handed over to and from the scheduler's
+(pieces.py): never two threads' Python at once. One prefill at a time; what arrives meanwhile
+is admitted together next. Its pages are reserved at admission; its stream starts after the
+decode steps queued before it (a page a finished row gave back may still take its last step's
+key).
 """
 
 from __future__ import annotations
