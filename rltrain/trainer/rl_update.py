@@ -181,12 +181,17 @@ def make_optimizer_state(opt: torch.optim.Optimizer | None) -> None:
     out and back instead (`HostPark.all_if_stranded`). Made as the first step makes it: a step on
     zero gradients at learning rate 0 (the moments stay zeros; the weights bitwise as they are: the
     decay multiplies them by exactly 1 and the update adds 0), its count set back to 0, so that the
-    first real step computes bitwise what it would have."""
+    first real step computes bitwise what it would have. On CUDA the caching allocator's free
+    segments go back to the driver first: a forward that ran before (a separate old log-probs
+    pass) left its activations' segments cached, and moments made in them would strand what the
+    step frees there just the same (0.55 GiB in test_gpu.py's test of it on an H100, 2026-12-06)."""
     if opt is None or opt.state:
         return
     params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
     if not params or any(p.grad is not None for p in params):
         return
+    if any(p.is_cuda for p in params):
+        torch.cuda.empty_cache()  # (the moments in segments of their own)
     lrs = [g["lr"] for g in opt.param_groups]
     try:
         for p in params:
