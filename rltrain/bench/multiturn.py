@@ -4,6 +4,7 @@
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's figure
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512 --http same   # one process
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-pieces   # (batching.py)
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-cuda-graph  # graphs.py
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
     python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 
@@ -193,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),
                 ("prefill_launch_s", "queuing prefill forwards", "12.2f"),
                 ("prefill_launch_off_cpu_s", "  of it off a CPU", "12.2f"),
+                ("prefill_pack_s", "  packing prompts, indices", "12.2f"),
+                ("prefill_model_s", "  the model's forward", "12.2f"),
+                ("prefill_model_off_cpu_s", "    of it off a CPU", "12.2f"),
+                ("prefill_rest_s", "  sampling first tokens, copies", "12.2f"),
                 ("prefill_tokens_per", "  tokens per prefill", "12.0f"),
+                ("prefill_graph_captures", "  prefill graphs captured", "12.0f"),
                 ("prefill_wait_s", "waiting for prefills", "12.2f"),
                 ("batch_state_s", "of it batch state rebuilt", "12.2f"),
                 ("subset_s", "  or cut to the rows going on", "12.2f"),
@@ -213,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                         "prefill_launch_cpu_s", p["prefill_launch_s"]
                     )
                     p["prefill_tokens_per"] = p["prefill_tokens"] / max(p["prefills"], 1)
+                    p["prefill_model_off_cpu_s"] = p.get("prefill_model_s", 0.0) - p.get("prefill_model_cpu_s", 0.0)
+                    p["prefill_rest_s"] = (
+                        p["prefill_launch_s"] - p.get("prefill_pack_s", 0.0) - p.get("prefill_model_s", 0.0)
+                    )
                 if key not in phases[0]:
                     continue  # (the allocator counters: CUDA only)
                 vals = [p.get(key, 0.0) for p in phases]

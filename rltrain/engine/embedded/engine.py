@@ -80,6 +80,7 @@ class EmbeddedEngine:
         weight_version: str = "default",
         overlap: bool = True,
         prefill_pieces: bool = False,
+        prefill_cuda_graph: bool = False,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -113,7 +114,9 @@ class EmbeddedEngine:
         self.layout = ExpertLayout(self.config, ep_size, ep_rank, tp_size)
         writer = WeightWriter(self.model, self.device, self.layout)
         self.receiver = WeightReceiver(writer, self.state, aliases, self.dtype)
-        self.decoder = self._paged_decoder(decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile)
+        self.decoder = self._paged_decoder(
+            decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile, prefill_cuda_graph
+        )
         self.residency = Residency(
             self.model,
             self.device,
@@ -145,7 +148,13 @@ class EmbeddedEngine:
         self.scheduler.start()
 
     def _paged_decoder(
-        self, decode: str, max_total_tokens: int, mem_fraction: float, cuda_graphs: bool, compile: bool
+        self,
+        decode: str,
+        max_total_tokens: int,
+        mem_fraction: float,
+        cuda_graphs: bool,
+        compile: bool,
+        prefill_graphs: bool = False,
     ) -> PagedDecoder | None:
         """The paged path (paged.py) where asked for, or by default on CUDA where the model runs on
         it: it must pass its start-up probe against transformers' own forward. None: the plain
@@ -164,6 +173,7 @@ class EmbeddedEngine:
                 cuda_graphs,
                 compile,
                 self.saver,
+                prefill_graphs,
             )
             try:
                 diff = _verify(decoder)

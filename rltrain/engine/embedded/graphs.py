@@ -1,8 +1,11 @@
-"""The paged path's decode steps, captured as CUDA graphs and replayed.
+"""The paged path's decode steps, and with --enable-prefill-cuda-graph its prefills, captured as
+CUDA graphs and replayed.
 
     graphs = DecodeGraphs(max_pages, device, enabled, saver, stats, eager)
     logits = graphs.run(tokens, pos, table)   # one decode step of len(tokens) rows
     graphs.drop()                             # forget every graph (after a release)
+    prefills = PrefillGraphs(max_rows, max_pages, device, enabled, graphs, forward)
+    logits = prefills.run(ids, pos, page, offset, last, spans, tables)   # a packed prefill (`PrefillGraphs`)
 
 A decode step (every layer and the LM head; `eager(step, n)` runs it, paged.py) is captured once
 per batch-size bucket and replayed: its inputs are static tensors (token, position, page table,
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from rltrain.engine.embedded.saver import MemorySaver
+from rltrain.engine.embedded.saver import MemorySaver, in_region
 
 BUCKETS = sorted({s for k in range(14) for s in (1 << k, 3 << k >> 1) if s >= 1})  # batch sizes captured
 
@@ -128,3 +131,157 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         self.by_size.clear()
         self.pool = None
+
+
+# Prefill graphs (--enable-prefill-cuda-graph). Queuing a prefill forward costs the host ~1 ms per
+# layer (custom op dispatch, the compiled block's wrapper and guards: docs/benchmarks/), which at
+# the 1.7B shape is as long as its kernels run, and every running row waits for it. Replayed, a
+# prefill costs the host what its inputs' copies do.
+PREFILL_BUCKETS = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)  # new tokens per prefill captured
+CHUNK = 16  # query tokens per attention row: the extend kernel's grid is (rows, KV heads, 1)
+
+
+class PrefillInputs:
+    """A prefill bucket's static inputs: views of buffers every bucket shares (no two prefills
+    run at once). `ids`, `pos` [1, tokens]; `page`, `offset` [tokens] (each token's key slot);
+    `keep` [rows] (each prompt's last token in the packed sequence); the attention's chunk rows
+    [chunks]: where each chunk's queries start, how many, the keys cached before them, its
+    prompt's pages (`table` [chunks, max_pages])."""
+
+    def __init__(self, shared: dict[str, torch.Tensor], tokens: int, rows: int):
+        self.tokens, self.rows, self.chunks = tokens, rows, tokens // CHUNK + rows
+        tok, meta = shared["tok"][:, :tokens], shared["meta"][:, : self.chunks]
+        self.ids, self.pos, self.page, self.offset = tok[0:1], tok[1:2], tok[2], tok[3]
+        self.keep = shared["keep"][:rows]
+        self.q_start, self.q_len, self.ctx = meta[0], meta[1], meta[2]
+        self.table = shared["table"][: self.chunks]
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class PrefillGraphs:
+    """The paged path's prefills of up to `PREFILL_BUCKETS[-1]` new tokens and `max_rows` prompts,
+    run from static inputs padded to their bucket: captured as CUDA graphs on CUDA (sharing the
+    decode graphs' memory pool; dropped with them), eager elsewhere (the tests' path). Every prompt
+    attends as one that extends cached keys (a whole prompt extends none), cut into chunks of
+    `CHUNK` queries so that the attention's launch does not depend on the prompts' lengths; the
+    padding tokens write their keys to the pool's scratch page and are no chunk's queries. A
+    graph's logits land in one output buffer that every bucket shares (read before the next
+    prefill). `forward(inputs)`: the prefill's logits [1, rows, vocab] from `inputs` (paged.py)."""
+
+    def __init__(
+        self,
+        max_rows: int,
+        max_pages: int,
+        device: torch.device,
+        capture: bool,
+        decode: DecodeGraphs,
+        forward: Callable[[PrefillInputs], torch.Tensor],
+    ):
+        self.max_rows, self.max_pages, self.device = max_rows, max_pages, device
+        self.capture = capture and device.type == "cuda"
+        self.decode = decode  # (its pool, saver and counters)
+        self.forward = forward
+        self.by_tokens: dict[int, PrefillInputs] = {}
+        self.shared: dict[str, torch.Tensor] = {}
+        self.out: torch.Tensor | None = None
+
+    def fits(self, tokens: int, rows: int) -> bool:
+        """Whether a prefill of `tokens` new tokens over `rows` prompts runs here."""
+        return 0 < tokens <= PREFILL_BUCKETS[-1] and rows <= min(self.max_rows, _bucket(tokens))
+
+    def run(
+        self,
+        ids: list[int],
+        pos: list[int],
+        page: list[int],
+        offset: list[int],
+        last: list[int],
+        rows: list[tuple[int, int, int]],
+        tables: list[list[int]],
+    ) -> torch.Tensor:
+        """The packed prefill's logits [len(rows), vocab]: `ids`, `pos`, `page`, `offset` per new
+        token; `last[i]`: prompt i's last token in them; `rows[i]`: where prompt i's new tokens
+        start there, how many, how many of its keys are cached; `tables[i]`: its pages."""
+        T = _bucket(len(ids))
+        g = self._inputs(T)
+        n, chunks = len(ids), [(i, c) for i, (_, q, _) in enumerate(rows) for c in range(0, q, CHUNK)]
+        tok = torch.zeros(4, T, dtype=torch.long)  # (padding: token 0 at position 0, in the scratch page)
+        tok[:, :n] = torch.tensor([ids, pos, page, offset], dtype=torch.long)
+        keep = torch.zeros(g.rows, dtype=torch.long)
+        keep[: len(last)] = torch.tensor(last, dtype=torch.long)
+        meta = torch.zeros(3, g.chunks, dtype=torch.int32)  # (padding: no queries, no keys)
+        meta[:, : len(chunks)] = torch.tensor(
+            [
+                [rows[i][0] + c for i, c in chunks],
+                [min(CHUNK, rows[i][1] - c) for i, c in chunks],
+                [rows[i][2] + c for i, c in chunks],
+            ],
+            dtype=torch.int32,
+        )
+        width = max(len(t) for t in tables)
+        per_prompt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        table = per_prompt[torch.tensor([i for i, _ in chunks])]
+        # (from pinned memory, no host sync; the padding copied too: a bucket's earlier prefill left its own)
+        for dst, src in (
+            (self.shared["tok"][:, :T], tok),
+            (g.keep, keep),
+            (self.shared["meta"][:, : g.chunks], meta),
+            (g.table[: len(chunks), :width], table),
+        ):
+            dst.copy_(src.pin_memory() if self.device.type == "cuda" else src, non_blocking=True)
+        if not self.capture:
+            return self.forward(g)[0, : len(rows)]
+        if g.graph is None:
+            self._capture(g)
+        assert g.graph is not None and self.out is not None
+        g.graph.replay()
+        return self.out[: len(rows)]
+
+    def _inputs(self, tokens: int) -> PrefillInputs:
+        g = self.by_tokens.get(tokens)
+        if g is None:
+            if not self.shared:
+                T, R = PREFILL_BUCKETS[-1], self.max_rows
+                dev = self.device
+                with in_region(self.decode.saver, "cuda_graph"):
+                    self.shared = {
+                        "tok": torch.zeros(4, T, dtype=torch.long, device=dev),
+                        "keep": torch.zeros(R, dtype=torch.long, device=dev),
+                        "meta": torch.zeros(3, T // CHUNK + R, dtype=torch.int32, device=dev),
+                        "table": torch.zeros(T // CHUNK + R, self.max_pages, dtype=torch.int32, device=dev),
+                    }
+            g = self.by_tokens[tokens] = PrefillInputs(self.shared, tokens, min(self.max_rows, tokens))
+        return g
+
+    def _capture(self, g: PrefillInputs) -> None:
+        """Warm `g`'s forward up (compilation, lazy inits) on a side stream, then capture it, its
+        logits copied into the shared output buffer."""
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                logits = self.forward(g)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.out is None:
+            with in_region(self.decode.saver, "cuda_graph"):
+                self.out = torch.empty(self.max_rows, logits.shape[-1], dtype=logits.dtype, device=self.device)
+        del logits
+        if self.decode.pool is None:
+            self.decode.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        capture = self.decode.saver.graph if self.decode.saver is not None else torch.cuda.graph
+        with capture(graph, pool=self.decode.pool):
+            self.out[: g.rows].copy_(self.forward(g)[0])
+        g.graph = graph
+        self.decode.stats["prefill_graph_captures"] = self.decode.stats.get("prefill_graph_captures", 0) + 1
+        self.decode.stats["capture_s"] += time.perf_counter() - t0
+
+    def drop(self) -> None:
+        """Forget every graph and the buffers (before the decode graphs drop their pool)."""
+        self.by_tokens.clear()
+        self.shared, self.out = {}, None
+
+
+def _bucket(tokens: int) -> int:
+    return next((b for b in PREFILL_BUCKETS if b >= tokens), tokens)

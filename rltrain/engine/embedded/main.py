@@ -165,6 +165,12 @@ def parser() -> argparse.ArgumentParser:
         "stream of its own, instead of at once with the decode waiting (this engine's own flag: batching.py)",
     )
     ap.add_argument(
+        "--enable-prefill-cuda-graph",
+        action="store_true",
+        help="the paged path's prefills of up to 8,192 new tokens run from static inputs padded to a bucket, "
+        "captured as CUDA graphs and replayed (their host cost is ~1 ms per layer queued eagerly; graphs.py)",
+    )
+    ap.add_argument(
         "--separate-http-process",
         action="store_true",
         help="HTTP (framing, JSON, the API key) in this process, the engine and its scheduler in a child process, "
@@ -224,6 +230,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "weight_version": args.weight_version,
         "overlap": not args.disable_overlap_schedule,
         "prefill_pieces": args.enable_prefill_pieces,
+        "prefill_cuda_graph": args.enable_prefill_cuda_graph,
     }
 
 

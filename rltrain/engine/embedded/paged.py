@@ -29,20 +29,21 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, PreTrainedModel
 
-from rltrain.engine.embedded.graphs import DecodeGraphs, StepGraph
+from rltrain.engine.embedded.graphs import CHUNK, DecodeGraphs, PrefillGraphs, PrefillInputs, StepGraph
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE, KVPool, head_dim_of, pool_pages
 from rltrain.engine.embedded.pieces import boundary
 from rltrain.engine.embedded.prefix_cache import PrefixCache
 from rltrain.engine.embedded.sampling import device_tensor
 from rltrain.engine.embedded.saver import MemorySaver, in_region
+from rltrain.engine.embedded.steps import ExtendRows, Extends, Step
 from rltrain.kernels.decode_attention import paged_decode_attention
 from rltrain.kernels.extend_attention import paged_extend_attention
 from rltrain.runtime import internals
@@ -68,54 +69,7 @@ def unsupported(config: Any) -> str | None:
     return None
 
 
-@dataclass
-class _Extends:
-    """Prompts whose first tokens' keys are already in their pages (the prefix cache), with
-    `pages` context pages each: their new tokens attend to every key of their pages up to their
-    own position. `index` [count, Lq]: each prompt's new tokens in the packed sequence (padded
-    with its last); `pages` [count, pages]; `mask` [count, 1, Lq, pages * page_size]; `valid`:
-    the rows of the flattened [count * Lq] output that are real tokens, in packed order."""
-
-    index: torch.Tensor
-    table: torch.Tensor
-    mask: torch.Tensor
-    valid: torch.Tensor
-
-
-@dataclass
-class _ExtendRows:
-    """Prompts that extend cached keys, for the extend kernel (kernels/extend_attention.py), which
-    reads their keys in their pages: [rows] int32 tensors of where each one's new tokens start in
-    the packed sequence, how many there are and how many keys were cached before them; its pages
-    (`table`, padded with page 0); the most new tokens of any; and where the first one's start."""
-
-    table: torch.Tensor
-    q_start: torch.Tensor
-    q_len: torch.Tensor
-    ctx_len: torch.Tensor
-    max_q_len: int
-    begin: int
-
-
-@dataclass
-class _Step:
-    """What one forward's attention and cache read. Decode: each row's page table and length
-    (the attention kernel writes the new key and value at the row's last slot). Prefill: the
-    slot each prompt token's key goes to (page, offset), the groups of equal-length prompts
-    in the packed sequence (start, count, length), host ints, then the prompts that extend cached
-    keys (`extends`, after the groups in the packed sequence)."""
-
-    pool: KVPool
-    table: torch.Tensor | None = None
-    lens: torch.Tensor | None = None
-    page: torch.Tensor | None = None
-    offset: torch.Tensor | None = None
-    groups: list[tuple[int, int, int]] | None = None
-    extends: list[_Extends] = field(default_factory=list)
-    extend_rows: _ExtendRows | None = None  # (instead of `extends`: the kernel's)
-
-
-_current = threading.local()  # the running forward's _Step (each engine's scheduler is its own thread)
+_current = threading.local()  # the running forward's Step (each engine's scheduler is its own thread)
 
 # A prefill's attention shapes change with every batch of prompts. cuDNN's attention, which SDPA
 # prefers on a Hopper GPU for masked attention, builds an execution plan for every new shape: on
@@ -157,7 +111,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale
     run time: the compiler sees only the shapes, from `_attend_shape`). Decode: one new token per
     row, stored, then attended over its pages, in one kernel. Prefill: the prompts' new keys and
     values written into their slots, then attended (extending prompts read them in their pages)."""
-    step: _Step = _current.step
+    step: Step = _current.step
     _current.attentions += 1
     if step.groups is None:
         assert step.table is not None and step.lens is not None
@@ -179,7 +133,7 @@ def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 
 
 def _prefill_attention(
-    step: _Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    step: Step, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """The packed prompts [1, H, T, D] -> [1, T, H, D]: causal within each, one SDPA per
     length group; then the prompts that extend cached keys."""
@@ -202,7 +156,7 @@ def _prefill_attention(
             x.ctx_len,
             scale,
             x.max_q_len,
-            impl="triton",
+            impl=x.impl,
         )
         outs.append(o[x.begin :])
     # prompts extending cached keys: their new tokens against their pages' keys (the new ones
@@ -248,6 +202,7 @@ class PagedDecoder:
         cuda_graphs: bool,
         compile: bool,
         saver: MemorySaver | None = None,
+        prefill_graphs: bool = False,
     ):
         self.model = model
         self.config: Any = model.config  # (a model's own config class: its fields are read by name)
@@ -291,6 +246,7 @@ class PagedDecoder:
             "prefill_tokens": 0,
             "decode_steps": 0,
             "graph_captures": 0,
+            "prefill_graph_captures": 0,
             "capture_s": 0.0,
             "tokens": 0,
             # host seconds admitting requests (their prefill and first tokens included: those
@@ -302,6 +258,12 @@ class PagedDecoder:
             # (of the queuing, the scheduler thread's CPU time: the rest it waited, for the
             # interpreter lock or for the device where a call synchronises)
             "prefill_launch_cpu_s": 0.0,
+            # (of the queuing: the prompts packed and their index tensors sent; the model's
+            # forward queued, and of that the thread's CPU time; the rest is the first tokens'
+            # sampling and the pages' copies)
+            "prefill_pack_s": 0.0,
+            "prefill_model_s": 0.0,
+            "prefill_model_cpu_s": 0.0,
             # prefills queued in pieces between decode steps (batching.py), and their pieces
             "prefills_in_pieces": 0,
             "prefill_pieces": 0,
@@ -321,6 +283,12 @@ class PagedDecoder:
             "serve_cpu_s": 0.0,
         }
         self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
+        # (--enable-prefill-cuda-graph: prefills from static inputs, replayed on CUDA; graphs.py)
+        self.prefill_graphs = (
+            PrefillGraphs(max_rows, self.max_pages, device, self.cuda_graphs, self.graphs, self._prefill_static)
+            if prefill_graphs
+            else None
+        )
 
     # ------------------------------------------------------------------ memory
 
@@ -350,10 +318,15 @@ class PagedDecoder:
     def free_memory(self, kv_cache: bool) -> None:
         """Drop the captured graphs (they hold the pool's and the weights' addresses: any region
         released invalidates them) and, with `kv_cache`, the pool."""
-        self.graphs.drop()
+        self._drop_graphs()
         if kv_cache:
             self.pool = None
             self.prefixes = None
+
+    def _drop_graphs(self) -> None:
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.drop()
+        self.graphs.drop()
 
     def forget_prefixes(self) -> None:
         """Empty the prefix cache (the keys it holds were computed with other weights, or their
@@ -400,7 +373,7 @@ class PagedDecoder:
 
     # ------------------------------------------------------------------ forwards
 
-    def _forward(self, step: _Step, **inputs: Any) -> torch.Tensor:
+    def _forward(self, step: Step, **inputs: Any) -> torch.Tensor:
         """The model's forward with its attention on the pool; counts that every layer wrote its
         keys and attended through the interface (`verify` checks the counts)."""
         _current.step, _current.updates, _current.attentions = step, 0, 0
@@ -434,6 +407,7 @@ class PagedDecoder:
         Whole prompts of one length run as one SDPA batch, extending ones by their page count.
         `compiled=False`: the blocks' plain forwards even where compiled ones are made."""
         assert self.pool is not None
+        t0 = time.perf_counter()
         starts = starts if starts is not None else [0] * len(prompts)
         whole = sorted((i for i in range(len(prompts)) if not starts[i]), key=lambda i: len(prompts[i]))
         P = self.page_size
@@ -455,6 +429,14 @@ class PagedDecoder:
             last[i] = len(ids) - 1
             return first
 
+        graphs = self.prefill_graphs
+        # (captured only over the extend kernel: its gathered-pages fallback reads lengths on the host)
+        static = graphs is not None and compiled and (self.extend_impl == "triton" or not self.cuda_graphs)
+        if static and graphs is not None and graphs.fits(sum(map(len, prompts)) - sum(starts), len(prompts)):
+            spans = [(pack(i), len(prompts[i]) - starts[i], starts[i]) for i in range(len(prompts))]
+            t1, cpu1 = time.perf_counter(), time.thread_time()
+            logits = graphs.run(ids, pos, page, offset, last, spans, tables)
+            return self._prefilled(logits, len(ids), t0, t1, cpu1)
         groups: list[tuple[int, int, int]] = []
         for i in whole:
             n = len(prompts[i])
@@ -467,14 +449,14 @@ class PagedDecoder:
         dev = self.device
         # (from pinned memory, no host sync: a prefill in pieces must not wait for the device)
         tensor = lambda x: device_tensor(x, torch.long, dev)  # noqa: E731
-        extends: list[_Extends] = []
-        rows: _ExtendRows | None = None
+        extends: list[Extends] = []
+        rows: ExtendRows | None = None
         if extending and self.extend_impl == "triton":  # every extending prompt at once, read in its pages
             begin = len(ids)
             firsts = [pack(i) for i in extending]
             width = max(-(-len(prompts[i]) // P) for i in extending)
             int32 = lambda x: device_tensor(x, torch.int32, dev)  # noqa: E731
-            rows = _ExtendRows(
+            rows = ExtendRows(
                 int32([tables[i][:width] + [0] * (width - len(tables[i][:width])) for i in extending]),
                 int32(firsts),
                 int32([len(prompts[i]) - starts[i] for i in extending]),
@@ -497,20 +479,37 @@ class PagedDecoder:
             keys = torch.arange(pages * P, device=dev)
             mask = keys[None, None, :] <= tensor(mask_rows)[:, :, None]  # [count, Lq, keys]
             table = tensor([tables[i][:pages] for i in group])
-            extends.append(_Extends(tensor(index), table, mask[:, None], tensor(valid)))
-        step = _Step(
+            extends.append(Extends(tensor(index), table, mask[:, None], tensor(valid)))
+        step = Step(
             self.pool, page=tensor(page), offset=tensor(offset), groups=groups, extends=extends, extend_rows=rows
         )
+        inputs = {"input_ids": tensor(ids)[None], "position_ids": tensor(pos)[None], "logits_to_keep": tensor(last)}
+        t1, cpu1 = time.perf_counter(), time.thread_time()
         with self._blocks_compiled() if compiled else contextlib.nullcontext():
-            logits = self._forward(
-                step, input_ids=tensor(ids)[None], position_ids=tensor(pos)[None], logits_to_keep=tensor(last)
-            )
+            logits = self._forward(step, **inputs)[0]
+        return self._prefilled(logits, len(ids), t0, t1, cpu1)
+
+    def _prefilled(self, logits: torch.Tensor, tokens: int, t0: float, t1: float, cpu1: float) -> torch.Tensor:
+        """A prefill's logits (float32, its own), counted: packed from t0, its forward queued from
+        t1 (cpu1: the thread's CPU time then)."""
+        self.stats["prefill_pack_s"] += t1 - t0
+        self.stats["prefill_model_s"] += time.perf_counter() - t1
+        self.stats["prefill_model_cpu_s"] += time.thread_time() - cpu1
         self.stats["prefills"] += 1
-        self.stats["prefill_tokens"] += len(ids)
-        return logits[0].float()
+        self.stats["prefill_tokens"] += tokens
+        return logits.float()
+
+    def _prefill_static(self, g: PrefillInputs) -> torch.Tensor:
+        """A prefill from a bucket's static inputs (graphs.py's PrefillGraphs): every prompt's new
+        tokens attend as chunks extending their cached keys, in the extend kernel."""
+        assert self.pool is not None
+        rows = ExtendRows(g.table, g.q_start, g.q_len, g.ctx, CHUNK, 0, self.extend_impl)
+        step = Step(self.pool, page=g.page, offset=g.offset, groups=[], extend_rows=rows)
+        with self._blocks_compiled():
+            return self._forward(step, input_ids=g.ids, position_ids=g.pos, logits_to_keep=g.keep)
 
     def _decode_eager(self, g: StepGraph, n: int) -> torch.Tensor:
-        step = _Step(self.pool, g.table[:n], g.lens[:n])  # type: ignore[arg-type]
+        step = Step(self.pool, g.table[:n], g.lens[:n])  # type: ignore[arg-type]
         with self._blocks_compiled():
             return self._forward(step, input_ids=g.ids[:n], position_ids=g.pos[:n])[:, -1]
 
@@ -575,4 +574,4 @@ class PagedDecoder:
             return diff
         finally:
             self.pool = kept
-            self.graphs.drop()
+            self._drop_graphs()
