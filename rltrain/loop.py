@@ -265,7 +265,7 @@ def _to_rollout(
         waited = 0.0 if room else world.wait_destroyed()
         if world.backend == "nccl":  # (a figure of the GPU's switches, as the trainer's onload/offload parts)
             stats["world_destroy_wait_s"] = waited
-        parts.engine.resume_kv()
+        parts.engine.resume_kv(room)  # (with room, the engines do not wait for the teardown either)
     with phase("sync_probe"):
         stats.update(parts.sync.probe_engines())  # the engines awake: do they score as the trainer does?
     return stats

@@ -294,6 +294,51 @@ def test_release_memory_pauses_with_abort_and_frees_every_region(discarding, mod
         world.close()
 
 
+def test_the_kv_resume_waits_for_the_worlds_teardown_only_where_the_rollout_left_no_room(discarding, monkeypatch):
+    """The loop skips its wait for the background NCCL teardown where the last rollout left room
+    for that memory beside the KV cache (`TrainerCycle.room_for`); the engine's KV resume must not
+    wait for it anyway (it did: a teardown's remaining 0.02-0.3 s sat in every step's
+    engine_resume_kv on an H100, reported as 0 s waited). Without room it waits. (The teardown is
+    made slow here, test-only.)"""
+    import threading
+    import time
+
+    from rltrain.engine.launcher import NodeEngine
+    from rltrain.runtime.world import World
+
+    world = World(backend="gloo", timeout=60)
+    node = NodeEngine(discarding.client, discarding.process.url, discarding.process, world)
+    teardown = world._teardown
+    slow = threading.Event()
+
+    def slow_teardown() -> None:
+        slow.wait(30)
+        teardown()
+
+    monkeypatch.setattr(world, "_teardown", slow_teardown)
+    try:
+        for room in (True, False):
+            node.release_memory()
+            node.resume_weights()
+            world.destroy(block=False)
+            release = threading.Timer(1.5, slow.set)
+            release.start()
+            t0 = time.perf_counter()
+            node.resume_kv(room)
+            took = time.perf_counter() - t0
+            assert discarding.client.memory_report()["released"] == []
+            if room:
+                assert took < 1.0 and world._destroyer is not None and world._destroyer.is_alive(), took
+            else:
+                assert took >= 1.0 and world._destroyer is None, took
+            world.rebuild()  # (joins a teardown still running)
+            slow.clear()
+            release.cancel()
+    finally:
+        slow.set()
+        world.close()
+
+
 def test_the_backup_directory_is_removed_at_stop_and_a_dead_engines_is_removed_at_the_next_start(big_model, tmp_path):
     import tempfile  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415

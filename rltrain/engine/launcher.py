@@ -57,7 +57,8 @@ class NodeEngine:
                          rewrites every parameter, unless engine.weights_backup), then every
                          rank goes on                                             [colocated]
         resume_kv        once every rank of the engine has put its trainer away and finished its
-                         NCCL teardown (`World.wait_destroyed`), the leader takes the KV cache
+                         NCCL teardown (`World.wait_destroyed`; not where the rank says the
+                         last rollout left room for its NCCL memory), the leader takes the KV cache
                          and CUDA graphs back on all of the engine's GPUs and lets the engine
                          generate again, then every rank goes on                  [colocated]
         recover          after a rollout: restart what died (or stop the job with its log tail)
@@ -232,14 +233,17 @@ class NodeEngine:
             return
         self._on_leader(lambda: self.client.resume(["weights"]), world.bridge, "engine resume weights")
 
-    def resume_kv(self) -> None:
+    def resume_kv(self, room: bool = False) -> None:
         """After the trainer's put-away: the KV cache and CUDA graphs are mapped on every GPU of
         the engine, so the leader waits for every rank of its engine to have put its trainer
-        away and finished its NCCL teardown (waited for here, where the caller has not)."""
+        away and finished its NCCL teardown (waited for here), unless `room`: this rank's last
+        rollout left room for the world's NCCL memory beside them (the loop's
+        `TrainerCycle.room_for`; the next rebuild joins the teardown instead)."""
         world = self._world()
         if not self.releases:
             return
-        world.wait_destroyed()
+        if not room:
+            world.wait_destroyed()
         if self.engine_ranks is not None:
             self.engine_ranks.barrier(phase=f"{self.name}: every rank's trainer put away")
 
