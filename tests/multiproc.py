@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from rltrain.runtime import net
 
 
 @dataclass
@@ -42,9 +43,7 @@ class RankOutcome:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return net.free_port()  # (below the ephemeral range: runtime/net.py)
 
 
 # Imported once by the fork server (failures are ignored there: a rank then imports it itself).

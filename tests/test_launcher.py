@@ -536,3 +536,29 @@ def test_hicache_is_refused_at_start_up_where_the_engine_releases_its_memory():
     assert out[1].startswith("engine.extra_args has --enable-hicache")
     for kept in out[2:]:
         assert "HiCache" not in kept and "GPU(s) visible" in kept, kept
+
+
+def test_a_free_port_is_drawn_below_the_kernels_ephemeral_range_and_skips_one_in_use(monkeypatch):
+    """Engines' and rendezvous ports (`runtime.net.free_port`): a port the kernel hands out is one
+    every outgoing connection draws from too (a rollout opens one per trajectory), which can take
+    it before the server listens: EADDRINUSE, seen in CI on a rendezvous store beside the tests'
+    HTTP clients. Drawn from below the ephemeral range they are out of that race; one already
+    bound is skipped."""
+    import random
+    import socket
+    from pathlib import Path
+
+    from rltrain.runtime import net
+
+    path = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    if not path.exists():
+        pytest.skip("no ephemeral port range to read here (not Linux)")
+    low = int(path.read_text().split()[0])
+    ports = [net.free_port() for _ in range(50)]
+    assert all(max(1024, low - net.SPAN) <= p < low for p in ports), (low, ports)
+    assert len(set(ports)) > 1  # (drawn, not one fixed port)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", ports[0]))
+        draws = iter([ports[0], ports[1]])
+        monkeypatch.setattr(random.Random, "randrange", lambda self, a, b: next(draws))
+        assert net.free_port() == ports[1]  # (the one in use skipped)

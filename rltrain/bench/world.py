@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,13 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rltrain.bench.topology import ParallelDims, megatron_group_plan
+from rltrain.runtime.net import free_port
 from rltrain.runtime.world import World
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _gpu_used() -> float:
@@ -171,7 +165,7 @@ def _stats(vals: list[float]) -> str:
 def run(backend: str, ranks: int, cycles: int, warmup: int, groups: str) -> list[str]:
     with tempfile.TemporaryDirectory() as out_dir:
         args = dict(backend=backend, cycles=cycles, warmup=warmup, groups=groups)
-        mp.start_processes(_worker, args=(ranks, _free_port(), args, out_dir), nprocs=ranks, start_method="spawn")
+        mp.start_processes(_worker, args=(ranks, free_port(), args, out_dir), nprocs=ranks, start_method="spawn")
         per_rank = json.loads(Path(out_dir, "rows.json").read_text())
     # Slowest rank per cycle: a phase switch is over when the last rank is through.
     cyc = [{k: max(r[i][k] for r in per_rank) for k in per_rank[0][i]} for i in range(len(per_rank[0]))]
@@ -226,7 +220,7 @@ def run(backend: str, ranks: int, cycles: int, warmup: int, groups: str) -> list
 
 def nccl_breakdown(cycles: int) -> list[str]:
     """Where plain NCCL destroy spends its time, world size 1: backend shutdown vs the rest."""
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     base = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 1, True, timeout=timedelta(seconds=60))
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
