@@ -276,7 +276,7 @@ class PrefillGraphs:
         with capture(graph, pool=self.decode.pool):
             self.out[: g.rows].copy_(self.forward(g)[0])
         g.graph = graph
-        self.decode.stats["prefill_graph_captures"] = self.decode.stats.get("prefill_graph_captures", 0) + 1
+        self.decode.stats["prefill_graph_captures"] += 1
         self.decode.stats["capture_s"] += time.perf_counter() - t0
 
     def drop(self) -> None:

@@ -6,8 +6,10 @@
     logits = decoder.decode(tokens, pos, table)          # one decode step of every row
 
 The KV pool (kv_pool.py) is allocated at the first generation (`allocate`) and dropped by
-`free_memory`; decode steps are captured as CUDA graphs and replayed (graphs.py); the scheduling
-around them (admission, continuous batching, sampling) is batching.py's.
+`free_memory`; decode steps are captured as CUDA graphs and replayed (graphs.py), and with
+`prefill_graphs` (--enable-prefill-cuda-graph) prefills of up to 8,192 new tokens too, from static
+inputs padded to a bucket (`PrefillGraphs`); the scheduling around them (admission, continuous
+batching, sampling) is batching.py's.
 
 **The model.** transformers' own modules run the forward: the layers' attention goes through
 transformers' attention interface to `_paged_attention` (registered under its own name). Prefill
