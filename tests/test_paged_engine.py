@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from models import hf_greedy, make_model
+from rltrain.engine.embedded import batching
 from rltrain.engine.embedded.engine import EmbeddedEngine
 from rltrain.engine.embedded.kv_pool import PAGE_SIZE
 from rltrain.generation import SamplingParams
@@ -752,5 +753,29 @@ def test_the_quickstarts_model_of_a_128_token_context_runs_the_paged_path(tmp_pa
         prompts = [[3, 4, 5], [6, 7] * 30]
         greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         assert [x["output_ids"] for x in run(engine, prompts, greedy)] == hf_greedy(path, prompts, 8)
+    finally:
+        engine.shutdown()
+
+
+def test_requests_left_waiting_by_a_prefill_forwards_token_cap_are_admitted_at_the_next_step(model, monkeypatch):
+    """A prefill forward takes at most PREFILL_TOKENS new prompt tokens; requests that fit but
+    did not go into it are admitted by the next forward, not when rows finish: one prompt per
+    request (a multi-turn rollout's turns), queued together, all decode together. (They waited
+    for the first wave's rows to end, a rollout's turn later: on an H100 a multi-turn rollout of
+    512 trajectories ran a turn's worth of decode steps more than it needed, 328 against 252.)"""
+    monkeypatch.setattr(batching, "PREFILL_TOKENS", 16)  # two of the 8-token prompts per forward
+    engine = EmbeddedEngine(str(model), decode="paged", max_total_tokens=64 * PAGE_SIZE)
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=1.0, sampling_seed=1, ignore_eos=True)
+        stats = engine.decoder.stats
+        engine.pause("in_place")  # (queued together: the serve takes them at once)
+        before = dict(stats)
+        futures = [engine.submit([[1 + i] * 8], params, False) for i in range(8)]
+        engine.resume_generation()
+        outs = [f.result(timeout=120)[0] for f in futures]
+        assert all(o["meta_info"]["completion_tokens"] == 12 for o in outs)
+        assert stats["prefills"] - before["prefills"] == 4
+        steps = stats["decode_steps"] - before["decode_steps"]
+        assert steps <= 11 + 3 + 1, f"{steps} decode steps for 8 requests of 12 tokens: admitted in waves"
     finally:
         engine.shutdown()

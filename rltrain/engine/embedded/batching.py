@@ -6,8 +6,11 @@
 **Admission.** Queued requests are admitted whole and in order, while they fit: the batch's rows
 (`max_rows`) and the KV pool's pages (kv_pool.py). A row reserves at admission the pages its
 prompt plus `max_new_tokens` can fill, so decoding never waits for memory; requests that do not
-fit wait until rows finish. The n samples of one prompt share the prompt's full pages (prefilled
-once) and each gets a copy of its last, partial page (copy-on-write at the fork).
+fit wait until rows finish. A prefill forward takes at most PREFILL_TOKENS new prompt tokens
+(PREFILL_CONTEXT cached ones): requests that fit but did not go in are admitted by the next
+forward, a decode step later (as SGLang's chunked prefill goes on). The n samples of one prompt
+share the prompt's full pages (prefilled once) and each gets a copy of its last, partial page
+(copy-on-write at the fork).
 
 **Continuous batching.** Between decode steps, finished rows leave (their requests are answered
 at once, their pages freed) and queued requests join (prefilled, then decoding with the rest).
@@ -222,10 +225,11 @@ class ContinuousBatcher:
             admitted = 0
             if self.waiting and freed and prefilling is None and not (self.deterministic and seqs):
                 settle()
-                freed = False
                 t_admit = time.perf_counter()
                 self.stats["admits"] += 1
-                joined, admitted, prefilling = self._admit(can_run, len(seqs), remaining, done)
+                # (tried again next time round where the forward's caps left some that fit waiting;
+                # else once rows finish or requests arrive)
+                joined, admitted, prefilling, freed = self._admit(can_run, len(seqs), remaining, done)
                 if joined:
                     seqs += joined
                     state.clear()
@@ -361,13 +365,14 @@ class ContinuousBatcher:
         running: int,
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[Seq], int, Prefill | None]:
+    ) -> tuple[list[Seq], int, Prefill | None, bool]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
         rows that go on decoding, how many requests were admitted, the prefill queued in pieces
-        whose rows join once it is done: then no rows now). Requests are admitted whole
-        and in order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and
-        is not prefilled again; pages only the cache holds count as free (evicted as needed),
-        less those the admitted prompts' hits use."""
+        whose rows join once it is done: then no rows now, whether more that fit wait for the
+        next forward: PREFILL_TOKENS, PREFILL_CONTEXT). Requests are admitted whole and in
+        order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and is not
+        prefilled again; pages only the cache holds count as free (evicted as needed), less those
+        the admitted prompts' hits use."""
         P = self.decoder.page_size
         beside = self.prefill_pieces and running > 0  # (rows decode while it is prefilled)
         batch: list[tuple[GenRequest, list[Row]]] = []
@@ -376,6 +381,7 @@ class ContinuousBatcher:
         tokens = context = 0
         free = -1
         counted = False  # whether `free` counts the pages only the prefix cache holds
+        capped = False  # whether requests that fit wait for the next forward (its token caps)
         while self.waiting:
             req = self.waiting[0]
             if not can_run(req):
@@ -405,9 +411,10 @@ class ContinuousBatcher:
             if pages > free - len(newly) and not counted and self.prefixes is not None:
                 free += self.prefixes.evictable()  # (a walk of the cache: only when the free pages fall short)
                 counted = True
-            if pages > free - len(newly) or (
-                batch and (tokens + new_tokens > PREFILL_TOKENS or context + new_context > PREFILL_CONTEXT)
-            ):
+            if pages > free - len(newly):
+                break
+            if batch and (tokens + new_tokens > PREFILL_TOKENS or context + new_context > PREFILL_CONTEXT):
+                capped = True  # (the rest fits: admitted by the next forward)
                 break
             self.waiting.popleft()
             batch.append((req, rows))
@@ -420,9 +427,9 @@ class ContinuousBatcher:
             if self.deterministic:
                 break
         if not batch:
-            return [], 0, None
+            return [], 0, None, False
         live, later = self._prefill(batch, hits, remaining, done, in_pieces=beside)
-        return live, len(batch), later
+        return live, len(batch), later, capped
 
     @property
     def prefixes(self) -> PrefixCache | None:
