@@ -67,7 +67,10 @@ def test_the_colocated_loop_on_sglang_for_twenty_steps(tmp_path):
     from multiproc import run_torchrun
 
     # (the ledger counts this pytest process among the "other processes", as it counts SGLang)
-    held = device_used(torch.device("cuda")) / 2**30 if torch.cuda.is_initialized() else 0.0
+    held = 0.0
+    if torch.cuda.is_initialized():
+        mine = process_device_bytes(torch.device("cuda"))
+        held = (mine.get(os.getpid(), 0) if mine is not None else device_used(torch.device("cuda"))) / 2**30
 
     args = ",".join(sglang_gpu_args())
     config = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
