@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from rltrain.runtime import net
+from rltrain.runtime.net import free_port
 
 
 @dataclass
@@ -40,10 +40,6 @@ class RankOutcome:
     @property
     def ok(self) -> bool:
         return self.exitcode == 0 and self.error is None
-
-
-def free_port() -> int:
-    return net.free_port()  # (below the ephemeral range: runtime/net.py)
 
 
 # Imported once by the fork server (failures are ignored there: a rank then imports it itself).

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from multiproc import free_port
+from rltrain.runtime.net import free_port
 
 HERE = Path(__file__).resolve().parent
 
