@@ -422,6 +422,10 @@ def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
     assert noop == plain and (plain["device"], plain["cuda_graphs"]) == ("cpu", True)
     assert engine_options(parse(["--model-path", "/m", "--base-gpu-id", "3"]))["device"] == "cpu"  # (CUDA only)
     assert plain["overlap"] and not engine_options(parse(["--model", "/m", "--disable-overlap-schedule"]))["overlap"]
+    # prefill graphs: by default where the memory saver keeps them (None: the engine decides), or as asked
+    assert plain["prefill_cuda_graph"] is None
+    for flag, value in (("--enable-prefill-cuda-graph", True), ("--disable-prefill-cuda-graph", False)):
+        assert engine_options(parse(["--model-path", "/m", flag]))["prefill_cuda_graph"] is value
 
 
 @pytest.mark.parametrize(
@@ -432,6 +436,10 @@ def test_sglang_spellings_of_shared_flags_set_what_the_engines_own_do():
         (["--model-path", "/m", "--device", "cuda:0", "--base-gpu-id", "1"], "give the device's index once"),
         (["--model-path", "/m", "--cuda-graph-backend-decode", "breakable"], "invalid choice: 'breakable'"),
         (["--random-seed", "1"], "required: --model-path/--model"),
+        (
+            ["--model-path", "/m", "--enable-prefill-cuda-graph", "--disable-prefill-cuda-graph"],
+            "--enable-prefill-cuda-graph with --disable-prefill-cuda-graph: give one",
+        ),
     ],
 )
 def test_an_unknown_or_conflicting_flag_is_a_clear_error(argv, error, capsys):

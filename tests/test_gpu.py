@@ -993,6 +993,46 @@ def test_cuda_memory_saver_keeps_the_graphs_through_release_and_resume(model_a, 
         srv.process.stop()
 
 
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("torch_memory_saver") is None, reason="needs torch_memory_saver"
+)
+def test_with_the_memory_saver_every_prefill_bucket_is_captured_at_the_first_prefill_and_kept(model_a, tmp_path):
+    """Prefill graphs with the memory saver (their default; a real server process, preloaded): the
+    first prefill captures every bucket's graph (from padding only: no row's keys written), the
+    first decode step every power of two of rows up to the engine's batch, and none is captured
+    again, through releases, in later turns and rollouts; whole and extending prefills replayed
+    from them sample the greedy tokens an engine without prefill graphs does."""
+    from rltrain.config import EmbeddedEngineConfig
+    from rltrain.engine.embedded.graphs import BUCKETS, PREFILL_BUCKETS
+
+    rows = EmbeddedEngineConfig().max_batch_size
+    sizes = len([s for s in BUCKETS if s < rows and not s & (s - 1)]) + 1
+
+    kw = dict(device="cuda", memory_saver=True, weights_backup=True)
+    graphed = start_engine("embedded", model_a, tmp_path, **kw)
+    plain = start_engine("embedded", model_a, tmp_path / "plain", **kw, extra_args=["--disable-prefill-cuda-graph"])
+    try:
+        stats = graphed.client.server_info()["decode_stats"]  # (the start-up probe's captures)
+        before = stats["prefill_graph_captures"], stats["graph_captures"]
+        first = [[1, 2, 3], [5, 6, 7, 8] * 20, [9] * 64] * 4
+        for cycle in range(3):
+            prompts = first
+            for turn in range(3):  # (later turns extend the last one's cached keys)
+                a, b = (engine_greedy(srv.client, prompts, 12) for srv in (plain, graphed))
+                assert a == b, (cycle, turn)
+                stats = graphed.client.server_info()["decode_stats"]
+                captures = stats["prefill_graph_captures"] - before[0], stats["graph_captures"] - before[1]
+                assert captures == (len(PREFILL_BUCKETS), sizes), (cycle, turn, captures)
+                prompts = [p + x + [11, 12, 13] for p, x in zip(prompts, a)]
+            for srv in (plain, graphed):
+                srv.client.release()
+                srv.client.resume()
+    finally:
+        for srv in (graphed, plain):
+            srv.client.close()
+            srv.process.stop()
+
+
 def test_cuda_checksums_by_the_kernel_equal_the_torch_ops_sums():
     """weights/checksum.py on a GPU sums through kernels/triton_checksum.py: every tensor's sums
     equal the torch path's (the definition, tested on the CPU) on the same device, for bf16

@@ -141,3 +141,22 @@ def test_an_engine_with_prefill_graphs_samples_what_one_without_does(engine, mod
             assert lp_p == pytest.approx(lp_s, abs=1e-4)
     finally:
         plain.shutdown()
+
+
+def test_the_padding_only_inputs_that_every_bucket_is_captured_from_write_no_rows_keys(engine):
+    """With the memory saver every bucket is captured at the first prefill (graphs.py's
+    `capture_all`), from inputs that are padding only, while rows hold keys in the pool: the
+    forwards of the capture write the scratch page only, in the smallest bucket and the largest."""
+    decoder = engine.decoder
+    decoder.allocate()
+    static, pool = decoder.prefill_graphs, decoder.pool
+    g = torch.Generator().manual_seed(0)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=g))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=g))
+    k0, v0 = pool.k.clone(), pool.v.clone()
+    static.zero()
+    for tokens in (PREFILL_BUCKETS[0], PREFILL_BUCKETS[-1]):
+        with torch.no_grad():
+            static.forward(static._inputs(tokens))
+    assert not torch.equal(pool.k[:, :1], k0[:, :1])  # (the padding's keys went somewhere: the scratch page)
+    assert torch.equal(pool.k[:, 1:], k0[:, 1:]) and torch.equal(pool.v[:, 1:], v0[:, 1:])

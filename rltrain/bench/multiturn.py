@@ -4,7 +4,7 @@
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512   # #51's figure
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --trajectories 512 --http same   # one process
     python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-pieces   # (batching.py)
-    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--enable-prefill-cuda-graph  # graphs.py
+    python -m rltrain.bench.multiturn --device cuda --shape 1.7b --engine-args=--disable-prefill-cuda-graph  # graphs.py
     python -m rltrain.bench.multiturn --engine sglang --sglang-pythonpath tests/sglang_shim   # CPU, SGLang
     python -m rltrain.bench.multiturn --shape tiny --engine embedded-paged --trajectories 512 --tokens 16   # host work
 

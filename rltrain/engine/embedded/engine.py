@@ -80,7 +80,7 @@ class EmbeddedEngine:
         weight_version: str = "default",
         overlap: bool = True,
         prefill_pieces: bool = False,
-        prefill_cuda_graph: bool = False,
+        prefill_cuda_graph: bool | None = None,
     ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -114,8 +114,12 @@ class EmbeddedEngine:
         self.layout = ExpertLayout(self.config, ep_size, ep_rank, tp_size)
         writer = WeightWriter(self.model, self.device, self.layout)
         self.receiver = WeightReceiver(writer, self.state, aliases, self.dtype)
+        # Prefills replayed from CUDA graphs (graphs.py) by default where the graphs last: with the
+        # memory saver (1.7B, 512 multi-turn trajectories on an H100: 69% of single-turn's
+        # tokens/s against 60% queued eagerly, BENCHMARKS.md).
+        prefill_graphs = self.saver is not None if prefill_cuda_graph is None else prefill_cuda_graph
         self.decoder = self._paged_decoder(
-            decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile, prefill_cuda_graph
+            decode, max_total_tokens, mem_fraction_static, cuda_graphs, compile, prefill_graphs
         )
         self.residency = Residency(
             self.model,

@@ -1,7 +1,7 @@
-"""The paged path's decode steps, and with --enable-prefill-cuda-graph its prefills, captured as
+"""The paged path's decode steps, and (by default with the memory saver) its prefills, captured as
 CUDA graphs and replayed.
 
-    graphs = DecodeGraphs(max_pages, device, enabled, saver, stats, eager)
+    graphs = DecodeGraphs(max_pages, device, enabled, saver, stats, eager, max_rows)
     logits = graphs.run(tokens, pos, table)   # one decode step of len(tokens) rows
     graphs.drop()                             # forget every graph (after a release)
     prefills = PrefillGraphs(max_rows, max_pages, device, enabled, graphs, forward)
@@ -12,14 +12,16 @@ per batch-size bucket and replayed: its inputs are static tensors (token, positi
 length) filled before each replay; rows past the batch point at the KV pool's scratch page; a
 captured graph serves batches down to a quarter of its size. Graphs hold the weights' and the
 pool's addresses. With the memory saver (saver.py) those addresses, and the graphs' own memory,
-come back at resume: the graphs are kept through releases. Without it they are dropped whenever
-either is released, and a growing batch after a release is captured once at the largest size
-captured before (`for_rows`). Off CUDA (or with graphs off) the same static inputs feed an
+come back at resume: the graphs are kept through releases, the decode sizes are captured at the
+first decode step and every prefill bucket at the first prefill (`capture_all`). Without it
+they are dropped whenever either is released, and a growing batch after a release is captured
+once at the largest size captured before (`for_rows`). Off CUDA (or with graphs off) the same static inputs feed an
 eager step.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +29,8 @@ from typing import Any
 import torch
 
 from rltrain.engine.embedded.saver import MemorySaver, in_region
+
+log = logging.getLogger("rltrain.engine.embedded")
 
 BUCKETS = sorted({s for k in range(14) for s in (1 << k, 3 << k >> 1) if s >= 1})  # batch sizes captured
 
@@ -57,6 +61,7 @@ class DecodeGraphs:
         saver: MemorySaver | None,
         stats: dict[str, Any],
         eager: Callable[[StepGraph, int], torch.Tensor],
+        max_rows: int = BUCKETS[-1],
     ):
         self.max_pages = max_pages
         self.device = device
@@ -68,6 +73,13 @@ class DecodeGraphs:
         self.captured: set[int] = set()  # every size captured so far (kept across releases)
         self.last_rows = 0  # rows of the last decode step (0 when a serve starts)
         self.pool: Any = None  # the captured graphs' memory pool (None: none captured)
+        # With the memory saver the graphs live as long as the engine: batch sizes up to
+        # `max_rows` are captured at the first decode step (as SGLang captures its batch sizes
+        # at start-up; `capture_all`), so that no rollout's step waits for a capture. Without it
+        # they are dropped at every release and captured as batches need them (`for_rows`).
+        self.max_rows = max_rows
+        self.lasting = saver is not None
+        self.all_captured = False
 
     def for_rows(self, n: int) -> StepGraph:
         """The graph for `n` rows: a captured one of up to 4x as many rows (its extra rows cost
@@ -76,10 +88,32 @@ class DecodeGraphs:
         captured before (a rollout's batch grows as its requests arrive: after a release, the
         range the last rollout grew through takes one capture, not one per size); else of the
         smallest bucket."""
+        if self.enabled and self.lasting and not self.all_captured:
+            self.capture_all()
         near = [s for s in self.by_size if n <= s <= 4 * n and self.by_size[s].graph is not None]
         before = [s for s in self.captured if n <= s <= 4 * n] if n > self.last_rows else []
         self.last_rows = n
         size = min(near) if near else max(before) if before else next((s for s in BUCKETS if s >= n), n)
+        return self._graph(size)
+
+    def capture_all(self) -> None:
+        """The graphs of every power of two below the bucket that holds `max_rows` rows, and of that
+        bucket: any batch runs in one of at most twice its rows (each graph keeps its own logits:
+        ~2 x max_rows rows' in all). Their static inputs are zeros: each row's key to the scratch page."""
+        t0, before = time.perf_counter(), self.stats["graph_captures"]
+        top = next((s for s in BUCKETS if s >= self.max_rows), self.max_rows)
+        for size in [s for s in BUCKETS if s < top and not s & (s - 1)] + [top]:
+            self._graph(size)
+        self.all_captured = True
+        log.info(
+            "decode graphs: %d batch sizes up to %d captured in %.2f s",
+            self.stats["graph_captures"] - before,
+            top,
+            time.perf_counter() - t0,
+        )
+
+    def _graph(self, size: int) -> StepGraph:
+        """The step of `size` rows, captured now if graphs are on and it is not yet."""
         g = self.by_size.get(size)
         if g is None:
             g = self.by_size[size] = StepGraph(size, self.max_pages, self.device)
@@ -131,9 +165,10 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
         self.by_size.clear()
         self.pool = None
+        self.all_captured = False
 
 
-# Prefill graphs (--enable-prefill-cuda-graph). Queuing a prefill forward costs the host ~1 ms per
+# Prefill graphs (by default with the memory saver; engine.py). Queuing a prefill forward costs the host ~1 ms per
 # layer (custom op dispatch, the compiled block's wrapper and guards: docs/benchmarks/), which at
 # the 1.7B shape is as long as its kernels run, and every running row waits for it. Replayed, a
 # prefill costs the host what its inputs' copies do.
@@ -186,6 +221,12 @@ class PrefillGraphs:
         self.by_tokens: dict[int, PrefillInputs] = {}
         self.shared: dict[str, torch.Tensor] = {}
         self.out: torch.Tensor | None = None
+        # With the memory saver the graphs live as long as the engine (kept through releases):
+        # every bucket is captured at the first prefill that runs here, so that no later one (in
+        # a rollout) waits for a capture. Without it they are dropped at every release and
+        # captured as prefills need them.
+        self.lasting = decode.saver is not None
+        self.all_captured = False
 
     def fits(self, tokens: int, rows: int) -> bool:
         """Whether a prefill of `tokens` new tokens over `rows` prompts runs here."""
@@ -204,6 +245,8 @@ class PrefillGraphs:
         """The packed prefill's logits [len(rows), vocab]: `ids`, `pos`, `page`, `offset` per new
         token; `last[i]`: prompt i's last token in them; `rows[i]`: where prompt i's new tokens
         start there, how many, how many of its keys are cached; `tables[i]`: its pages."""
+        if self.capture and self.lasting and not self.all_captured:
+            self.capture_all()
         T = _bucket(len(ids))
         g = self._inputs(T)
         n, chunks = len(ids), [(i, c) for i, (_, q, _) in enumerate(rows) for c in range(0, q, CHUNK)]
@@ -255,6 +298,29 @@ class PrefillGraphs:
             g = self.by_tokens[tokens] = PrefillInputs(self.shared, tokens, min(self.max_rows, tokens))
         return g
 
+    def capture_all(self) -> None:
+        """Every bucket's graph not captured yet, from static inputs that are padding only (every
+        token's key to the pool's scratch page, no chunk's queries): no row's keys are touched."""
+        t0, before = time.perf_counter(), self.decode.stats["prefill_graph_captures"]
+        self.zero()
+        for T in PREFILL_BUCKETS:
+            g = self._inputs(T)
+            if g.graph is None:
+                self._capture(g)
+        self.all_captured = True
+        log.info(
+            "prefill graphs: %d buckets of up to %d new tokens captured in %.2f s",
+            self.decode.stats["prefill_graph_captures"] - before,
+            PREFILL_BUCKETS[-1],
+            time.perf_counter() - t0,
+        )
+
+    def zero(self) -> None:
+        """The static inputs as padding only (the shared buffers made if not yet)."""
+        self._inputs(PREFILL_BUCKETS[-1])
+        for t in self.shared.values():
+            t.zero_()
+
     def _capture(self, g: PrefillInputs) -> None:
         """Warm `g`'s forward up (compilation, lazy inits) on a side stream, then capture it, its
         logits copied into the shared output buffer."""
@@ -283,6 +349,7 @@ class PrefillGraphs:
         """Forget every graph and the buffers (before the decode graphs drop their pool)."""
         self.by_tokens.clear()
         self.shared, self.out = {}, None
+        self.all_captured = False
 
 
 def _bucket(tokens: int) -> int:

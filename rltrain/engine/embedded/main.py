@@ -168,7 +168,14 @@ def parser() -> argparse.ArgumentParser:
         "--enable-prefill-cuda-graph",
         action="store_true",
         help="the paged path's prefills of up to 8,192 new tokens run from static inputs padded to a bucket, "
-        "captured as CUDA graphs and replayed (their host cost is ~1 ms per layer queued eagerly; graphs.py)",
+        "captured as CUDA graphs and replayed (their host cost is ~1 ms per layer queued eagerly; graphs.py). "
+        "Default: on with --enable-memory-saver (the graphs kept through releases: every bucket captured once, "
+        "at the first prefill), off without it (dropped at every release)",
+    )
+    ap.add_argument(
+        "--disable-prefill-cuda-graph",
+        action="store_true",
+        help="every prefill queued eagerly, with the memory saver too",
     )
     ap.add_argument(
         "--separate-http-process",
@@ -201,6 +208,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.base_gpu_id is not None and args.device.startswith("cuda:"):
         ap.error(f"--base-gpu-id {args.base_gpu_id} with --device {args.device}: give the device's index once")
+    if args.enable_prefill_cuda_graph and args.disable_prefill_cuda_graph:
+        ap.error("--enable-prefill-cuda-graph with --disable-prefill-cuda-graph: give one")
     return args
 
 
@@ -230,7 +239,12 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "weight_version": args.weight_version,
         "overlap": not args.disable_overlap_schedule,
         "prefill_pieces": args.enable_prefill_pieces,
-        "prefill_cuda_graph": args.enable_prefill_cuda_graph,
+        # (None: with the memory saver)
+        "prefill_cuda_graph": True
+        if args.enable_prefill_cuda_graph
+        else False
+        if args.disable_prefill_cuda_graph
+        else None,
     }
 
 

@@ -7,8 +7,8 @@
 
 The KV pool (kv_pool.py) is allocated at the first generation (`allocate`) and dropped by
 `free_memory`; decode steps are captured as CUDA graphs and replayed (graphs.py), and with
-`prefill_graphs` (--enable-prefill-cuda-graph) prefills of up to 8,192 new tokens too, from static
-inputs padded to a bucket (`PrefillGraphs`); the scheduling around them (admission, continuous
+`prefill_graphs` (by default with the memory saver) prefills of up to 8,192 new tokens too, from
+static inputs padded to a bucket (`PrefillGraphs`); the scheduling around them (admission, continuous
 batching, sampling) is batching.py's.
 
 **The model.** transformers' own modules run the forward: the layers' attention goes through
@@ -284,8 +284,10 @@ class PagedDecoder:
             # handler threads of its process hold between its Python statements
             "serve_cpu_s": 0.0,
         }
-        self.graphs = DecodeGraphs(self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager)
-        # (--enable-prefill-cuda-graph: prefills from static inputs, replayed on CUDA; graphs.py)
+        self.graphs = DecodeGraphs(
+            self.max_pages, device, self.cuda_graphs, saver, self.stats, self._decode_eager, max_rows
+        )
+        # (prefills from static inputs, replayed on CUDA: graphs.py; engine.py says when)
         self.prefill_graphs = (
             PrefillGraphs(max_rows, self.max_pages, device, self.cuda_graphs, self.graphs, self._prefill_static)
             if prefill_graphs
@@ -538,6 +540,10 @@ class PagedDecoder:
         need = -(-(len(prompt) + steps) // self.page_size)
         kept, self.pool = self.pool, KVPool(self.config, 2 * need + 1, self.page_size, self.dtype, self.device)
         pages = self.pool.alloc(need)
+        # (the probe's graphs go with its pool: the few sizes it runs, not every bucket)
+        lasting = [(g, g.lasting) for g in (self.graphs, self.prefill_graphs) if g is not None]
+        for g, _ in lasting:
+            g.lasting = False
         try:
             layers = self.config.num_hidden_layers
             # (plain blocks: a compiled one makes the cache's update call in its trace, not here)
@@ -577,3 +583,5 @@ class PagedDecoder:
         finally:
             self.pool = kept
             self._drop_graphs()
+            for g, was in lasting:
+                g.lasting = was
