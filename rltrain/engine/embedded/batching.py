@@ -344,9 +344,7 @@ class ContinuousBatcher:
         """Device tensors of the rows' next step: last token, its position, page tables, steps;
         their sampling plan and logit shaper."""
         dev = self.device
-        table = torch.zeros(len(seqs), self.decoder.max_pages, dtype=torch.int32)
-        for b, s in enumerate(seqs):
-            table[b, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+        table = torch.stack([s.table(self.decoder.max_pages) for s in seqs])
         rows = [s.row for s in seqs]
         return {
             "tokens": torch.tensor([r.out[-1] for r in rows], device=dev),

@@ -10,7 +10,7 @@ the host reads them once their event has passed (on the CPU they are there at on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,10 +21,19 @@ from rltrain.engine.embedded.rows import Row
 
 @dataclass
 class Seq:
-    """A decoding row and its pages (its prompt's shared full pages first, then its own)."""
+    """A decoding row and its pages (its prompt's shared full pages first, then its own: fixed
+    at admission, which reserves them all)."""
 
     row: Row
     pages: list[int]
+    _table: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    def table(self, width: int) -> torch.Tensor:
+        """Its pages as a row of a page table `width` wide (int32, on the host), made once: the
+        batch's table is rebuilt from these whenever rows join (a stack, not a row at a time)."""
+        if self._table is None:
+            self._table = torch.tensor(self.pages + [0] * (width - len(self.pages)), dtype=torch.int32)
+        return self._table
 
 
 @dataclass
