@@ -15,8 +15,8 @@ pool's addresses. With the memory saver (saver.py) those addresses, and the grap
 come back at resume: the graphs are kept through releases, the decode sizes are captured at the
 first decode step and every prefill bucket at the first prefill (`capture_all`). Without it
 they are dropped whenever either is released, and a growing batch after a release is captured
-once at the largest size captured before (`for_rows`). Off CUDA (or with graphs off) the same static inputs feed an
-eager step.
+once at the largest size captured before (`for_rows`). Off CUDA (or with graphs off) the same
+static inputs feed an eager step.
 """
 
 from __future__ import annotations
@@ -97,9 +97,10 @@ class DecodeGraphs:
         return self._graph(size)
 
     def capture_all(self) -> None:
-        """The graphs of every power of two below the bucket that holds `max_rows` rows, and of that
-        bucket: any batch runs in one of at most twice its rows (each graph keeps its own logits:
-        ~2 x max_rows rows' in all). Their static inputs are zeros: each row's key to the scratch page."""
+        """The graphs of every power of two below the bucket that holds `max_rows` rows, and of
+        that bucket: any batch runs in one of at most twice its rows (each graph keeps its own
+        logits: ~2 x max_rows rows' in all). Their static inputs are zeros: each row's key to the
+        scratch page."""
         t0, before = time.perf_counter(), self.stats["graph_captures"]
         top = next((s for s in BUCKETS if s >= self.max_rows), self.max_rows)
         for size in [s for s in BUCKETS if s < top and not s & (s - 1)] + [top]:
@@ -168,10 +169,10 @@ class DecodeGraphs:
         self.all_captured = False
 
 
-# Prefill graphs (by default with the memory saver; engine.py). Queuing a prefill forward costs the host ~1 ms per
-# layer (custom op dispatch, the compiled block's wrapper and guards: docs/benchmarks/), which at
-# the 1.7B shape is as long as its kernels run, and every running row waits for it. Replayed, a
-# prefill costs the host what its inputs' copies do.
+# Prefill graphs (by default with the memory saver; engine.py). Queuing a prefill forward costs
+# the host ~1 ms per layer (custom op dispatch, the compiled block's wrapper and guards:
+# docs/benchmarks/), which at the 1.7B shape is as long as its kernels run, and every running row
+# waits for it. Replayed, a prefill costs the host what its inputs' copies do.
 # New tokens per prefill captured: every 512 (the padding's compute at most 512 tokens' worth: ~12%
 # of a multi-turn rollout's admissions of ~4,200 tokens at the 1.7B shape).
 PREFILL_BUCKETS = (256, *range(512, 8192 + 1, 512))
