@@ -328,6 +328,44 @@ def _join_and_leave(paged):
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
 
 
+def test_rows_admitted_behind_the_step_in_flight_sample_what_they_sample_alone(engines):
+    """An admission while rows decode is queued behind the step in flight, and the next step
+    (the joining rows' first tokens its inputs, still on the device) before those tokens are
+    read: the batch's device state is appended to, its penalty counts, biases and plan
+    included. Joiners with penalties, a logit bias, a first token that stops the row (it leaves
+    the batch with a step computed for it) and min_new_tokens (read from the host: admitted after
+    the step in flight is read) each answer what they answer alone; every page comes back."""
+    _, paged = engines
+    long = SamplingParams(max_new_tokens=200, temperature=1.0, sampling_seed=3, ignore_eos=True, frequency_penalty=0.3)
+    joiners = [
+        ([[9, 9, 8]], SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=4, n=2, ignore_eos=True)),
+        ([[4, 4, 4, 4]], SamplingParams(max_new_tokens=8, temperature=1.0, sampling_seed=5, repetition_penalty=1.3)),
+        ([[6, 5]], SamplingParams(max_new_tokens=9, temperature=0.0, logit_bias={11: 2.0}, presence_penalty=0.5)),
+        ([[2, 7, 2]], SamplingParams(max_new_tokens=7, temperature=1.0, stop_token_ids=[17], logit_bias={17: 100.0})),
+        ([[3, 1]], SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=8, min_new_tokens=3)),
+    ]
+    alone = [[x["output_ids"] for x in run(paged, p, q)] for p, q in [([[1, 2, 3]], long), *joiners]]
+    assert alone[4] == [[17]]  # (the stopping joiner's first token stops it)
+    stats = paged.decoder.stats
+    ahead = stats["admits_ahead"]
+    f_long = paged.submit([[1, 2, 3]], long, True)
+    got = []
+    for prompts, params in joiners:
+        steps = stats["decode_steps"]
+        while stats["decode_steps"] < steps + 3:
+            time.sleep(0.002)
+        got.append(paged.submit(prompts, params, True).result(timeout=120))
+    assert not f_long.done(), "the joiners waited for the long request"
+    assert [[x["output_ids"] for x in g] for g in got] == alone[1:]
+    assert [x["output_ids"] for x in f_long.result(timeout=120)] == alone[0]
+    assert got[3][0]["meta_info"]["finish_reason"]["type"] == "stop"
+    # every admission but the min_new_tokens joiner's (the long request's too: its first step is
+    # queued before its first token is read)
+    assert stats["admits_ahead"] - ahead == 5, "an admission read the step in flight first"
+    paged.flush_cache()
+    assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
+
+
 def _slow_prefill_layers(monkeypatch, engine, marker, seen, fail=False, first=None):
     """A test-only delay: each transformer block of a prefill whose prompts include one starting
     with `marker` sleeps 20 ms (or, with `fail`, raises), after noting the engine's decode steps
