@@ -186,9 +186,16 @@ class HostPark:
             assert buffer is not None
             self._copy_out(rest, buffer)
         if self.device_type == "cuda":
+            # Their storages are freed while the copies run (the host's ~1k frees hidden behind
+            # them): the caching allocator hands a block out again only to work queued behind
+            # its copy on this stream, and nothing allocates before the wait below. The early
+            # ones (copied on the side stream) after it.
+            for p in rest:
+                p.storage.resize_(0)
             torch.cuda.synchronize()  # every stream: the early copies too
         for p in self.staged:
-            p.storage.resize_(0)
+            if p.storage.nbytes():
+                p.storage.resize_(0)
         self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
 
     def unpark(self, overlap: bool = False) -> None:
