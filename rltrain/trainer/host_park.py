@@ -193,9 +193,8 @@ class HostPark:
             for p in rest:
                 p.storage.resize_(0)
             torch.cuda.synchronize()  # every stream: the early copies too
-        for p in self.staged:
-            if p.storage.nbytes():
-                p.storage.resize_(0)
+        for p in self._early if self.device_type == "cuda" else self.staged:
+            p.storage.resize_(0)
         self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
 
     def unpark(self, overlap: bool = False) -> None:
