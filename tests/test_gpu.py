@@ -783,6 +783,54 @@ def test_a_prefill_in_pieces_on_its_stream_beside_graphed_decode_steps_samples_w
         pieces.shutdown()
 
 
+def test_cuda_rows_joining_graphed_steps_with_their_first_tokens_unread_sample_what_they_do_alone(model_a):
+    """On CUDA, requests admitted while a row decodes in graphed steps join with their first
+    tokens still on the device (the next step queued behind their prefill before those are
+    read: batching.py): with penalties, a logit bias, a stopping first token and a second turn
+    extending cached keys, each samples (seeded, fp32) what it samples alone, the running row
+    too; every page comes back."""
+    import time
+
+    from rltrain.engine.embedded.engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(str(model_a), device="cuda", dtype="float32", decode="paged", compile=True)
+    try:
+        assert engine.decoder is not None and engine.decoder.cuda_graphs
+        stats = engine.decoder.stats
+        P = SamplingParams
+        long = P(max_new_tokens=300, temperature=1.0, sampling_seed=3, ignore_eos=True, frequency_penalty=0.3)
+        joiners = [
+            ([[9, 9, 8], [5, 6, 7, 8] * 20], P(max_new_tokens=12, temperature=1.0, sampling_seed=4, n=2)),
+            ([[4, 4, 4, 4]], P(max_new_tokens=8, temperature=1.0, sampling_seed=5, repetition_penalty=1.3)),
+            ([[6, 5]], P(max_new_tokens=9, temperature=0.0, logit_bias={11: 2.0}, presence_penalty=0.5)),
+            ([[2, 7, 2]], P(max_new_tokens=7, temperature=1.0, stop_token_ids=[17], logit_bias={17: 100.0})),
+        ]
+        ids = lambda out: [x["output_ids"] for x in out]  # noqa: E731
+        for turn in range(2):  # the second: every prompt's keys cached by the first (extend prefills)
+            if turn == 0:
+                engine.flush_cache()
+            alone = [ids(engine.submit(p, q, True).result(timeout=300)) for p, q in [([[1, 2, 3]], long), *joiners]]
+            assert alone[4] == [[17]]
+            if turn == 0:
+                engine.flush_cache()
+            unread = stats["admits_unread"]
+            running = engine.submit([[1, 2, 3]], long, True)
+            got = []
+            for prompts, params in joiners:
+                steps = stats["decode_steps"]
+                while stats["decode_steps"] < steps + 3:
+                    time.sleep(0.001)
+                got.append(ids(engine.submit(prompts, params, True).result(timeout=300)))
+            assert not running.done(), "the joiners waited for the running row"
+            assert got == alone[1:], turn
+            assert ids(running.result(timeout=300)) == alone[0], turn
+            assert stats["admits_unread"] - unread == 5, turn
+        engine.flush_cache()
+        assert engine.decoder.pool is not None and engine.decoder.pool.free == engine.decoder.pool.pages - 1
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_paged_graphs_generate_what_the_plain_path_does(model_a, dtype):
     """The paged path on the GPU (CUDA graphs replayed, Triton decode attention, continuous

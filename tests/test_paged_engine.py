@@ -329,10 +329,13 @@ def _join_and_leave(paged):
 
 
 def test_rows_that_join_running_rows_sample_what_they_sample_alone(engines):
-    """Requests admitted while a row decodes (its penalty counts on the device) join its batch,
-    whose device state is rebuilt with them: joiners with penalties, a logit bias, a first token
-    that stops the row and min_new_tokens each answer what they answer alone, the running row
-    too; every page comes back."""
+    """Requests admitted while a row decodes (its penalty counts on the device) join its batch:
+    the next step is queued behind their prefill before their first tokens are read (its inputs,
+    still on the device), the batch's device state appended to, its penalty counts, biases and
+    plan included. Joiners with penalties, a logit bias, a first token that stops the row (it
+    leaves the batch with a step computed for it) and min_new_tokens (its first token read from
+    the host: the state rebuilt) each answer what they answer alone, the running row too; every
+    page comes back."""
     _, paged = engines
     long = SamplingParams(max_new_tokens=200, temperature=1.0, sampling_seed=3, ignore_eos=True, frequency_penalty=0.3)
     joiners = [
@@ -345,6 +348,7 @@ def test_rows_that_join_running_rows_sample_what_they_sample_alone(engines):
     alone = [[x["output_ids"] for x in run(paged, p, q)] for p, q in [([[1, 2, 3]], long), *joiners]]
     assert alone[4] == [[17]]  # (the stopping joiner's first token stops it)
     stats = paged.decoder.stats
+    unread = stats["admits_unread"]
     f_long = paged.submit([[1, 2, 3]], long, True)
     got = []
     for prompts, params in joiners:
@@ -356,6 +360,9 @@ def test_rows_that_join_running_rows_sample_what_they_sample_alone(engines):
     assert [[x["output_ids"] for x in g] for g in got] == alone[1:]
     assert [x["output_ids"] for x in f_long.result(timeout=120)] == alone[0]
     assert got[3][0]["meta_info"]["finish_reason"]["type"] == "stop"
+    # every admission but the min_new_tokens joiner's (the long request's too: its first step is
+    # queued before its first token is read)
+    assert stats["admits_unread"] - unread == 5, "an admission read its first tokens before the next step"
     paged.flush_cache()
     assert paged.decoder.pool.free == paged.decoder.pool.pages - 1  # every page back
 

@@ -189,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("decode_steps", "decode steps", "12.0f"),
                 ("rows", "tokens per decode step", "12.1f"),
                 ("admits", "admission tries", "12.0f"),
+                ("admits_unread", "  first tokens read later", "12.0f"),
                 ("serve_s", "seconds generating", "12.2f"),
                 ("serve_off_cpu_s", "of it off a CPU (locks, cores)", "12.2f"),
                 ("admit_s", "of it admitting (+prefill)", "12.2f"),

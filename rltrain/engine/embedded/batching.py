@@ -18,8 +18,14 @@ Sampling runs after each step, batched, in one pass over the logits on CUDA (sam
 
 **Overlap.** Step t+1 is queued (its input tokens are step t's samples, on the device) before the
 host reads step t's tokens, so Python's per-step work runs while the device computes (`_serve`).
-`overlap=False` (SGLang's --disable-overlap-schedule) reads each step before queuing the next:
-the same tokens, with the host's work between the device's steps (bench.engine compares them).
+Admissions too, after the step in flight is read (the wait gathers what arrives meanwhile into
+one admission): the batch's device state gets the joining rows appended (their first tokens,
+still on the device, are the next step's inputs) and the next step is queued behind the prefill
+before the first tokens are read, so the device goes from prefill to step with no wait for the
+host (rows whose min_new_tokens reads the host's count: their first tokens are read at once,
+the state rebuilt). `overlap=False` (SGLang's
+--disable-overlap-schedule) reads each step before queuing the next: the same tokens, with the
+host's work between the device's steps (bench.engine compares them).
 
 **Prefill in pieces.** Queuing a prefill forward takes the host ~1 ms per layer (~25-30 ms at the
 1.7B shape; about as long as its kernels run for ~130 prompts of a later turn: docs/benchmarks/),
@@ -149,12 +155,13 @@ class ContinuousBatcher:
         is handed out again only after (the stream orders the writes). The host syncs with the
         step in flight (`settle`) only where it must: before admitting queued requests, when
         paused, and at every step where sampling reads host state (a min_new_tokens hold) or
-        the engine runs `deterministic`. With `prefill_pieces`, an admission made while rows run
+        the engine runs `deterministic`; an admission's first tokens are read after the next step
+        is queued (module doc). With `prefill_pieces`, an admission made while rows run
         is prefilled a piece after each step is queued, and its rows join at the first step
         after it is done (at once where nothing else runs or the engine pauses)."""
         seqs: list[Seq] = []
-        state: dict[str, Any] = {}  # the batch's device tensors, rebuilt when rows join
-        pending: Launched | None = None  # the step in flight, its tokens not yet read
+        state: dict[str, Any] = {}  # the batch's device tensors (rows that join: appended, or all rebuilt)
+        pending: list[tuple[Launched, str]] = []  # queued, not yet read (with the stat its wait counts in)
         prefilling: Prefill | None = None  # an admission being prefilled in pieces
         freed = True  # rows finished (or none ran) since the last try to admit
         t0, before = time.perf_counter(), dict(self.stats)
@@ -171,9 +178,9 @@ class ContinuousBatcher:
             """Read the step in flight; drop the rows that finished from the batch (and from its
             device tensors: the next step's inputs stay on the device)."""
             nonlocal pending, seqs, freed
-            if pending is not None:
-                self._collect(pending, done)
-                pending = None
+            for launched, waited in pending:
+                self._collect(launched, done, waited)
+            pending = []
             keep = [b for b, s in enumerate(seqs) if s.row.finish is None]
             if len(keep) < len(seqs):
                 freed = True
@@ -224,14 +231,27 @@ class ContinuousBatcher:
                 join()
             admitted = 0
             if self.waiting and freed and prefilling is None and not (self.deterministic and seqs):
-                settle()
+                settle()  # (the step in flight read first: what arrives meanwhile joins this admission)
+                # The joining rows' first tokens stay on the device, the next step's inputs (module
+                # doc), where the batch's device state is there to append to; else they are read and
+                # the state rebuilt from the rows.
+                unread = self.overlap and not self.deterministic and (bool(state) or not seqs)
+                unread = unread and not (self.prefill_pieces and seqs)  # (in pieces: `join`)
                 t_admit = time.perf_counter()
                 self.stats["admits"] += 1
                 # (tried again next time round where the forward's caps left some that fit waiting;
                 # else once rows finish or requests arrive)
-                joined, admitted, prefilling, freed = self._admit(can_run, len(seqs), remaining, done)
-                if joined:
-                    seqs += joined
+                joined, admitted, prefilling, freed, first = self._admit(can_run, len(seqs), remaining, done, unread)
+                if first is not None:
+                    launched, joining = first
+                    pending.append((launched, "prefill_wait_s"))
+                    self.stats["admits_unread"] += 1
+                    t_state = time.perf_counter()
+                    self._append(state, seqs + joined, joining)
+                    self.stats["batch_state_s"] += time.perf_counter() - t_state
+                    seqs = seqs + joined
+                elif joined:
+                    seqs = seqs + joined
                     state.clear()
                 self.stats["admit_s"] += time.perf_counter() - t_admit
             if not seqs:
@@ -264,7 +284,7 @@ class ContinuousBatcher:
                 )
                 freed = True
                 continue
-            if pending is not None and all(len(s.row.out) + 1 >= s.row.max_new for s in seqs):
+            if pending and all(len(s.row.out) + 1 >= s.row.max_new for s in seqs):
                 settle()  # every row ends with the step in flight: none after it
                 continue
             if not state:
@@ -275,11 +295,11 @@ class ContinuousBatcher:
             launched = self._launch(seqs, state)
             self.stats["launch_s"] += time.perf_counter() - t_launch
             piece = self._piece(prefilling, max(PIECE_MIN_S, 0.8 * self._spare)) if prefilling is not None else 0.0
-            waited = self.stats["wait_s"]
+            waited, read = self.stats["wait_s"], bool(pending)
             settle()  # the step before it, read while this one runs
-            if pending is not None or piece:
+            if read or piece:
                 self._spare += 0.2 * (self.stats["wait_s"] - waited + piece - self._spare)
-            pending = launched
+            pending = [(launched, "wait_s")]
             if self.deterministic or state["shaper"].hold or not self.overlap:
                 settle()
 
@@ -357,20 +377,44 @@ class ContinuousBatcher:
             ),
         }
 
+    def _append(self, state: dict[str, Any], seqs: list[Seq], joining: dict[str, Any]) -> None:
+        """The batch's device tensors (`state`: empty where no row ran) with the rows that join
+        appended (`seqs`: the batch's rows, theirs last): their first tokens (`joining`: on the
+        device, not read yet) are the next step's inputs, as a decode step's are; the rows before
+        them keep theirs as queued. No host sync: the step in flight may still be running."""
+        dev, n = self.device, joining["tokens"].shape[0]
+        new = seqs[len(seqs) - n :]
+        table = torch.stack([s.table(self.decoder.max_pages) for s in new])
+        tail = {
+            "tokens": joining["tokens"].long(),
+            "pos": device_tensor([len(s.row.prompt) for s in new], torch.long, dev),
+            "table": table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table,
+            "steps": torch.ones(n, dtype=torch.long, device=dev),
+        }
+        if state:
+            for key, value in tail.items():
+                state[key] = torch.cat([state[key], value])
+            state["shaper"] = LogitShaper.joined(state["shaper"], joining["shaper"])
+        else:
+            state.update(tail, shaper=joining["shaper"])
+        state["plan"] = self._plan([s.row for s in seqs])
+
     def _admit(
         self,
         can_run: Callable[[GenRequest], bool],
         running: int,
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
-    ) -> tuple[list[Seq], int, Prefill | None, bool]:
+        unread: bool = False,
+    ) -> tuple[list[Seq], int, Prefill | None, bool, tuple[Launched, dict[str, Any]] | None]:
         """Queued requests that fit (rows and pages), prefilled, their first tokens sampled: (the
         rows that go on decoding, how many requests were admitted, the prefill queued in pieces
         whose rows join once it is done: then no rows now, whether more that fit wait for the
-        next forward: PREFILL_TOKENS, PREFILL_CONTEXT). Requests are admitted whole and in
-        order. A prompt's cached prefix (prefix_cache.py) needs no pages of its own and is not
-        prefilled again; pages only the cache holds count as free (evicted as needed), less those
-        the admitted prompts' hits use."""
+        next forward: PREFILL_TOKENS, PREFILL_CONTEXT; with `unread`, the first tokens queued and
+        not read: see `_prefill`). Requests are admitted whole and in order. A prompt's cached
+        prefix (prefix_cache.py) needs no pages of its own and is not prefilled again; pages only
+        the cache holds count as free (evicted as needed), less those the admitted prompts' hits
+        use."""
         P = self.decoder.page_size
         beside = self.prefill_pieces and running > 0  # (rows decode while it is prefilled)
         batch: list[tuple[GenRequest, list[Row]]] = []
@@ -425,9 +469,9 @@ class ContinuousBatcher:
             if self.deterministic:
                 break
         if not batch:
-            return [], 0, None, False
-        live, later = self._prefill(batch, hits, remaining, done, in_pieces=beside)
-        return live, len(batch), later, capped
+            return [], 0, None, False, None
+        live, later, first = self._prefill(batch, hits, remaining, done, in_pieces=beside, unread=unread)
+        return live, len(batch), later, capped, first
 
     @property
     def prefixes(self) -> PrefixCache | None:
@@ -446,12 +490,16 @@ class ContinuousBatcher:
         remaining: dict[int, list[Any]],
         done: Callable[[Row], None],
         in_pieces: bool = False,
-    ) -> tuple[list[Seq], Prefill | None]:
+        unread: bool = False,
+    ) -> tuple[list[Seq], Prefill | None, tuple[Launched, dict[str, Any]] | None]:
         """The admitted requests' rows get their pages and their prompts' keys: a prompt's cached
         pages are shared (a page the match ends inside is taken over, or copied, before the rest
         of the prompt is written into it), the rest prefilled, once per distinct prompt; the
         first token of every row is sampled. Returns the rows that go on decoding; `in_pieces`:
-        none yet, and the prefill to queue in pieces (`_piece`), whose rows join once done."""
+        none yet, and the prefill to queue in pieces (`_piece`), whose rows join once done;
+        `unread` (where no row holds its stop tokens: min_new_tokens reads the host's count):
+        every row, their first tokens not read, and those tokens (queued, with the rows' logit
+        shaper that counted them) for the next step's inputs: `_append`."""
         pool = self.decoder.pool
         assert pool is not None
         cache = self.prefixes
@@ -505,7 +553,7 @@ class ContinuousBatcher:
         groups = list(prompts.values())
         seqs = [s for g in groups for s in g]
         if not seqs:
-            return [], None
+            return [], None, None
         # the prompt's last, partial page: copied from the first sample's to the others'
         src, dst = [], []
         for g in groups:
@@ -517,7 +565,7 @@ class ContinuousBatcher:
         rows = [s.row for s in seqs]
         of_seq = [u for u, g in enumerate(groups) for _ in g]
 
-        def launch() -> Launched:
+        def launch() -> tuple[Launched, torch.Tensor, LogitShaper]:
             """The device's part: copies, the prefill forward, the first tokens' sampling."""
             assert pool is not None
             cpu0 = time.thread_time()
@@ -532,16 +580,19 @@ class ContinuousBatcher:
             tokens, logps = sample(shaper.shape(row_logits, 0), self._plan(rows), 0, self.generator)
             launched = Launched(seqs, *to_host(tokens, logps))
             self.stats["prefill_launch_cpu_s"] += time.thread_time() - cpu0
-            return launched
+            return launched, tokens, shaper
 
         if not in_pieces:
             t0 = time.perf_counter()
-            launched = launch()
+            launched, tokens, shaper = launch()
             self.stats["prefill_launch_s"] += time.perf_counter() - t0
             if copies:
                 pool.release([a for a, _ in copies])
+            if unread and not shaper.hold:
+                shaper.count(tokens)
+                return seqs, None, (launched, {"tokens": tokens, "shaper": shaper})
             self._collect(launched, done, "prefill_wait_s")
-            return [s for s in seqs if s.row.finish is None], None
+            return [s for s in seqs if s.row.finish is None], None, None
         # Its stream starts after the steps queued so far (their last writes). The copies' sources
         # go back to the pool now: no page is handed out again before this prefill joins.
         after = None
@@ -554,14 +605,14 @@ class ContinuousBatcher:
             with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None and after is not None:
                     stream.wait_event(after)
-                return launch()
+                return launch()[0]
 
         later = Prefill(seqs, Pieces(in_pieces_on_its_stream, name="prefill"))
         self._in_pieces = later.work
         if copies:
             pool.release([a for a, _ in copies])
         self.stats["prefills_in_pieces"] += 1
-        return [], later
+        return [], later, None
 
     def _piece(self, prefill: Prefill, budget_s: float) -> float:
         """Queue the next piece of `prefill` (the rest with an infinite budget): its host time."""

@@ -253,7 +253,10 @@ class PagedDecoder:
             "tokens": 0,
             # host seconds admitting requests (their prefill and first tokens included: those
             # wait for the device) and rebuilding the batch's device state after rows joined
-            "admits": 0,  # tries to admit queued requests (each reads the step in flight first)
+            "admits": 0,  # tries to admit queued requests
+            # of them, with the rows' first tokens read after the next step is queued behind the
+            # prefill (batching.py); the others read them first and rebuild the batch's state
+            "admits_unread": 0,
             "admit_s": 0.0,
             # of it: queuing the prefill forwards, and waiting for them (and their first tokens)
             "prefill_launch_s": 0.0,

@@ -197,6 +197,32 @@ class LogitShaper:
         out.hold = [(where[b], ids, m) for b, ids, m in self.hold if b in where]
         return out
 
+    @staticmethod
+    def joined(first: LogitShaper, then: LogitShaper) -> LogitShaper:
+        """The shaper of `first`'s rows followed by `then`'s (counts and biases kept; a side
+        without them: zeros)."""
+        out = LogitShaper.__new__(LogitShaper)
+        n = first.frequency.shape[0]
+
+        def cat(a: torch.Tensor | None, b: torch.Tensor | None, rows_b: int) -> torch.Tensor | None:
+            if a is None and b is None:
+                return None
+            like = a if a is not None else b
+            assert like is not None
+            zeros = lambda rows: like.new_zeros(rows, like.shape[1])  # noqa: E731
+            return torch.cat([a if a is not None else zeros(n), b if b is not None else zeros(rows_b)])
+
+        m = then.frequency.shape[0]
+        out.counts, out.bias = cat(first.counts, then.counts, m), cat(first.bias, then.bias, m)
+        out.frequency, out.presence, out.repetition = (
+            torch.cat([a, b])
+            for a, b in zip(
+                (first.frequency, first.presence, first.repetition), (then.frequency, then.presence, then.repetition)
+            )
+        )
+        out.hold = first.hold + [(n + b, ids, k) for b, ids, k in then.hold]
+        return out
+
     def shape(self, logits: torch.Tensor, steps: Sequence[int] | int) -> torch.Tensor:
         """`logits` [rows, vocab] (float32) with the rows' penalties, holds and biases applied;
         `steps`: each row's count of generated tokens (one int: the same for all)."""
