@@ -6,7 +6,6 @@ limits, and seeded trajectories that repeat exactly."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Any
 
@@ -181,38 +180,6 @@ def test_every_trajectory_of_a_rank_is_in_flight_at_once_whatever_the_clients_fa
     assert most >= 12, f"at most {most} of 24 trajectories' requests in flight at once"
     rows_per_step = (after["tokens"] - before["tokens"]) / (after["decode_steps"] - before["decode_steps"])
     assert rows_per_step > 1.5, f"{rows_per_step:.1f} rows per decode step: the trajectories' turns were not batched"
-
-
-class Threads:
-    """An environment that notes the thread its trajectory runs on and ends after one turn."""
-
-    seen: list[threading.Thread] = []  # (the objects: an ident may be reused once a thread ends)
-
-    def __init__(self, record: dict):
-        Threads.seen.append(threading.current_thread())
-
-    def reset(self) -> None:
-        return None
-
-    def step(self, text: str, token_ids: list[int]) -> EnvStep:
-        return EnvStep(None, reward=0.0)
-
-
-def test_a_rank_s_trajectory_threads_are_kept_for_its_next_rollout(server):
-    """The trajectories of a rollout run on the threads of the one before (the loop keeps its
-    MultiTurn): starting hundreds of threads takes the host ~0.1-0.2 s, which spread a
-    rollout's first turns over that long (the engine admitted them in waves, and the spread
-    lasted every turn: bench.multiturn)."""
-    turns = MultiTurn(RolloutConfig(max_new_tokens=4, max_turns=2), _tokenizer(), Threads)
-    prompts = [Prompt(i, [1, 5 + i], {}) for i in range(6)]
-    Threads.seen = []
-    first = turns.run(server.client, prompts, list(range(6)), _params())
-    time.sleep(0.2)  # (the threads go idle just after their answers: in the loop a train phase comes between)
-    second = turns.run(server.client, prompts, list(range(6)), _params())
-    assert all(t.completion.ok for t in first + second)
-    # (a thread may serve two trajectories of one rollout, and the next then start the one it lacked)
-    threads = {id(t) for t in Threads.seen}  # (the objects are kept in `seen`: no id is reused)
-    assert len(threads) <= len(prompts), f"{len(threads)} threads for two rollouts of {len(prompts)} trajectories"
 
 
 class Raises:

@@ -135,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=a.tokens, max_turns=a.turns, max_trajectory_tokens=budget, continue_after_length=True
         )
         rows = []
-        turns = MultiTurn(cfg, _Ids(), RandomObservations)  # (one for both runs, as the loop keeps one)
         for _ in range(2):  # the first warms the engine up (graphs, caches); the second is reported
             client.flush_cache()
             single = SamplingParams(
@@ -147,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             single_s = time.perf_counter() - t0
             s1 = _engine_stats(client)
             client.flush_cache()
+            turns = MultiTurn(cfg, _Ids(), RandomObservations)
             counted = _Counting(client)
             t0 = time.perf_counter()
             trajectories = turns.run(counted, prompts, positions, turn)
