@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from rltrain.engine.embedded import batch_state
 from rltrain.engine.embedded.launched import Launched, Prefill, Seq, to_host
 from rltrain.engine.embedded.paged import PagedDecoder
 from rltrain.engine.embedded.pieces import Pieces
@@ -187,7 +188,7 @@ class ContinuousBatcher:
                 seqs = [seqs[b] for b in keep]
                 if state:
                     t_subset = time.perf_counter()
-                    self._subset(state, seqs, keep)
+                    batch_state.subset(state, keep, self._plan([s.row for s in seqs]), self.device)
                     self.stats["subset_s"] += time.perf_counter() - t_subset
 
         def join() -> None:
@@ -247,9 +248,11 @@ class ContinuousBatcher:
                     pending.append((launched, "prefill_wait_s"))
                     self.stats["admits_unread"] += 1
                     t_state = time.perf_counter()
-                    self._append(state, seqs + joined, joining)
-                    self.stats["batch_state_s"] += time.perf_counter() - t_state
                     seqs = seqs + joined
+                    batch_state.append(
+                        state, seqs, joining, self._plan([s.row for s in seqs]), self.decoder.max_pages, self.device
+                    )
+                    self.stats["batch_state_s"] += time.perf_counter() - t_state
                 elif joined:
                     seqs = seqs + joined
                     state.clear()
@@ -289,7 +292,8 @@ class ContinuousBatcher:
                 continue
             if not state:
                 t_state = time.perf_counter()
-                state.update(self._batch_state(seqs))
+                plan = self._plan([s.row for s in seqs])
+                state.update(batch_state.build(seqs, plan, self.vocab, self.decoder.max_pages, self.device))
                 self.stats["batch_state_s"] += time.perf_counter() - t_state
             t_launch = time.perf_counter()
             launched = self._launch(seqs, state)
@@ -345,59 +349,11 @@ class ContinuousBatcher:
             cache.insert(tokens, s.pages[: -(-len(tokens) // self.decoder.page_size)])
         self.decoder.pool.release(s.pages)
 
-    def _subset(self, state: dict[str, Any], seqs: list[Seq], keep: list[int]) -> None:
-        """The batch's device tensors for the rows `keep` (indices into the batch before), with
-        no host sync (the step in flight may still be running)."""
-        index = device_tensor(keep, torch.long, self.device)
-        for key in ("tokens", "pos", "table", "steps"):
-            state[key] = state[key][index]
-        state["plan"] = self._plan([s.row for s in seqs])
-        state["shaper"] = state["shaper"].subset(index, keep)
-
     def _plan(self, rows: list[Row]) -> SamplingPlan:
         """The rows' sampling plan (what stays the same at every step of this set of rows)."""
         return SamplingPlan(
             [r.params for r in rows], [r.seed for r in rows], self.vocab, self.device, self.token_hash(self.vocab)
         )
-
-    def _batch_state(self, seqs: list[Seq]) -> dict[str, Any]:
-        """Device tensors of the rows' next step: last token, its position, page tables, steps;
-        their sampling plan and logit shaper."""
-        dev = self.device
-        table = torch.stack([s.table(self.decoder.max_pages) for s in seqs])
-        rows = [s.row for s in seqs]
-        return {
-            "tokens": torch.tensor([r.out[-1] for r in rows], device=dev),
-            "pos": torch.tensor([len(r.prompt) + len(r.out) - 1 for r in rows], device=dev),
-            "table": table.to(dev),
-            "steps": torch.tensor([len(r.out) for r in rows], device=dev),
-            "plan": self._plan(rows),
-            "shaper": LogitShaper(
-                [r.params for r in rows], [r.stops for r in rows], self.vocab, dev, [r.out for r in rows]
-            ),
-        }
-
-    def _append(self, state: dict[str, Any], seqs: list[Seq], joining: dict[str, Any]) -> None:
-        """The batch's device tensors (`state`: empty where no row ran) with the rows that join
-        appended (`seqs`: the batch's rows, theirs last): their first tokens (`joining`: on the
-        device, not read yet) are the next step's inputs, as a decode step's are; the rows before
-        them keep theirs as queued. No host sync: the step in flight may still be running."""
-        dev, n = self.device, joining["tokens"].shape[0]
-        new = seqs[len(seqs) - n :]
-        table = torch.stack([s.table(self.decoder.max_pages) for s in new])
-        tail = {
-            "tokens": joining["tokens"].long(),
-            "pos": device_tensor([len(s.row.prompt) for s in new], torch.long, dev),
-            "table": table.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else table,
-            "steps": torch.ones(n, dtype=torch.long, device=dev),
-        }
-        if state:
-            for key, value in tail.items():
-                state[key] = torch.cat([state[key], value])
-            state["shaper"] = LogitShaper.joined(state["shaper"], joining["shaper"])
-        else:
-            state.update(tail, shaper=joining["shaper"])
-        state["plan"] = self._plan([s.row for s in seqs])
 
     def _admit(
         self,
@@ -499,7 +455,7 @@ class ContinuousBatcher:
         none yet, and the prefill to queue in pieces (`_piece`), whose rows join once done;
         `unread` (where no row holds its stop tokens: min_new_tokens reads the host's count):
         every row, their first tokens not read, and those tokens (queued, with the rows' logit
-        shaper that counted them) for the next step's inputs: `_append`."""
+        shaper that counted them) for the next step's inputs: batch_state.py's `append`."""
         pool = self.decoder.pool
         assert pool is not None
         cache = self.prefixes
