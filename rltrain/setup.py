@@ -266,6 +266,7 @@ def _prompts(cfg: Config, world: World, path: str, tokenizer: PreTrainedTokenize
         cfg.data.max_prompt_tokens,
         source=path,
         context=(context, cfg.rollout.max_new_tokens),
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
     found = [
         p
@@ -298,6 +299,7 @@ def _eval_prompts(cfg: Config, world: World, tokenizer: PreTrainedTokenizerBase,
         cfg.data.max_prompt_tokens,
         source=path,
         context=(context, cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens),
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
 
 

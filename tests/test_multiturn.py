@@ -12,12 +12,15 @@ from typing import Any
 import pytest
 
 from conftest import start_engine
+from models import make_model
+from qwen3_chat import qwen3_format_tokenizer
 from rltrain.bench.multiturn import _Counting
-from rltrain.config import ConfigError, RolloutConfig
+from rltrain.config import ConfigError, DataConfig, RolloutConfig
 from rltrain.engine.client import EngineClient
 from rltrain.generation import Completion, SamplingParams
+from rltrain.rollout.calculator import calculator
 from rltrain.rollout.collect import Sample, _generate, _summarize, build_batch
-from rltrain.rollout.data import Prompt
+from rltrain.rollout.data import LazyPrompts, Prompt
 from rltrain.rollout.env import EnvStep, ToolEnvironment, Tools
 from rltrain.rollout.multiturn import Conversation, MultiTurn
 from rltrain.rollout.rewards import RewardRunner
@@ -550,3 +553,150 @@ def test_a_resumed_tool_run_repeats_the_uninterrupted_trajectories_exactly(tmp_p
     assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert got == want
     assert want[2]["multiturn"]["turns_turns"] > want[2]["samples"]  # (trajectories of more than one turn)
+
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+# What Qwen3's format writes between a model turn that ended itself (<|im_end|>) and the next
+# one: the tool's result in a user turn, then the generation prompt with thinking off.
+TOOL_TURN = (
+    "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+)
+
+
+def test_a_tool_trajectory_in_qwen3_s_chat_format_keeps_the_sampled_tokens_the_template_would_drop():
+    """Qwen3's format with tools and data.chat_template_kwargs {enable_thinking: false}: the first
+    prompt lists the calculator's schema and closes an empty think block; the model's call (the
+    tool markers kept in the text its environment parses) is run, and its result's ids are the
+    template's tool turn after the model's own <|im_end|>. The trajectory is the whole
+    conversation as the template writes it but for the empty think block of the first answer,
+    which the template drops from history: re-rendering the conversation would train on other
+    tokens than were sampled (the trap token-in/token-out avoids)."""
+    tok = qwen3_format_tokenizer()
+    tools = Tools(["rltrain.rollout.calculator:calculator"], timeout_s=5)
+    conv = Conversation(tok, tools.schemas, {"enable_thinking": False})
+    env = ToolEnvironment({"prompt": "What is 12*7?"}, tools)
+    first = conv.prompt_ids(env.reset(), Prompt(0, [], {}))
+    shown = tok.decode(first)
+    assert '"name": "calculator"' in shown and shown.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    turn1 = tok(CALL, add_special_tokens=False)["input_ids"] + [end]  # as the engine would return them
+    step = env.step(tok.decode(turn1, skip_special_tokens=True), turn1)
+    assert step.observation == [{"role": "tool", "name": "calculator", "content": "84"}]
+    obs = conv.observation_ids(step.observation, last_sampled=end)
+    assert tok.decode(obs) == TOOL_TURN
+    cut = conv.observation_ids(step.observation, last_sampled=turn1[-2])  # the turn did not end itself
+    assert tok.decode(cut) == "<|im_end|>" + TOOL_TURN
+    turn2 = tok("12*7 = 84, so \\boxed{84}.", add_special_tokens=False)["input_ids"] + [end]
+    trajectory = first + turn1 + obs + turn2
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "12*7"}}}
+    whole = [
+        {"role": "user", "content": "What is 12*7?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        *step.observation,
+        {"role": "assistant", "content": "12*7 = 84, so \\boxed{84}."},
+    ]
+    rendered = tok.apply_chat_template(whole, tools=tools.schemas, tokenize=False, enable_thinking=False)
+    empty_think = "<think>\n\n</think>\n\n"
+    assert tok.decode(trajectory) + "\n" == rendered.replace(
+        "assistant\n<tool_call>", "assistant\n" + empty_think + "<tool_call>"
+    )
+    assert tok(rendered, add_special_tokens=False)["input_ids"] != trajectory + tok("\n")["input_ids"]
+    # The data's prompts get the same keyword arguments (data.chat_template_kwargs).
+    (prompt,) = LazyPrompts([{"prompt": "hi"}], tok, True, 100, template_kwargs={"enable_thinking": False})[:]
+    assert tok.decode(prompt.input_ids).endswith(empty_think)
+    (thinking,) = LazyPrompts([{"prompt": "hi"}], tok, True, 100)[:]
+    assert tok.decode(thinking.input_ids).endswith("<|im_start|>assistant\n")
+
+
+class CalculatorOnce(ToolEnvironment):
+    """The model's first turn is taken as a call of the calculator on 12*7 (a random model writes
+    no calls); the second ends the trajectory."""
+
+    def step(self, text: str, token_ids: list[int]) -> EnvStep:
+        if getattr(self, "called", False):
+            return EnvStep(None, reward=1.0)
+        self.called = True
+        name, out = self.tools.call('{"name": "calculator", "arguments": {"expression": "12*7"}}', self.record)
+        return EnvStep([{"role": "tool", "name": name, "content": out}])
+
+
+def test_a_tool_trajectory_in_qwen3_s_format_on_the_embedded_engine(tmp_path):
+    """End to end on a live engine: a tiny Qwen3 whose tokenizer writes Qwen3's chat format; the
+    second turn is sent the prompt, the first turn's ids as sampled and the tool turn's ids, and
+    the trajectory trains on the sampled ids only."""
+    tok = qwen3_format_tokenizer()
+    model = make_model(tmp_path / "model", seed=3, arch="qwen3", vocab=len(tok) + 7)
+    tok.save_pretrained(model)
+    srv = start_engine("embedded", model, tmp_path)
+    tools = Tools(["rltrain.rollout.calculator:calculator"], timeout_s=5)
+    try:
+        cfg = RolloutConfig(
+            max_new_tokens=5,
+            max_turns=4,
+            max_trajectory_tokens=200,  # (every byte a token)
+            tools=["rltrain.rollout.calculator:calculator"],
+            continue_after_length=True,
+        )
+        turns = MultiTurn(cfg, tok, lambda record: CalculatorOnce(record, tools), tools, {"enable_thinking": False})
+        client = Recording(srv.client)
+        env = CalculatorOnce({"prompt": "What is 12*7?"}, tools)
+        first = turns.conversation.prompt_ids(env.reset(), Prompt(0, [], {}))
+        params = SamplingParams(max_new_tokens=5, temperature=1.0, sampling_seed=7)
+        (t,) = turns.run(client, [Prompt(0, [0], {"prompt": "What is 12*7?"})], [0], params)
+        (in1, c1), (in2, c2) = client.calls
+        obs = in2[len(in1) + len(c1.output_ids) :]
+        assert in1 == first and in2[: len(in1) + len(c1.output_ids)] == in1 + c1.output_ids
+        ended = c1.output_ids[-1] == tok.eos_token_id
+        assert tok.decode(obs) == ("" if ended else "<|im_end|>") + TOOL_TURN
+        assert t.completion.ok and t.turns == 2 and t.env_reward == 1.0 and t.ended_by == "env"
+        assert t.completion.output_ids == c1.output_ids + obs + c2.output_ids
+        assert t.completion.loss_mask == [1] * len(c1.output_ids) + [0] * len(obs) + [1] * len(c2.output_ids)
+        assert turns.summary()["tool_calls_calculator"] == 1
+    finally:
+        tools.close()
+        srv.client.close()
+        srv.process.stop()
+
+
+def test_the_calculator_computes_arithmetic_and_contains_hostile_expressions():
+    """Numbers and + - * / // % ** only, parsed and never evaluated as code; every size bounded
+    (a power checked before it is computed); through `Tools` each refusal is an error text the
+    model sees, counted, and none of them takes the call's timeout."""
+    assert calculator("(12 + 7) * 3 / 4") == "14.25" and calculator("2**10") == "1024"
+    assert calculator("0.1 + 0.2") == "0.3" and calculator("7 // 2 - -1") == "4" and calculator("6 × 7") == "42"
+    assert calculator("10**999 // 10**998") == "10" and calculator("2 ** -1") == "0.5"
+    for hostile, why in [
+        ("__import__('os').system('touch /tmp/pwned')", "not arithmetic"),
+        ("().__class__.__bases__[0].__subclasses__()", "not arithmetic"),
+        ("9**9**9**9", "digits"),
+        ("(10**999) * (10**999)", "digits"),
+        ("1" * 2000, "characters"),
+        ("(" * 300 + "1" + ")" * 300, "not an arithmetic expression"),
+        ("+".join(["1"] * 300), "operations"),
+        ("2^10", "write \\*\\*"),
+        ("1e308 * 10", "inf"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("'a' * 10**9", "not arithmetic"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            calculator(hostile)
+    with pytest.raises(ZeroDivisionError):
+        calculator("1 / (3 - 3)")
+    tools = Tools(["rltrain.rollout.calculator:calculator"], timeout_s=5)
+    try:
+        name, out = tools.call('{"name": "calculator", "arguments": {"expression": "9**9**9**9"}}')
+        assert name == "calculator" and out.startswith("error: calculator raised ValueError") and "digits" in out
+        name, out = tools.call('{"name": "calculator", "arguments": {"expression": "1/0"}}')
+        assert "ZeroDivisionError" in out
+        assert tools.call('{"name": "calculator", "arguments": {"expression": "3*4"}}')[1] == "12"
+        assert tools.stats.errors == {"calculator": 2} and tools.stats.timeouts == 0
+    finally:
+        tools.close()
+
+
+def test_chat_template_kwargs_cannot_set_what_rltrain_passes():
+    DataConfig(path="x.jsonl", chat_template_kwargs={"enable_thinking": False}).check()
+    for key in ("tools", "add_generation_prompt", "tokenize", "not an identifier"):
+        with pytest.raises(ConfigError, match="chat_template_kwargs"):
+            DataConfig(path="x.jsonl", chat_template_kwargs={key: 1}).check()

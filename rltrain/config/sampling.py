@@ -4,8 +4,26 @@ and multi-turn rollouts (rollout), rewards (reward)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from rltrain.config.errors import ConfigError
+
+# apply_chat_template's own arguments: set by rltrain, never by data.chat_template_kwargs
+_TEMPLATE_OWN = (
+    "conversation",
+    "messages",
+    "tools",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "chat_template",
+    "documents",
+)
 
 
 @dataclass
@@ -17,6 +35,9 @@ class DataConfig:
     prompts_per_step: int = 32  # global batch of prompts per step, split across ranks
     max_prompt_tokens: int = 1024
     chat_template: bool = False
+    # Passed to the chat template wherever rltrain renders one (prompts, multi-turn observations),
+    # e.g. {enable_thinking: false} for Qwen3 (verl's apply_chat_template_kwargs).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # rltrain's field name -> the dataset's column, e.g. {prompt: question, answer: solution}
     fields: dict[str, str] = field(default_factory=dict)
 
@@ -35,6 +56,12 @@ class DataConfig:
             raise ConfigError(
                 f"data.fields {bad}: expected rltrain's field names mapped to the dataset's column names, e.g. "
                 "{prompt: question, answer: solution}"
+            )
+        own = sorted(k for k in self.chat_template_kwargs if k in _TEMPLATE_OWN or not str(k).isidentifier())
+        if own:
+            raise ConfigError(
+                f"data.chat_template_kwargs: {own} cannot be set here (rltrain passes the messages, tools and "
+                "generation prompt itself; keys are the template's own variables, e.g. enable_thinking)"
             )
 
 

@@ -283,11 +283,12 @@ def tokenize_records(
     max_prompt_tokens: int,
     source: str = "dataset",
     context: tuple[int, int] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Prompt]:
     """Each record's prompt as token ids; a prompt over data.max_prompt_tokens, or (`context`:
     the model's context length and rollout.max_new_tokens) one that leaves no room for a whole
     response, is an error naming the record."""
-    return LazyPrompts(records, tokenizer, chat_template, max_prompt_tokens, source, context)[:]
+    return LazyPrompts(records, tokenizer, chat_template, max_prompt_tokens, source, context, template_kwargs)[:]
 
 
 class LazyPrompts(Sequence[Prompt]):
@@ -302,9 +303,11 @@ class LazyPrompts(Sequence[Prompt]):
         max_prompt_tokens: int,
         source: str = "dataset",
         context: tuple[int, int] | None = None,
+        template_kwargs: dict[str, Any] | None = None,  # data.chat_template_kwargs
     ):
         self.records, self.tokenizer, self.chat_template = records, tokenizer, chat_template
         self.max_prompt_tokens, self.source, self.context = max_prompt_tokens, source, context
+        self.template_kwargs = dict(template_kwargs or {})
 
     def __len__(self) -> int:
         return len(self.records)
@@ -380,7 +383,9 @@ class LazyPrompts(Sequence[Prompt]):
                 )
             r = recs[k]
             messages = r.get("messages") or [{"role": "user", "content": r["prompt"]}]
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **self.template_kwargs
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             out[k] = list(map(int, ids))

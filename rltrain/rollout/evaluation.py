@@ -91,7 +91,11 @@ class Evaluator:
             n=e.n,
             stop_token_ids=list(cfg.rollout.stop_token_ids) or None,
         )
-        self.turns = MultiTurn.from_config(cfg.rollout, tokenizer) if cfg.rollout.multi_turn else None
+        self.turns = (
+            MultiTurn.from_config(cfg.rollout, tokenizer, cfg.data.chat_template_kwargs)
+            if cfg.rollout.multi_turn
+            else None
+        )
         self.path = cfg.run_dir / "eval.jsonl"
         if world.rank == 0:
             # A resumed run evaluates again from where it resumes: the rows of the steps from there

@@ -78,15 +78,21 @@ class TurnStats:
 class Conversation:
     """Token ids of prompts and observations, as the tokenizer's chat template writes them."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,  # data.chat_template_kwargs
+    ):
         self.tokenizer, self.tools = tokenizer, tools or None
+        self.template_kwargs = dict(template_kwargs or {})
 
     def _render(self, messages: list[dict[str, Any]], generation: bool) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat-message observations need a tokenizer with a chat template")
         return str(
             self.tokenizer.apply_chat_template(
-                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation
+                messages, tools=self.tools, tokenize=False, add_generation_prompt=generation, **self.template_kwargs
             )
         )
 
@@ -143,9 +149,10 @@ class MultiTurn:
         tokenizer: Any,
         make_env: Callable[[dict[str, Any]], Environment],
         tools: Tools | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ):
         self.cfg, self.tokenizer, self.make_env, self.tools = cfg, tokenizer, make_env, tools
-        self.conversation = Conversation(tokenizer, tools.schemas if tools is not None else None)
+        self.conversation = Conversation(tokenizer, tools.schemas if tools is not None else None, template_kwargs)
         self.stats = TurnStats()
 
     def summary(self) -> dict[str, float]:
@@ -165,13 +172,15 @@ class MultiTurn:
         return out
 
     @staticmethod
-    def from_config(cfg: RolloutConfig, tokenizer: Any) -> MultiTurn:
-        """`rollout.env`'s environment class, or the tool environment over `rollout.tools`."""
+    def from_config(cfg: RolloutConfig, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> MultiTurn:
+        """`rollout.env`'s environment class, or the tool environment over `rollout.tools`
+        (`template_kwargs`: data.chat_template_kwargs)."""
         from rltrain.rollout.env import ToolEnvironment, load_object  # noqa: PLC0415 - (the same package)
 
+        kw = template_kwargs
         if cfg.env and not cfg.tools:
             cls = load_object(cfg.env, "rollout.env")
-            return MultiTurn(cfg, tokenizer, cls)
+            return MultiTurn(cfg, tokenizer, cls, template_kwargs=kw)
         if cfg.env:  # a tool environment of the user's: made as cls(record, tools), it may score
             tool_env = load_object(cfg.env, "rollout.env")
             if not (isinstance(tool_env, type) and issubclass(tool_env, ToolEnvironment)):
@@ -180,9 +189,9 @@ class MultiTurn:
                     "rltrain.rollout.env.ToolEnvironment (made with the tools); another environment runs its own tools"
                 )
             tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
-            return MultiTurn(cfg, tokenizer, lambda record: tool_env(record, tools), tools)
+            return MultiTurn(cfg, tokenizer, lambda record: tool_env(record, tools), tools, kw)
         tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
-        return MultiTurn(cfg, tokenizer, lambda record: ToolEnvironment(record, tools), tools)
+        return MultiTurn(cfg, tokenizer, lambda record: ToolEnvironment(record, tools), tools, kw)
 
     def run(
         self, client: RolloutClient, prompts: list[Prompt], positions: list[int], params: SamplingParams

@@ -61,7 +61,11 @@ class StepRollout:
         # a prompt one sample n times. A new run draws what the last drew; a resumed one does not.
         self._fresh_seeds = random.Random(f"rltrain/rollout/{cfg.run.seed}/{world.rank}")
         # Multi-turn trajectories (rollout.env or rollout.tools), else one response per sample.
-        self.turns = MultiTurn.from_config(cfg.rollout, tokenizer) if cfg.rollout.multi_turn else None
+        self.turns = (
+            MultiTurn.from_config(cfg.rollout, tokenizer, cfg.data.chat_template_kwargs)
+            if cfg.rollout.multi_turn
+            else None
+        )
 
     def draw(self, step: int) -> Drawn:
         """Step `step`'s prompts for this rank and their sampling parameters (in the loop's order:
