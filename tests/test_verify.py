@@ -119,13 +119,13 @@ def _calibrate_rank(rank: int, world_size: int, riding: bool) -> tuple[float, fl
 def test_the_probes_bounds_are_calibrated_against_the_trainers_side_as_it_rides_too(riding):
     """The trainer's side of the probe rides a training step as one more row of a micro-batch,
     whose log-probs in half precision differ from the row's alone; calibrated from the row alone
-    only, the bounds sat at the floors (0.01, 0.05) and an H200 run's first ride failed at 0.0205
-    mean, 0.051 at the worst position. Every rank takes rank 0's measurement."""
+    only, the bounds sat at the floors (then 0.01, 0.05) and an H200 run's first ride failed at
+    0.0205 mean, 0.051 at the worst position. Every rank takes rank 0's measurement."""
     from multiproc import run_ranks, values
 
     out = values(run_ranks(_calibrate_rank, 2, riding, deadline_s=120))
     floor = (FLOOR["half"].mean, FLOOR["half"].worst)
-    expected = (CALIBRATION_FACTOR * 0.03, CALIBRATION_FACTOR * 0.06) if riding else floor
+    expected = (CALIBRATION_FACTOR * 0.03, max(CALIBRATION_FACTOR * 0.06, floor[1])) if riding else floor
     assert out == [pytest.approx(expected)] * 2
 
 

@@ -70,9 +70,12 @@ class ProbeBounds:
 
 # What a precision allows at most (a calibration above it stops the run), and the least a
 # calibrated bound is (fp32 arithmetic on two sides agrees to far less than weights that
-# moved would change).
+# moved would change). Half precision's worst position: 0.1, not 0.05 — bf16 keeps 8 bits of a
+# logit, and as training sharpens the model its logits grow and so does one position's rounding:
+# the SGLang GPU loop test's 14th sync on an H100 (2026-12-07) measured 0.051 at the worst of
+# 32 positions (mean 0.0041) where start-up had measured 0.0052, and stopped a healthy run.
 CEILING = {"double": ProbeBounds(1e-6, 1e-5), "single": ProbeBounds(1e-3, 1e-2), "half": ProbeBounds(0.1, 1.0)}
-FLOOR = {"double": ProbeBounds(1e-8, 1e-7), "single": ProbeBounds(1e-4, 1e-3), "half": ProbeBounds(0.01, 0.05)}
+FLOOR = {"double": ProbeBounds(1e-8, 1e-7), "single": ProbeBounds(1e-4, 1e-3), "half": ProbeBounds(0.01, 0.1)}
 
 
 def precision(engine_dtype: torch.dtype | None, trainer_dtype: torch.dtype) -> str:
