@@ -177,10 +177,9 @@ class MultiTurn:
         (`template_kwargs`: data.chat_template_kwargs)."""
         from rltrain.rollout.env import ToolEnvironment, load_object  # noqa: PLC0415 - (the same package)
 
-        kw = template_kwargs
         if cfg.env and not cfg.tools:
             cls = load_object(cfg.env, "rollout.env")
-            return MultiTurn(cfg, tokenizer, cls, template_kwargs=kw)
+            return MultiTurn(cfg, tokenizer, cls, None, template_kwargs)
         if cfg.env:  # a tool environment of the user's: made as cls(record, tools), it may score
             tool_env = load_object(cfg.env, "rollout.env")
             if not (isinstance(tool_env, type) and issubclass(tool_env, ToolEnvironment)):
@@ -189,9 +188,9 @@ class MultiTurn:
                     "rltrain.rollout.env.ToolEnvironment (made with the tools); another environment runs its own tools"
                 )
             tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
-            return MultiTurn(cfg, tokenizer, lambda record: tool_env(record, tools), tools, kw)
+            return MultiTurn(cfg, tokenizer, lambda record: tool_env(record, tools), tools, template_kwargs)
         tools = Tools(list(cfg.tools), cfg.tool_timeout_s)
-        return MultiTurn(cfg, tokenizer, lambda record: ToolEnvironment(record, tools), tools, kw)
+        return MultiTurn(cfg, tokenizer, lambda record: ToolEnvironment(record, tools), tools, template_kwargs)
 
     def run(
         self, client: RolloutClient, prompts: list[Prompt], positions: list[int], params: SamplingParams
