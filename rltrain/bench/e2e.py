@@ -405,6 +405,9 @@ def report(
         copy_s = sum(r.get(copy_part[p], 0.0) for _, r in moving)
         copy_rate = nbytes / copy_s / 1e9 if copy_s > 0 else 0.0
         copy = f"; its copy alone {copy_rate:.1f} GB/s, {copy_rate / limit:.1%}" if copy_rate else ""
+        device_s = sum(r.get("offload_copies_on_the_device_s", 0.0) for _, r in moving)
+        if p == "trainer_offload" and device_s > 0 and not fit:  # (the device's span of the queued copies)
+            copy += f", on the device {nbytes / device_s / 1e9:.1f} GB/s, {nbytes / device_s / 1e9 / limit:.1%}"
         lines.append(
             f"{p + ' bandwidth':>28s} {rate:11.1f}GB/s  {rate / limit:6.1%} of pinned copy "
             f"({nbytes / len(moving) / 2**30:.2f} GiB of trainer state, the phase whole, over the {len(moving)} of "

@@ -258,14 +258,16 @@ class FSDPTrainer:
     def _groups(self) -> list[list[torch.Tensor]]:
         return leaving_order(self.model, self.ref_model, self.optimizer)
 
-    def stage_offload(self, keep: int | None = None) -> None:
+    def stage_offload(self, keep: int | None = None, overlap: bool = True) -> None:
         """Begin the offload right after the optimizer step: choose what moves (the optimizer
         state first, then the reference's weights, then the policy's) so that at most `keep`
-        bytes stay (None: nothing), and start the optimizer state's copy out, which then runs
-        beside the checkpoint and the sync; `offload` finishes it. At the onload that state comes
-        back behind the weights, beside the log-probs and the forward and backward."""
+        bytes stay (None: nothing), lay it out and plan its copies, and (`overlap`) start the
+        optimizer state's copy out, which then runs beside the checkpoint and the sync; `offload`
+        finishes it. At the onload that state comes back behind the weights, beside the log-probs
+        and the forward and backward. Without `overlap` every copy waits for `offload`: only the
+        host's choosing leaves the put-away."""
         if self._parks() and not self.offloaded:
-            self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1)
+            self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1 if overlap else 0)
 
     def _to_park(self) -> HostPark:
         """The park, its late copies settled, the modules resharded: what is there is what moves.
@@ -290,12 +292,13 @@ class FSDPTrainer:
         if not self._parks() or self.offloaded:
             return
         keep = None if self._keep_refused else keep
-        with timed(self.timings, "offload: copy to host", self.device):
+        with timed(self.timings, "offload: choose what moves", self.device):
             park = self._to_park()
-            if park.staged:
-                park.park()
-            else:
-                park.park(self._groups(), keep)
+            if not park.staged:  # (`stage_offload` chose after the optimizer step)
+                park.stage(self._groups(), keep)
+        with timed(self.timings, "offload: copy to host", self.device):
+            park.park()
+        self.timings["offload: copies on the device"] = park.device_s
         with timed(self.timings, "offload: return memory to the device", self.device):
             free_cuda_caches()
         if self.device.type == "cuda" and park.kept:
@@ -327,6 +330,8 @@ class FSDPTrainer:
         """Back on the device, sharded over the current default group. A sharded trainer whose
         group was destroyed since (a world rebuild) is re-bound to the new group (offloaded or
         not), or, where FSDP2 cannot be re-bound, re-sharded from its local shards."""
+        if self._park is not None and self._park.staged:  # (staged, never parked: the trainer stayed)
+            self._park.unstage()
         if self._park is not None and self._park.parked:
             overlap = self._park.ahead > 0  # the optimizer state comes back beside the forward (`_settle`)
             with timed(self.timings, "onload: copy to device", self.device, stream_only=overlap):

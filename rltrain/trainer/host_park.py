@@ -14,9 +14,11 @@ driver gets back (a group split between moving and staying would hold its segmen
 `ahead` groups — the optimizer state, which nothing reads or writes between one optimizer step
 and the next — go early and come back late:
 
-    stage(groups, keep, ahead)   after the optimizer step: what moves is laid out in the buffer and
-                                 the `ahead` groups' copy out starts on a side stream (beside the
-                                 checkpoint and the sync); nothing is freed yet
+    stage(groups, keep, ahead)   after the optimizer step: what moves is chosen and laid out in the
+                                 buffer, its copies planned (runs of storages, `runs`), and the
+                                 `ahead` groups' copy out starts on a side stream (beside the
+                                 checkpoint and the sync); nothing is freed yet. With `ahead=0`
+                                 no copy begins: the put-away then only queues the copies
     park()                       at the put-away: the rest is copied, every copy waited for, every
                                  chosen storage freed
     unpark(overlap=True)         at the onload: every storage re-allocated; the others copied back
@@ -37,7 +39,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -99,9 +101,16 @@ class HostPark:
         self.total = 0  # bytes of the last `stage`'s storages
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
+        self.stages = 0  # `stage`s so far (each chooses what moves)
+        # The last `park`: host seconds queuing its copies, the device's seconds from its first
+        # copy's start to its last's end, and the bytes those copies moved (the early groups'
+        # copies, begun by `stage`, not among them).
+        self.queue_s = self.device_s = 0.0
+        self.moved_at_park = 0
         self.copies_in = 0  # and the last onload
         self.strandings = 0  # offloads whose kept part stranded freed memory (`all_if_stranded`)
         self._early: list[Parked] = []  # staged, copy out begun
+        self._planned: list[tuple[torch.Tensor, int, int]] = []  # the copies `park` queues (`runs` of the rest)
         self._late: list[Parked] = []  # re-allocated, copy back not yet waited for (CPU: not yet made)
         self._out_done: torch.cuda.Event | None = None
         self._in_done: torch.cuda.Event | None = None
@@ -160,7 +169,10 @@ class HostPark:
         # Grown when the state grew (the first offload, before any step, parks no Adam state).
         buffer = self._arena.reserve(offset)
         self.staged, self.ahead, self.copies_out = chosen, ahead, 0
+        self.stages += 1
         self._early = [p for p in chosen if p.group < ahead]
+        # (the spans own no memory: the storages they cover live until `park` frees them)
+        self._planned = list(runs([p for p in chosen if p.group >= ahead]))
         if not self._early:
             return
         if self.device_type != "cuda":
@@ -179,13 +191,21 @@ class HostPark:
         the rest of the copies, a wait for every one, the storages freed."""
         if groups is not None:
             self.stage(groups, keep)
+        t1 = time.perf_counter()
         buffer = self.buffer
         assert buffer is not None or not self.staged
         rest = [p for p in self.staged if p.group >= self.ahead]
+        cuda = self.device_type == "cuda"
+        marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda and rest else None
         if rest:
             assert buffer is not None
-            self._copy_out(rest, buffer)
-        if self.device_type == "cuda":
+            if marks:
+                marks[0].record()
+            self._copy_planned(buffer)
+            if marks:
+                marks[1].record()
+        t2 = time.perf_counter()
+        if cuda:
             # Their storages are freed while the copies run (the host's ~1k frees hidden behind
             # them): the caching allocator hands a block out again only to work queued behind
             # its copy on this stream, and nothing allocates before the wait below. The early
@@ -193,8 +213,11 @@ class HostPark:
             for p in rest:
                 p.storage.resize_(0)
             torch.cuda.synchronize()  # every stream: the early copies too
-        for p in self._early if self.device_type == "cuda" else self.staged:
+        for p in self._early if cuda else self.staged:
             p.storage.resize_(0)
+        self.queue_s = t2 - t1
+        self.device_s = marks[0].elapsed_time(marks[1]) / 1e3 if marks else 0.0
+        self.moved_at_park = sum(p.nbytes for p in rest)
         self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
 
     def unpark(self, overlap: bool = False) -> None:
@@ -291,6 +314,12 @@ class HostPark:
         """Whether kept parts stranded freed memory twice: every offload moves the whole state."""
         return self.strandings > 1
 
+    def unstage(self) -> None:
+        """Drop a stage that will not be parked (the trainer stays on the device: its modules may
+        change before the next offload chooses again); its early copies are waited for first."""
+        self.drain()
+        self.staged, self._early, self._planned = [], [], []
+
     def drain(self) -> None:
         """Every copy in flight done (before the storages or this object, with its buffer, go)."""
         self.settle()
@@ -304,7 +333,14 @@ class HostPark:
         return self._stream
 
     def _copy_out(self, parked: list[Parked], buffer: torch.Tensor) -> None:
-        for device, offset, nbytes in runs(parked):
+        self._queue_out(runs(parked), buffer)
+
+    def _copy_planned(self, buffer: torch.Tensor) -> None:
+        planned, self._planned = self._planned, []
+        self._queue_out(planned, buffer)
+
+    def _queue_out(self, copies: Iterable[tuple[torch.Tensor, int, int]], buffer: torch.Tensor) -> None:
+        for device, offset, nbytes in copies:
             buffer[offset : offset + nbytes].copy_(device, non_blocking=self.device_type == "cuda")
             self.copies_out += 1
 
