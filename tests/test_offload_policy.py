@@ -30,6 +30,14 @@ def _state(t: FSDPTrainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return held["weights"], [o for o in held["optimizer"] if o.untyped_storage().data_ptr() not in weights]
 
 
+def _same_step(t: FSDPTrainer, plain: FSDPTrainer, batch) -> None:
+    """One step of each trainer on `batch`: the same statistics, bit for bit (the rate aside)."""
+    a, b = one_step(t, batch), one_step(plain, batch)
+    assert {k: v for k, v in a.items() if k != "train_tokens_per_s"} == {
+        k: v for k, v in b.items() if k != "train_tokens_per_s"
+    }
+
+
 @pytest.mark.parametrize("keep", ["nothing", "the weights", "a byte less than the weights", "everything"])
 def test_an_offload_keeps_whole_groups_within_its_budget_the_optimizer_state_leaving_first(tmp_path, keep):
     """Three steps, each: train, `stage_offload` (the optimizer state's copy out begins), the
@@ -41,10 +49,7 @@ def test_an_offload_keeps_whole_groups_within_its_budget_the_optimizer_state_lea
     t.parks_on_cpu = True
     batch = fixed_batch()
     for _ in range(3):
-        a, b = one_step(t, batch), one_step(plain, batch)
-        assert {k: v for k, v in a.items() if k != "train_tokens_per_s"} == {
-            k: v for k, v in b.items() if k != "train_tokens_per_s"
-        }
+        _same_step(t, plain, batch)
         weights, optim = _state(t)
         budget = {
             "nothing": 0,
@@ -91,10 +96,7 @@ def test_move_chooses_what_moves_after_the_optimizer_step_and_the_put_away_only_
     cycle = TrainerCycle(t, None, BetweenSteps.OFFLOAD, True, 1, ())  # type: ignore[arg-type]
     batch = fixed_batch()
     for step in range(4):
-        a, b = one_step(t, batch), one_step(plain, batch)
-        assert {k: v for k, v in a.items() if k != "train_tokens_per_s"} == {
-            k: v for k, v in b.items() if k != "train_tokens_per_s"
-        }
+        _same_step(t, plain, batch)
         weights, optim = _state(t)
         before = [w.clone() for w in weights] + [o.clone() for o in optim]
         total = _bytes(weights) + _bytes(optim)
