@@ -260,12 +260,9 @@ class FSDPTrainer:
 
     def stage_offload(self, keep: int | None = None, overlap: bool = True) -> None:
         """Begin the offload right after the optimizer step: choose what moves (the optimizer
-        state first, then the reference's weights, then the policy's) so that at most `keep`
-        bytes stay (None: nothing), lay it out and plan its copies, and (`overlap`) start the
-        optimizer state's copy out, which then runs beside the checkpoint and the sync; `offload`
-        finishes it. At the onload that state comes back behind the weights, beside the log-probs
-        and the forward and backward. Without `overlap` every copy waits for `offload`: only the
-        host's choosing leaves the put-away."""
+        state, the reference's weights, the policy's) so that at most `keep` bytes stay (None:
+        nothing), plan its copies and (`overlap`) start the optimizer state's, beside the
+        checkpoint and the sync (back behind the weights at the onload); `offload` finishes it."""
         if self._parks() and not self.offloaded:
             self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1 if overlap else 0)
 
