@@ -101,13 +101,12 @@ class HostPark:
         self.total = 0  # bytes of the last `stage`'s storages
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
-        self.stages = 0  # `stage`s so far (each chooses what moves)
-        # The last `park`: host seconds queuing its copies, the device's seconds from its first
-        # copy's start to its last's end, and the bytes those copies moved (the early groups'
-        # copies, begun by `stage`, not among them).
-        self.queue_s = self.device_s = 0.0
-        self.moved_at_park = 0
         self.copies_in = 0  # and the last onload
+        self.stages = 0  # `stage`s so far (each chooses what moves)
+        # The last `park`: the device's seconds from its first copy's start to its last's end,
+        # and the bytes those copies moved (the early groups' copies, begun by `stage`, not among them).
+        self.device_s = 0.0
+        self.moved_at_park = 0
         self.strandings = 0  # offloads whose kept part stranded freed memory (`all_if_stranded`)
         self._early: list[Parked] = []  # staged, copy out begun
         self._planned: list[tuple[torch.Tensor, int, int]] = []  # the copies `park` queues (`runs` of the rest)
@@ -191,7 +190,6 @@ class HostPark:
         the rest of the copies, a wait for every one, the storages freed."""
         if groups is not None:
             self.stage(groups, keep)
-        t1 = time.perf_counter()
         buffer = self.buffer
         assert buffer is not None or not self.staged
         rest = [p for p in self.staged if p.group >= self.ahead]
@@ -204,7 +202,6 @@ class HostPark:
             self._copy_planned(buffer)
             if marks:
                 marks[1].record()
-        t2 = time.perf_counter()
         if cuda:
             # Their storages are freed while the copies run (the host's ~1k frees hidden behind
             # them): the caching allocator hands a block out again only to work queued behind
@@ -215,7 +212,6 @@ class HostPark:
             torch.cuda.synchronize()  # every stream: the early copies too
         for p in self._early if cuda else self.staged:
             p.storage.resize_(0)
-        self.queue_s = t2 - t1
         self.device_s = marks[0].elapsed_time(marks[1]) / 1e3 if marks else 0.0
         self.moved_at_park = sum(p.nbytes for p in rest)
         self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
