@@ -153,20 +153,13 @@ class TrainerCycle:
         self.figures = _parts(self.trainer.timings, "onload")
 
     def after_train(self) -> None:
-        """The offload begun: what moves chosen, laid out in the host buffer and its copies
-        planned while the device still runs the optimizer step (the put-away then only queues
-        copies), and with fit the optimizer state's copy out begun (beside the checkpoint and the
-        sync; move's and auto's offload is one bulk copy at the put-away). Then the train step's
-        activation cache back to the device before the engine's weights, when the trainer leaves
-        the device after the step anyway."""
-        fit = self.residency is not None and not self.residency.whole
-        if self.between is BetweenSteps.OFFLOAD and not fit:
-            keep = None if self.residency is None else self.residency.keep(self._on_device()) or None
-            self.trainer.stage_offload(keep, overlap=False)
+        """The train step's activation cache back to the device before the engine's weights,
+        when the trainer leaves the device after the step anyway; with fit, the offload begun
+        (the optimizer state's copy out, beside the checkpoint and the sync; auto's all-or-none
+        offload is one bulk copy at the put-away)."""
         if self.colocate and self.between.leaves_device:
             self.trainer.trim()
-        if fit:
-            assert self.residency is not None
+        if self.residency is not None and not self.residency.whole:
             self.trainer.stage_offload(self.residency.keep(self._on_device()))
 
     def rollout_done(self) -> None:

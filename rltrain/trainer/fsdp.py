@@ -258,13 +258,13 @@ class FSDPTrainer:
     def _groups(self) -> list[list[torch.Tensor]]:
         return leaving_order(self.model, self.ref_model, self.optimizer)
 
-    def stage_offload(self, keep: int | None = None, overlap: bool = True) -> None:
+    def stage_offload(self, keep: int | None = None) -> None:
         """Begin the offload right after the optimizer step: choose what moves (the optimizer
         state, the reference's weights, the policy's) so that at most `keep` bytes stay (None:
-        nothing), plan its copies and (`overlap`) start the optimizer state's, beside the
-        checkpoint and the sync (back behind the weights at the onload); `offload` finishes it."""
+        nothing), and start the optimizer state's copy out, beside the checkpoint and the sync
+        (back behind the weights at the onload); `offload` finishes it."""
         if self._parks() and not self.offloaded:
-            self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1 if overlap else 0)
+            self._to_park().stage(self._groups(), None if self._keep_refused else keep, ahead=1)
 
     def _to_park(self) -> HostPark:
         """The park, its late copies settled, the modules resharded: what is there is what moves.
@@ -291,7 +291,7 @@ class FSDPTrainer:
         keep = None if self._keep_refused else keep
         with timed(self.timings, "offload: choose what moves", self.device):
             park = self._to_park()
-            if not park.staged:  # (`stage_offload` chose after the optimizer step)
+            if not park.staged:  # (fit: `stage_offload` chose after the optimizer step)
                 park.stage(self._groups(), keep)
         with timed(self.timings, "offload: copy to host", self.device):
             park.park()
@@ -327,8 +327,6 @@ class FSDPTrainer:
         """Back on the device, sharded over the current default group. A sharded trainer whose
         group was destroyed since (a world rebuild) is re-bound to the new group (offloaded or
         not), or, where FSDP2 cannot be re-bound, re-sharded from its local shards."""
-        if self._park is not None and self._park.staged:  # (staged, never parked: the trainer stayed)
-            self._park.unstage()
         if self._park is not None and self._park.parked:
             overlap = self._park.ahead > 0  # the optimizer state comes back beside the forward (`_settle`)
             with timed(self.timings, "onload: copy to device", self.device, stream_only=overlap):

@@ -17,8 +17,7 @@ and the next — go early and come back late:
     stage(groups, keep, ahead)   after the optimizer step: what moves is chosen and laid out in the
                                  buffer, its copies planned (runs of storages, `runs`), and the
                                  `ahead` groups' copy out starts on a side stream (beside the
-                                 checkpoint and the sync); nothing is freed yet. With `ahead=0`
-                                 no copy begins: the put-away then only queues the copies
+                                 checkpoint and the sync); nothing is freed yet
     park()                       at the put-away: the rest is copied, every copy waited for, every
                                  chosen storage freed
     unpark(overlap=True)         at the onload: every storage re-allocated; the others copied back
@@ -309,12 +308,6 @@ class HostPark:
     def refuses_keep(self) -> bool:
         """Whether kept parts stranded freed memory twice: every offload moves the whole state."""
         return self.strandings > 1
-
-    def unstage(self) -> None:
-        """Drop a stage that will not be parked (the trainer stays on the device: its modules may
-        change before the next offload chooses again); its early copies are waited for first."""
-        self.drain()
-        self.staged, self._early, self._planned = [], [], []
 
     def drain(self) -> None:
         """Every copy in flight done (before the storages or this object, with its buffer, go)."""

@@ -219,7 +219,7 @@ class MegatronTrainer:
         self._host = None
         return_memory(self.device)
 
-    def stage_offload(self, keep: int | None = None, overlap: bool = True) -> None:
+    def stage_offload(self, keep: int | None = None) -> None:
         """Nothing begins early: `offload` captures and drops the whole state at once."""
         _whole_state(keep)
 
