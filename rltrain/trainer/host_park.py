@@ -101,7 +101,6 @@ class HostPark:
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
         self.copies_in = 0  # and the last onload
-        self.stages = 0  # `stage`s so far (each chooses what moves)
         # The last `park`: the device's seconds from its first copy's start to its last's end,
         # and the bytes those copies moved (the early groups' copies, begun by `stage`, not among them).
         self.device_s = 0.0
@@ -167,7 +166,6 @@ class HostPark:
         # Grown when the state grew (the first offload, before any step, parks no Adam state).
         buffer = self._arena.reserve(offset)
         self.staged, self.ahead, self.copies_out = chosen, ahead, 0
-        self.stages += 1
         self._early = [p for p in chosen if p.group < ahead]
         # (the spans own no memory: the storages they cover live until `park` frees them)
         self._planned = list(runs([p for p in chosen if p.group >= ahead]))
