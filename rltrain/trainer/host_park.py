@@ -101,10 +101,9 @@ class HostPark:
         self.allocate_s = 0.0  # seconds the last `unpark` took to re-allocate the storages
         self.copies_out = 0  # copies the last offload took (one per run of storages: `runs`)
         self.copies_in = 0  # and the last onload
-        # The last `park`: the device's seconds from its first copy's start to its last's end,
-        # and the bytes those copies moved (the early groups' copies, begun by `stage`, not among them).
+        # The last `park`'s copies on the device, from the first's start to the last's end, in
+        # seconds (the early groups' copies, begun by `stage`, not among them).
         self.device_s = 0.0
-        self.moved_at_park = 0
         self.strandings = 0  # offloads whose kept part stranded freed memory (`all_if_stranded`)
         self._early: list[Parked] = []  # staged, copy out begun
         self._planned: list[tuple[torch.Tensor, int, int]] = []  # the copies `park` queues (`runs` of the rest)
@@ -210,7 +209,6 @@ class HostPark:
         for p in self._early if cuda else self.staged:
             p.storage.resize_(0)
         self.device_s = marks[0].elapsed_time(marks[1]) / 1e3 if marks else 0.0
-        self.moved_at_park = sum(p.nbytes for p in rest)
         self.parked, self.staged, self._early, self._out_done = self.staged, [], [], None
 
     def unpark(self, overlap: bool = False) -> None:
