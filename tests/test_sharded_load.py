@@ -62,7 +62,7 @@ def _todays_model(path: str, dtype: str, compile: bool) -> torch.nn.Module:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    from rltrain.trainer.sharding import local
+    from rltrain.runtime.internals import local_shard as local
 
     return local(t).detach().contiguous().reshape(-1).view(torch.uint8)
 

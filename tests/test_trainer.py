@@ -43,8 +43,8 @@ def _dp_rank(
 ) -> dict:
     from torch.distributed.tensor import DTensor
 
+    from rltrain.runtime.internals import local_shard as local
     from rltrain.runtime.world import World
-    from rltrain.trainer.sharding import local
 
     world = World(backend="gloo", timeout=60)
     try:

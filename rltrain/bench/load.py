@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from rltrain.bench.models import QWEN3_SHAPES, build, cut
+from rltrain.runtime.internals import local_shard
 
 GiB = 1 << 30
 PATHS = {"full": "full read, then shard", "trainer": "trainer create()"}
@@ -89,16 +90,10 @@ class HostPeak:
         return _status_bytes("VmHWM") - self.base, self.peak_anon - self.base_anon
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _fingerprint(model: torch.nn.Module) -> list[tuple[int, float]]:
     """The rank's parameter shards as (elements, float64 sum), sorted: equal for equal shards
     whatever the module's names (the trainer wraps its LM head)."""
-    return sorted((p.numel(), float(_local(p).detach().sum(dtype=torch.float64))) for p in model.parameters())
+    return sorted((p.numel(), float(local_shard(p).detach().sum(dtype=torch.float64))) for p in model.parameters())
 
 
 def _load(rank: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +149,7 @@ def _load(rank: int, job: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
     host, anon = meter.stop()
-    shard_bytes = sum(_local(t).nbytes for t in (*model.parameters(), *model.buffers()))
+    shard_bytes = sum(local_shard(t).nbytes for t in (*model.parameters(), *model.buffers()))
     result = {
         "rank": rank,
         "seconds": seconds,

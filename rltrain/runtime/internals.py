@@ -20,7 +20,10 @@ import importlib
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InternalMissing(RuntimeError):
@@ -87,9 +90,9 @@ REGISTRY: dict[str, Internal] = {
         ),
         Internal(
             "torch.distributed.tensor.DTensor._local_tensor",
-            "runtime/ledger.py: storage_bytes",
-            "a DTensor's local shard without to_local()'s autograd function (a call of its own each time; the "
-            "ledger reads every parameter and optimizer state after every phase)",
+            "runtime/internals.py: local_shard (the ledger, the host park, sharding, the sharded reader)",
+            "a DTensor's local shard without to_local()'s autograd function (~15 us a call: the ledger after "
+            "every phase and the offload's choosing walk every parameter and optimizer state, ~1k DTensors)",
             _TORCH,
             field=True,
         ),
@@ -327,6 +330,18 @@ def missing(entry: Internal) -> str | None:
         f"{entry.name}: no instance of {owner.__name__} gets {attr!r} in this install (used by {entry.used_by}; "
         f"checked against {entry.checked})"
     )
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, the tensor it keeps (`DTensor._local_tensor`), not a view made by
+    `to_local()`'s autograd function; any other tensor itself. The same storage either way: for
+    walks over a model's state, and reads and in-place writes of its values outside autograd.
+    Where the field is gone, `to_local()` (and the registry's check names the field)."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        return local
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 @contextlib.contextmanager

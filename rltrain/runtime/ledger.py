@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 import torch
 
+from rltrain.runtime.internals import local_shard
 from rltrain.runtime.pinned import all_pinned_host_bytes
 
 # Every tensor a trainer holds, by kind ("weights", "grads", "optimizer", "spare"), wherever it is
@@ -154,11 +155,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[tuple[int, int]]) -
     for t in tensors:
         if t is None:
             continue
-        local = getattr(t, "_local_tensor", None)  # a DTensor: its local shard, where this torch keeps it
-        if isinstance(local, torch.Tensor):
-            t = local
-        elif hasattr(t, "to_local"):
-            t = t.to_local()
+        t = local_shard(t)
         s = t.untyped_storage()
         ptr = s.data_ptr()
         if ptr == 0:  # an emptied storage (offloaded in place), or a meta tensor

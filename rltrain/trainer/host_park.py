@@ -42,8 +42,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from rltrain.runtime.internals import local_shard
 from rltrain.runtime.memory import free_cuda_caches, round_up
 from rltrain.runtime.pinned import PinnedArena
 from rltrain.trainer.state import held
@@ -66,14 +66,10 @@ def leaving_order(
     """A trainer's state in the order it leaves the device: the optimizer state (read by the
     optimizer step only), the reference's weights (by the reference log-probs), the policy's last."""
     policy, ref = held((model,), None), held((reference,), None)["weights"]
-    weights = {_local(t).untyped_storage().data_ptr() for t in (*policy["weights"], *ref)}
+    weights = {local_shard(t).untyped_storage().data_ptr() for t in (*policy["weights"], *ref)}
     # (the optimizer's parameter groups hold the policy's weights: those leave with them)
-    state = [t for t in held((), optimizer)["optimizer"] if _local(t).untyped_storage().data_ptr() not in weights]
+    state = [t for t in held((), optimizer)["optimizer"] if local_shard(t).untyped_storage().data_ptr() not in weights]
     return [state, ref, policy["weights"] + policy["grads"]]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class Parked(NamedTuple):
@@ -141,7 +137,7 @@ class HostPark:
         seen: set[int] = set()
         for g, tensors in enumerate(groups):
             for t in tensors:
-                s = _local(t).untyped_storage()
+                s = local_shard(t).untyped_storage()
                 if s.device.type != self.device_type or s.nbytes() == 0 or not s.resizable():
                     continue
                 if s.data_ptr() not in seen:

@@ -82,8 +82,8 @@ def free_storage(model: torch.nn.Module) -> None:
         return  # a plain module is freed by reference counting (and may hold mmapped storage)
     reshard(model)
     for t in list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters()]:
-        if t is not None and local(t).untyped_storage().resizable():
-            local(t).untyped_storage().resize_(0)
+        if t is not None and internals.local_shard(t).untyped_storage().resizable():
+            internals.local_shard(t).untyped_storage().resize_(0)
     # Break the module <-> FSDP state cycle (through the hooks) so that dropping the module frees
     # it, and with it the destroyed group its mesh holds, by reference counting: a destroyed Gloo
     # group keeps its sockets and threads until it is freed.
@@ -101,10 +101,6 @@ def free_storage(model: torch.nn.Module) -> None:
             hooks.clear()
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def capture(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, to_host: bool, pin: bool
 ) -> dict[str, Any]:
@@ -115,13 +111,13 @@ def capture(
     # Where each captured tensor goes: (section, name) of the model, (index, key) of the optimizer.
     slots: list[tuple[str, Any, Any]] = [("params", n, None) for n, _ in model.named_parameters()]
     slots += [("buffers", n, None) for n, _ in model.named_buffers()]
-    live = [local(t).detach() for t in (*model.parameters(), *model.buffers())]
+    live = [internals.local_shard(t).detach() for t in (*model.parameters(), *model.buffers())]
     if sd is not None:
         for i, st in sd["state"].items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     slots.append(("optim", i, k))
-                    live.append(local(v).detach())
+                    live.append(internals.local_shard(v).detach())
     if to_host:
         hosts = pinned_like(live) if pin else [torch.empty(t.shape, dtype=t.dtype) for t in live]
         for h, t in zip(hosts, live):
@@ -154,13 +150,13 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
                 f"unexpected {sorted(set(want) - set(have))[:5]}"
             )
         for n, t in want.items():
-            if local(have[n]).shape != t.shape:
+            if internals.local_shard(have[n]).shape != t.shape:
                 raise ValueError(
                     f"{kind} {n}: captured shard {tuple(t.shape)} but the model's is "
-                    f"{tuple(local(have[n]).shape)} (different world size or rank order?)"
+                    f"{tuple(internals.local_shard(have[n]).shape)} (different world size or rank order?)"
                 )
     for n, t in state["params"].items():
-        local(params[n]).copy_(t, non_blocking=True)
+        internals.local_shard(params[n]).copy_(t, non_blocking=True)
     for n, t in state["buffers"].items():
         buffers[n].copy_(t, non_blocking=True)
     if optimizer is not None and "optim" in state:
@@ -177,7 +173,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state:
 def _like(param: torch.Tensor, local_value: torch.Tensor) -> torch.Tensor:
     """A local optimizer-state shard as the parameter's kind of tensor, on its device."""
     if isinstance(param, DTensor):
-        value = local_value.to(param.to_local().device, non_blocking=True)
+        value = local_value.to(internals.local_shard(param).device, non_blocking=True)
         return DTensor.from_local(
             value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
         )
@@ -189,7 +185,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     if t.device_mesh.size() == 1:
-        return t.to_local()  # one rank holds it all: no gather, no copy
+        return internals.local_shard(t)  # one rank holds it all: no gather, no copy
     return t.full_tensor()
 
 
@@ -222,7 +218,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     ):
         # Nothing to gather (one rank holds every tensor): no DTensor properties to read per
         # tensor, on every bucket of every sync.
-        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return [internals.local_shard(t) for t in tensors]
     sharded = {i: t for i, t in enumerate(tensors) if _row_sharded(t)}
     out: dict[int, torch.Tensor] = {i: full_tensor(t) for i, t in enumerate(tensors) if i not in sharded}
     if len(sharded) <= 1:  # nothing to batch: DTensor's own gather
@@ -239,7 +235,7 @@ def full_tensors(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         per_rank = -(-t.shape[0] // ranks)
         held = [max(0, min(per_rank, t.shape[0] - r * per_rank)) for r in range(ranks)]
         row_bytes = math.prod(t.shape[1:]) * t.element_size()  # shapes only: no DTensor op
-        shard = local(t)
+        shard = internals.local_shard(t)
         if shard.shape[0] != held[me]:
             raise RuntimeError(
                 f"rank {me}: a shard of {tuple(shard.shape)} of a {tuple(t.shape)} tensor is not the "

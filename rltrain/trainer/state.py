@@ -65,8 +65,9 @@ def held(
     for module in modules:
         if module is not None:
             # (nn.Module's own methods: megatron's DDP has a `buffers` list of its own)
-            weights += [*torch.nn.Module.parameters(module), *torch.nn.Module.buffers(module)]
-            for p in torch.nn.Module.parameters(module):
+            params = list(torch.nn.Module.parameters(module))
+            weights += [*params, *torch.nn.Module.buffers(module)]
+            for p in params:
                 grads += [g for g in (p.grad, getattr(p, "main_grad", None)) if g is not None]
     for opt in torch_optimizers(optimizer):
         optim += [p for group in opt.param_groups for p in group["params"]]

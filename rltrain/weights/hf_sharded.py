@@ -49,6 +49,7 @@ import torch
 from safetensors import safe_open
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from rltrain.runtime.internals import local_shard
 from rltrain.weights.hf_files import INDEX
 from rltrain.weights.names import EXPERT, module_weights, to_checkpoint
 
@@ -243,17 +244,13 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
             f"a DTensor placed {placements} over a {t.device_mesh.ndim}-D mesh: the sharded reader knows "
             "FSDP2's Shard(0) over one mesh dimension and Replicate"
         )
-    local = t.to_local()
+    local = local_shard(t)
     if tuple(local.shape) != (stop - start, *t.shape[1:]):
         raise RuntimeError(
             f"a local shard of {tuple(local.shape)} of a {tuple(t.shape)} tensor is not rows {start}..{stop}, "
             "the dim-0 split the sharded reader assumes"
         )
     return start, stop
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _renumber(name: str, offset: int) -> str:
@@ -290,7 +287,7 @@ def _converted_reads(
     start, stop = local_rows(target)
     if stop <= start:
         return []
-    local = _local(target)
+    local = local_shard(target)
     shape = target.shape
     row = math.prod(shape[1:])
     if not general and _expert_rows(model, name, shape):
@@ -366,11 +363,11 @@ def plan_reads(model: torch.nn.Module, stored: dict[str, StoredTensor], path: st
         if len(out) == 1 and tuple(out[0][1].shape) == tuple(t.shape):  # the same tensor (or renamed)
             ck = out[0][0]
             if t.dim() == 0:
-                reads.append(Read(ck, stored[ck], _local(t)))
+                reads.append(Read(ck, stored[ck], local_shard(t)))
                 continue
             start, stop = local_rows(t)
             if stop > start:
-                reads.append(Read(ck, stored[ck], _local(t), rows=(start, stop)))
+                reads.append(Read(ck, stored[ck], local_shard(t), rows=(start, stop)))
         else:
             reads += _converted_reads(model, name, t, stored, patterns)
     return reads
