@@ -82,8 +82,9 @@ def free_storage(model: torch.nn.Module) -> None:
         return  # a plain module is freed by reference counting (and may hold mmapped storage)
     reshard(model)
     for t in list(model.parameters()) + list(model.buffers()) + [p.grad for p in model.parameters()]:
-        if t is not None and internals.local_shard(t).untyped_storage().resizable():
-            internals.local_shard(t).untyped_storage().resize_(0)
+        storage = None if t is None else internals.local_shard(t).untyped_storage()
+        if storage is not None and storage.resizable():
+            storage.resize_(0)
     # Break the module <-> FSDP state cycle (through the hooks) so that dropping the module frees
     # it, and with it the destroyed group its mesh holds, by reference counting: a destroyed Gloo
     # group keeps its sockets and threads until it is freed.
